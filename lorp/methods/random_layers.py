@@ -1,0 +1,22 @@
+"""Random selection, the floor every method must beat.
+
+Rule: `budget` distinct blocks drawn uniformly from 1..N-2 (boundary blocks kept, as for
+LoRP) with numpy's PCG64 seeded by `seed`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lorp.methods.registry import Selection, register_method
+from lorp.similarity import LayerSimilarity
+
+
+@register_method("random")
+def random_layers(similarity: LayerSimilarity, budget: int, *, seed: int = 0) -> Selection:
+    """Random: uniformly drawn non-boundary blocks (seeded), a floor."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    rng = np.random.default_rng(int(seed))
+    picks = rng.choice(np.arange(1, similarity.n_blocks - 1), size=budget, replace=False)
+    return Selection(layers=tuple(sorted(int(i) for i in picks)))

@@ -1,0 +1,115 @@
+"""`lorp select` through the real console script: output, JSON, one-line errors, exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_states
+
+from lorp import SimilarityStats, select_layers
+from lorp.cli import main
+
+LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
+
+
+@pytest.fixture(scope="module")
+def stats_file(tmp_path_factory) -> Path:
+    s = SimilarityStats(10)
+    s.update(make_states(11, 64, 16, seed=4))
+    return s.to_file(tmp_path_factory.mktemp("cli") / "stats.npz")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LORP, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_select_json_matches_the_api(stats_file: Path) -> None:
+    out = run("select", str(stats_file), "--budget", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    expected = select_layers(SimilarityStats.from_file(stats_file), 3, "lorp")
+    assert d["pruned"] == list(expected.layers)
+    assert d["details"]["k"] == expected.details["k"]
+    assert len(d["details"]["labels"]) == 10 and len(d["kept"]) == 7
+
+
+def test_select_text_output(stats_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["select", str(stats_file), "--budget", "0.3", "--variant", "released", "--k", "3"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "K = 3 (fixed)" in text and "budget 3" in text
+    assert "pruned" in text and "stage1" in text
+
+
+def test_select_npy_matrix(tmp_path: Path, stats_file: Path) -> None:
+    np.save(tmp_path / "S.npy", SimilarityStats.from_file(stats_file).matrix())
+    out = run(
+        "select",
+        str(tmp_path / "S.npy"),
+        "--budget",
+        "2",
+        "--method",
+        "random",
+        "--seed",
+        "3",
+        "--json",
+    )
+    assert out.returncode == 0 and len(json.loads(out.stdout)["pruned"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "0"], "1 <= blocks <= 8 for N=10, got 0"),
+        (["--budget", "9"], "got 9"),
+        (["--budget", "x"], "budget must be a block count or a fraction, got 'x'"),
+        (["--budget", "2", "--method", "nope"], "unknown method 'nope'"),
+        (
+            ["--budget", "2", "--method", "shortgpt", "--k", "3"],
+            "--k does not apply to method 'shortgpt'",
+        ),
+        (["--budget", "2", "--variant", "v2"], "invalid choice: 'v2'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(
+    stats_file: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In-process: the console script is `main`; test_bad_files_one_line runs the real one.
+    code = main(["select", str(stats_file), *args])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.count("\n") == 1 and message in captured.err, captured.err
+    assert captured.out == ""
+
+
+def test_bad_files_one_line(tmp_path: Path) -> None:
+    out = run("select", str(tmp_path / "missing.npz"), "--budget", "2")
+    assert (
+        out.returncode == 2 and "stats file not found" in out.stderr and out.stderr.count("\n") == 1
+    )
+    np.save(tmp_path / "rect.npy", np.ones((4, 5)))
+    out = run("select", str(tmp_path / "rect.npy"), "--budget", "1")
+    assert out.returncode == 2 and "square, got shape (4, 5)" in out.stderr
+    np.save(tmp_path / "sq.npy", np.eye(6))
+    out = run("select", str(tmp_path / "sq.npy"), "--budget", "2", "--method", "shortgpt")
+    assert out.returncode == 2 and "needs the last block's output state" in out.stderr
+    # --debug shows the traceback instead.
+    out = run("--debug", "select", str(tmp_path / "rect.npy"), "--budget", "1")
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_lorp_never_imports_the_fleet() -> None:
+    code = (
+        "import sys, lorp, lorp.cli; bad = {'ray', 'mlflow', 'vllm'} & set(sys.modules); "
+        "print(sorted(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
