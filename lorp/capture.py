@@ -1,0 +1,127 @@
+"""Capture `SimilarityStats` from a Hugging Face causal LM with hooks on its blocks.
+
+A forward pre-hook on every block normalises the block's input into a per-batch fp32
+buffer (Eq. 3), and a forward hook on the last block stores its output (before the final
+norm: transformers' `hidden_states[-1]` is after it), then stops the forward. The decoder
+stack is called directly, so the vocabulary projection (`lm_head`, 7-20% of a forward) is
+never computed. One GEMM per batch then adds the buffer's Gram matrix (Eq. 4's sum).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lorp.architectures import decoder_blocks, decoder_stack
+from lorp.similarity import SimilarityStats, normalize_states
+
+log = logging.getLogger(__name__)
+
+Batch = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+class _StopForward(Exception):
+    """Raised by the last block's hook: nothing after it is needed."""
+
+
+def _unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    return batch["input_ids"], batch.get("attention_mask")
+
+
+class _Recorder:
+    """Hook state for one batch: which tokens count and the buffer they land in."""
+
+    def __init__(self, n_states: int) -> None:
+        self.n_states = n_states
+        self.keep: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None
+
+    def store(self, index: int, hidden: torch.Tensor) -> None:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if self.keep is not None:
+            h = h[self.keep]
+        f = normalize_states(h)
+        if self.buf is None:
+            self.buf = torch.empty((self.n_states, *f.shape), dtype=f.dtype, device=f.device)
+        self.buf[index] = f
+
+
+def capture_stats(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    model_fingerprint: str | None = None,
+    calibration_fingerprint: str | None = None,
+    extra: dict[str, Any] | None = None,
+    progress: bool = True,
+    total: int | None = None,
+) -> SimilarityStats:
+    """Run `batches` (token tensors [B, T], or dicts with input_ids and attention_mask)
+    through the decoder stack of `model` and return the similarity statistics.
+
+    The model's dtype and device are the caller's (fp32 on CPU, bf16 on GPU);
+    normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded.
+    """
+    blocks = decoder_blocks(model)
+    stack = decoder_stack(model)
+    n = len(blocks)
+    device = next(model.parameters()).device
+    stats = SimilarityStats(
+        n,
+        model_fingerprint=model_fingerprint,
+        calibration_fingerprint=calibration_fingerprint,
+        extra=extra,
+    )
+    rec = _Recorder(n + 1)
+
+    def pre_hook(index: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            rec.store(index, args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def last_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        rec.store(n, output[0] if isinstance(output, tuple | list) else output)
+        raise _StopForward
+
+    handles = [
+        block.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
+        for i, block in enumerate(blocks)
+    ]
+    handles.append(blocks[n - 1].register_forward_hook(last_hook, with_kwargs=True))
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for batch in tqdm(batches, total=total, disable=not progress, desc="capture"):
+                input_ids, attention_mask = _unpack(batch)
+                input_ids = input_ids.to(device)
+                if attention_mask is not None:
+                    attention_mask = attention_mask.to(device)
+                    keep = attention_mask.reshape(-1).bool()
+                    rec.keep = None if bool(keep.all()) else keep
+                else:
+                    rec.keep = None
+                rec.buf = None
+                try:
+                    stack(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                except _StopForward:
+                    pass
+                else:
+                    raise RuntimeError("the last block never ran: cannot capture its output")
+                stats.add_normalized(rec.buf)
+                rec.buf = None
+    finally:
+        for handle in handles:
+            handle.remove()
+    log.info(
+        "captured %d tokens over %d blocks in %.1f s", stats.tokens, n, time.perf_counter() - start
+    )
+    return stats

