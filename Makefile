@@ -8,7 +8,7 @@ STAMP_TEST   := $(VENV)/.stamp-test
 STAMP_VLLM   := $(VENV)/.stamp-vllm
 STAMP_MODELS := $(VENV)/.stamp-models
 
-.PHONY: test lint format clean venv
+.PHONY: test demo lint format clean venv
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lorp needs Python >= 3.11"'
@@ -43,9 +43,13 @@ lint: $(STAMP_TEST)
 test: lint $(STAMP_VLLM) $(STAMP_MODELS)
 	$(VENV)/bin/pytest
 
+# The main job end to end on an embedded local Ray; a second run resumes, not repeats.
+demo: $(STAMP_TEST) $(STAMP_MODELS)
+	$(VENV)/bin/lorp run jobs/demo.yaml
+
 format: $(STAMP_TEST)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs/demo

@@ -126,7 +126,12 @@ def add_capture(sub: argparse._SubParsersAction) -> None:
 
 def run_capture(args: argparse.Namespace) -> int:
     from lorp.capture import capture_stats
-    from lorp.data import calibration_windows, load_corpus, tokenize_documents
+    from lorp.data import (
+        calibration_fingerprint,
+        calibration_windows,
+        load_corpus,
+        tokenize_documents,
+    )
     from lorp.sources import load_model, parse_model_ref
 
     if not str(args.out).endswith(".npz"):
@@ -149,8 +154,9 @@ def run_capture(args: argparse.Namespace) -> int:
         lm.model,
         batches,
         model_fingerprint=lm.fingerprint,
-        calibration_fingerprint=f"{corpus.name}:{corpus.split}:{corpus.fingerprint}:"
-        f"{args.samples}x{args.seq_len}:seed{args.seed}",
+        calibration_fingerprint=calibration_fingerprint(
+            corpus, args.samples, args.seq_len, args.seed
+        ),
         extra={"model": args.model, "dtype": args.dtype, "corpus": args.data},
         total=len(batches),
     )

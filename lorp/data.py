@@ -147,3 +147,9 @@ def eval_windows(
     if max_windows is not None:
         n = min(n, max_windows)
     return t[: n * seq_len].reshape(n, seq_len)
+
+
+def calibration_fingerprint(corpus: Corpus, n_samples: int, seq_len: int, seed: int) -> str:
+    """Names the calibration set: corpus content, split and sampling."""
+    name = Path(corpus.name).name
+    return f"{name}:{corpus.split}:{corpus.fingerprint}:{n_samples}x{seq_len}:seed{seed}"

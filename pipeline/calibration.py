@@ -1,0 +1,103 @@
+"""Calibration token shards: windows cut once, written as parquet, one file per Ray task.
+
+Each capture task reads only its own shard, so the driver never ships token tensors
+through the object store, and a retried task re-reads exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from lorp.data import (
+    CORPUS_ALIASES,
+    Corpus,
+    calibration_fingerprint,
+    calibration_windows,
+    load_corpus,
+    tokenize_documents,
+)
+from pipeline.spec import CalibrationSpec
+
+
+@dataclass(frozen=True)
+class CalibrationShards:
+    fingerprint: str
+    paths: tuple[Path, ...]
+    tokens: int
+
+
+def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
+    """A local file or packaged alias (lorp.data), else a hub dataset through `datasets`."""
+    if name in CORPUS_ALIASES or Path(name).expanduser().exists():
+        return load_corpus(name, split)
+    if "/" not in name and name not in {"c4", "wikitext", "allenai/c4"}:
+        return load_corpus(name, split)  # the one-line "unknown corpus" error
+    try:
+        import datasets
+
+        config = "wikitext-2-raw-v1" if name == "wikitext" else None
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # offline or unknown: one line, the library's reason
+        raise ValueError(f"dataset {name!r} ({split}) cannot be loaded: {exc}") from None
+    if text_field not in ds.column_names:
+        raise ValueError(f"dataset {name!r} has no column {text_field!r} ({ds.column_names})")
+    docs = tuple(t for t in ds[text_field] if t and t.strip())
+    if not docs:
+        raise ValueError(f"dataset {name!r} ({split}) is empty")
+    return Corpus(name, split, docs)
+
+
+def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> CalibrationShards:
+    """Tokenize, cut `spec.samples` windows and split them into `spec.shards` parquet files.
+    Reuses existing shards with the same fingerprint."""
+    corpus = load_any_corpus(spec.dataset, spec.split, spec.text_field)
+    fp = calibration_fingerprint(corpus, spec.samples, spec.seq_len, spec.seed)
+    tok_id = hashlib.sha256(
+        (getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))).encode()
+    ).hexdigest()[:8]
+    key = hashlib.sha256(f"{fp}:{tok_id}:{spec.shards}".encode()).hexdigest()[:16]
+    shard_dir = out_dir / key
+    paths = tuple(shard_dir / f"shard-{i:04d}.parquet" for i in range(spec.shards))
+    if not all(p.is_file() for p in paths):
+        windows = calibration_windows(
+            tokenize_documents(tokenizer, corpus),
+            spec.samples,
+            spec.seq_len,
+            spec.seed,
+            name=f"corpus {spec.dataset!r} ({corpus.split})",
+        )
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        for path, part in zip(paths, np.array_split(windows.numpy(), spec.shards), strict=True):
+            _write_parquet(path, part)
+    return CalibrationShards(fp, paths, spec.samples * spec.seq_len)
+
+
+def _write_parquet(path: Path, windows: np.ndarray) -> None:
+    arr = pa.FixedSizeListArray.from_arrays(
+        pa.array(windows.astype(np.int32).reshape(-1)), windows.shape[1]
+    )
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(pa.table({"input_ids": arr}), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_shard(path: str | os.PathLike[str]) -> torch.Tensor:
+    column = pq.read_table(path).column("input_ids").combine_chunks()
+    width = column.type.list_size
+    flat = column.flatten().to_numpy(zero_copy_only=False)
+    return torch.from_numpy(flat.astype(np.int64).reshape(-1, width))

@@ -1,0 +1,341 @@
+"""Job specs: YAML files in `jobs/` parsed into validated, frozen dataclasses.
+
+Every field has a docstring; unknown keys, wrong types and bad values fail before any work
+with a one-line ValueError naming the field path (`calibration.samples`) and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lorp.methods import get_method
+from lorp.sources import DTYPES
+
+
+class SpecError(ValueError):
+    """A job spec problem, always naming the field."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    ref: str
+    """HF directory, hub id (org/name), .gguf file, or packaged alias (smollm2-135m, ...)."""
+    dtype: str = "float32"
+    """Capture and evaluation dtype: float32 (CPU), bfloat16 (GPU), float16."""
+    trust_remote_code: bool = False
+    """Run the checkpoint's own Python code. Off unless this model entry turns it on."""
+    allow_pickle: bool = False
+    """Load pickled .bin weights. Off: only safetensors and GGUF load."""
+    name: str | None = None
+    """Display name in the catalog (default: the reference)."""
+
+    def __post_init__(self) -> None:
+        if not self.ref.strip():
+            raise SpecError("ref: must be a non-empty string")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.ref
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    """A registered method: lorp, lorp-stage2, shortgpt, streamline, angular, random."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The method's options (e.g. lorp: variant, k, thresholds, ks, seed)."""
+    label: str | None = None
+    """Name in the catalog; needed when one method appears twice with other options."""
+
+    def __post_init__(self) -> None:
+        try:
+            spec = get_method(self.name)
+        except ValueError as exc:
+            raise SpecError(f"name: {exc}") from None
+        unknown = sorted(set(self.options) - set(spec.defaults))
+        if unknown:
+            known = ", ".join(sorted(spec.defaults)) or "none"
+            raise SpecError(f"options: unknown option {unknown[0]!r} (options: {known})")
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    dataset: str = "ptb"
+    """A local .txt/.json/.jsonl/.parquet file, a packaged alias (ptb) or a hub dataset id."""
+    split: str = "train"
+    """Dataset split."""
+    samples: int = 128
+    """Number of windows (the paper: 128)."""
+    seq_len: int = 2048
+    """Tokens per window (the paper: 2048)."""
+    seed: int = 0
+    """Seed of the window offsets."""
+    shards: int = 1
+    """Token shards = Ray capture tasks; each task reads only its shard."""
+    batch_size: int = 1
+    """Windows per forward pass inside a capture task."""
+    text_field: str = "text"
+    """Column holding the text, for hub datasets."""
+
+    def __post_init__(self) -> None:
+        _positive("samples", self.samples)
+        _positive("seq_len", self.seq_len, minimum=2)
+        _positive("shards", self.shards)
+        _positive("batch_size", self.batch_size)
+        if self.shards > self.samples:
+            raise SpecError(
+                f"shards: {self.shards} shards for {self.samples} samples (at most one per sample)"
+            )
+
+
+@dataclass(frozen=True)
+class Resources:
+    num_cpus: float = 1
+    """CPUs per Ray task/actor (also its torch thread count)."""
+    num_gpus: float = 0
+    """GPUs per Ray task/actor (1 on a GPU cluster)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            if value < 0 or not math.isfinite(value):
+                raise SpecError(f"{name}: must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    capture: Resources = field(default_factory=Resources)
+    """Per capture worker (one loaded model, many shards)."""
+    grid: Resources = field(default_factory=Resources)
+    """Per grid-point task (surgery, saving, evaluation)."""
+    max_concurrent_points: int = 2
+    """Grid points in flight at once (each holds one model copy)."""
+
+    def __post_init__(self) -> None:
+        _positive("max_concurrent_points", self.max_concurrent_points)
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    address: str | None = None
+    """Cluster to join ("auto", "ray://host:10001"); none starts a local Ray. RAY_ADDRESS wins."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray (default: all)."""
+
+
+@dataclass(frozen=True)
+class TrackingSpec:
+    mlflow_uri: str | None = None
+    """MLflow tracking URI; default: sqlite in the run directory. MLFLOW_TRACKING_URI wins."""
+    experiment: str | None = None
+    """MLflow experiment name (default: the job name)."""
+
+
+@dataclass(frozen=True)
+class EvaluationSpec:
+    enabled: bool = True
+    """Evaluate every grid point and the dense model."""
+    perplexity: tuple[str, ...] = ("ptb",)
+    """Perplexity corpora (test splits): ptb, wikitext2, c4, or local files."""
+    seq_len: int = 2048
+    """Perplexity window length (the paper: 2048)."""
+    max_windows: int | None = None
+    """Cap on perplexity windows per corpus (the demo keeps it small)."""
+    batch_size: int = 4
+    """Windows per forward pass."""
+
+    def __post_init__(self) -> None:
+        _positive("seq_len", self.seq_len, minimum=2)
+        _positive("batch_size", self.batch_size)
+        if self.max_windows is not None:
+            _positive("max_windows", self.max_windows)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    """Job name: the MLflow experiment, the catalog's `job` column."""
+    models: tuple[ModelSpec, ...]
+    """Checkpoints to prune."""
+    budgets: tuple[int | float, ...]
+    """Blocks to remove: counts (7) or fractions of N (0.25)."""
+    methods: tuple[MethodSpec, ...]
+    """Selection methods and their options."""
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    """Calibration data for S."""
+    output_dir: str = "runs/job"
+    """Run directory: catalog.parquet, mlflow.db, checkpoints/, events.jsonl."""
+    save_checkpoints: bool = True
+    """Write each pruned checkpoint (safetensors) under output_dir/checkpoints."""
+    cache_dir: str | None = None
+    """Where merged S files are cached by content key (default: $LORP_CACHE/stats)."""
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    """Ray resource requests."""
+    ray: RaySpec = field(default_factory=RaySpec)
+    """Which Ray to run on."""
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    """MLflow settings."""
+    evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
+    """What to measure on every pruned checkpoint."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise SpecError(f"name: letters, digits, '-', '_' and '.' only, got {self.name!r}")
+        if not self.models:
+            raise SpecError("models: at least one model is needed")
+        if not self.budgets:
+            raise SpecError("budgets: at least one budget is needed")
+        if not self.methods:
+            raise SpecError("methods: at least one method is needed")
+        for i, b in enumerate(self.budgets):
+            if isinstance(b, bool) or not isinstance(b, int | float):
+                raise SpecError(f"budgets[{i}]: a block count or a fraction of N, got {b!r}")
+            if isinstance(b, int) and b < 1:
+                raise SpecError(f"budgets[{i}]: a block count must be >= 1, got {b}")
+            if isinstance(b, float) and not 0.0 < b < 1.0:
+                raise SpecError(f"budgets[{i}]: a fraction must be in (0, 1), got {b}")
+        _unique("models", [m.label for m in self.models])
+        _unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
+        _unique("budgets", list(self.budgets))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir)
+
+
+def _positive(name: str, value: int, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _unique(name: str, values: list[Any], hint: str = "") -> None:
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise SpecError(f"{name}: {v!r} appears twice" + (f" ({hint})" if hint else ""))
+        seen.add(v)
+
+
+# -- YAML -> dataclasses -----------------------------------------------------------------
+
+
+def load_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Parse and validate a job YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"job spec not found: {str(path)!r}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path.name}: malformed YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path.name}: the top level must be a mapping, got {type(data).__name__}")
+    return parse_spec(data)
+
+
+def parse_spec(data: dict[str, Any]) -> JobSpec:
+    return _build(JobSpec, data, "")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise SpecError(f"{path or 'spec'}: expected a mapping, got {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SpecError(
+            f"{_join(path, unknown[0])}: unknown key (known: {', '.join(sorted(fields))})"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value, _join(path, name))
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise SpecError(f"{_join(path, missing[0])}: required")
+    try:
+        return cls(**kwargs)
+    except SpecError as exc:  # checks inside a dataclass name its own fields: add the path
+        raise SpecError(_join(path, str(exc)) if path else str(exc)) from None
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if int in options and float in options and _is_number(value):
+            return value  # budgets: int or float, each meaning something
+        errors = []
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except SpecError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is tuple:
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+            raise SpecError(f"{path}: expected a list, got {_show(value)}")
+        item = args[0]
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(f"{path}: expected a mapping, got {_show(value)}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{path}: expected true or false, got {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{path}: expected an integer, got {_show(value)}")
+        return value
+    if tp is float:
+        if not _is_number(value):
+            raise SpecError(f"{path}: expected a number, got {_show(value)}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(f"{path}: expected a string, got {_show(value)}")
+        return value
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"

@@ -1,0 +1,234 @@
+"""The Ray fleet pipeline on a real local Ray and a real sqlite MLflow store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import ray
+import yaml
+from mlflow.tracking import MlflowClient
+from tiny_models import save_tiny_ptb
+
+from lorp import SimilarityStats
+from pipeline.calibration import read_shard, write_shards
+from pipeline.catalog import read_catalog
+from pipeline.run import EventLog, run_job
+from pipeline.spec import CalibrationSpec, Resources, parse_spec
+from pipeline.workers import distributed_capture
+
+pytestmark = [pytest.mark.integration]
+ROOT = Path(__file__).resolve().parents[1]
+LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
+
+
+@pytest.fixture(scope="module")
+def local_ray():  # type: ignore[no-untyped-def]
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": save_tiny_ptb("llama", root / "llama"),
+        "qwen3": save_tiny_ptb("qwen3", root / "qwen3", n_blocks=8),
+    }
+
+
+def job(tmp_path: Path, model: Path, **overrides) -> dict:  # type: ignore[no-untyped-def]
+    spec = {
+        "name": "grid",
+        "output_dir": str(tmp_path / "run"),
+        "cache_dir": str(tmp_path / "cache"),
+        "models": [{"ref": str(model), "name": "tiny"}],
+        "budgets": [1, 2, 3],
+        "methods": [{"name": "lorp"}, {"name": "shortgpt"}, {"name": "streamline"}],
+        "calibration": {
+            "dataset": "ptb",
+            "samples": 12,
+            "seq_len": 48,
+            "shards": 3,
+            "batch_size": 2,
+        },
+        "evaluation": {"enabled": False},
+    }
+    return spec | overrides
+
+
+def mlflow_runs(run_dir: Path, experiment: str) -> list:  # type: ignore[no-untyped-def]
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_one_shard_equals_three_shards_through_ray(local_ray, models, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["llama"])
+    results = []
+    for shards in (1, 3):
+        cal = CalibrationSpec(samples=12, seq_len=48, shards=shards, batch_size=2)
+        sh = write_shards(tok, cal, tmp_path / f"s{shards}")
+        assert len(sh.paths) == shards
+        stats = distributed_capture(
+            str(models["llama"]),
+            "float32",
+            [str(p) for p in sh.paths],
+            2,
+            Resources(),
+            "fp",
+            sh.fingerprint,
+        )
+        results.append(stats)
+    one, three = results
+    assert one.tokens == three.tokens == 12 * 48
+    np.testing.assert_allclose(three.gram, one.gram, rtol=1e-10)
+    # The shards hold exactly the one shard's windows, in order.
+    assert np.array_equal(
+        np.concatenate(
+            [read_shard(p).numpy() for p in sorted((tmp_path / "s3").rglob("*.parquet"))]
+        ),
+        read_shard(next((tmp_path / "s1").rglob("*.parquet"))).numpy(),
+    )
+
+
+def test_grid_captures_once_records_everything_and_resumes(
+    local_ray, models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = parse_spec(job(tmp_path, models["llama"]))
+    summary = run_job(spec)
+    run_dir = tmp_path / "run"
+    events = EventLog(run_dir / "events.jsonl").read()
+    assert [e["source"] for e in events if e["event"] == "capture"] == ["computed"]
+    assert summary.done == 9 and not summary.failed
+
+    rows = read_catalog(run_dir / "catalog.parquet")
+    assert len(rows) == 9
+    assert Counter(r["method"] for r in rows) == {"lorp": 3, "shortgpt": 3, "streamline": 3}
+    for r in rows:
+        assert len(r["pruned_layers"]) == r["budget"] and len(r["kept_layers"]) == 6 - r["budget"]
+        assert r["params"] < r["params_dense"] and np.isfinite(r["rls"]) and r["k"] in (2, 3, 4)
+        assert Path(r["checkpoint"], "lorp_pruning.json").is_file()
+        prov = json.loads(Path(r["checkpoint"], "lorp_pruning.json").read_text())
+        assert prov["pruned"] == r["pruned_layers"] and prov["grid_key"] == r["grid_key"]
+
+    runs = mlflow_runs(run_dir, "grid")
+    points = [r for r in runs if r.data.tags["lorp.kind"] == "point"]
+    parents = [r for r in runs if r.data.tags["lorp.kind"] == "model"]
+    assert len(points) == 9 and len(parents) == 1
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    by_id = {r.info.run_id: r for r in points}
+    for row in rows:
+        run = by_id[row["mlflow_run_id"]]
+        assert run.data.params["method"] == row["method"]
+        assert json.loads(run.data.params["pruned_layers"]) == row["pruned_layers"]
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        assert run.data.metrics["params"] == row["params"]
+    parent = parents[0]
+    assert parent.data.metrics["rls"] == pytest.approx(rows[0]["rls"])
+    assert {"lorp.version", "lorp.git_commit"} <= set(parent.data.tags)
+    artifacts = {
+        a.path for a in MlflowClient(summary.tracking_uri).list_artifacts(parent.info.run_id)
+    }
+    assert {"S.npy", "S.png", "clusters.json"} <= artifacts
+
+    # A rerun captures nothing and adds no rows or runs.
+    again = run_job(spec)
+    assert (again.done, again.skipped, again.captured, again.cached) == (0, 9, 0, 1)
+    assert len(read_catalog(run_dir / "catalog.parquet")) == 9
+    assert len(mlflow_runs(run_dir, "grid")) == 10
+
+    # --force redoes every point, replacing (not duplicating) rows and runs.
+    forced = run_job(spec, force=True)
+    assert forced.done == 9 and forced.captured == 1
+    rows2 = read_catalog(run_dir / "catalog.parquet")
+    assert len(rows2) == 9 and {r["grid_key"] for r in rows2} == {r["grid_key"] for r in rows}
+    live = [r for r in mlflow_runs(run_dir, "grid") if r.data.tags["lorp.kind"] == "point"]
+    assert len(live) == 9 and {r.info.run_id for r in live} == {r["mlflow_run_id"] for r in rows2}
+
+
+def test_same_checkpoint_two_names_share_cached_S(local_ray, models, tmp_path: Path) -> None:
+    copy = tmp_path / "renamed"
+    shutil.copytree(models["llama"], copy)
+    run_job(parse_spec(job(tmp_path, models["llama"], budgets=[1], methods=[{"name": "shortgpt"}])))
+    other = job(tmp_path, copy, name="renamed", budgets=[1], methods=[{"name": "shortgpt"}])
+    other["output_dir"] = str(tmp_path / "run2")
+    summary = run_job(parse_spec(other))
+    assert (summary.captured, summary.cached) == (0, 1)
+
+
+def test_lorp_run_cli_with_evaluation_and_catalog_merge(models, tmp_path: Path) -> None:
+    """The product command in its own process: embedded Ray, dense + pruned evaluation."""
+    specs = []
+    for name, model, budgets in (("job-a", "llama", [2]), ("job-b", "qwen3", [2, 3])):
+        spec = job(tmp_path / name, models[model], name=name, budgets=budgets)
+        spec["methods"] = [
+            {"name": "lorp"},
+            {"name": "lorp", "label": "lorp-rel", "options": {"variant": "released"}},
+        ]
+        spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 4}
+        spec["ray"] = {"num_cpus": 2}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"# lorp run {path}\n" + yaml.safe_dump(spec))
+        specs.append(spec)
+        out = subprocess.run([LORP, "run", str(path)], capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "catalog" in out.stdout and "mlflow.db" in out.stdout and "checkpoints" in out.stdout
+    a = read_catalog(tmp_path / "job-a" / "run" / "catalog.parquet")
+    b = read_catalog(tmp_path / "job-b" / "run" / "catalog.parquet")
+    assert len(a) == 1 + 2 and len(b) == 1 + 4  # a dense row each, then methods x budgets
+    for r in a + b:
+        assert np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1
+    dense = next(r for r in a if r["method"] == "dense")
+    assert dense["budget"] == 0 and dense["params"] == dense["params_dense"]
+
+    merged = tmp_path / "org.parquet"
+    out = subprocess.run(
+        [LORP, "catalog", "merge", str(tmp_path / "job-a/run/catalog.parquet"),
+         str(tmp_path / "job-b/run/catalog.parquet"), "--out", str(merged)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = read_catalog(merged)
+    assert len(rows) == 8 and {r["job"] for r in rows} == {"job-a", "job-b"}
+    assert {r["grid_key"] for r in rows} == {r["grid_key"] for r in a + b}
+
+
+def test_cluster_yaml_validates_against_rays_schema() -> None:
+    schema_path = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    jsonschema.validate(config, json.loads(schema_path.read_text()))
+    assert config["head_node_type"] in config["available_node_types"]
+    assert config["available_node_types"]["gpu_worker"]["resources"]["GPU"] == 1
+    assert any("[gpu]" in c for c in config["setup_commands"])
+
+
+def test_shipped_job_specs_parse() -> None:
+    from pipeline.spec import load_spec
+
+    for path in sorted((ROOT / "jobs").glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and "lorp run jobs/" in first, path
+        spec = load_spec(path)
+        assert spec.models and spec.methods and spec.budgets
+
+
+def test_stats_file_of_a_job_is_a_normal_stats_file(tmp_path: Path) -> None:
+    # Cached S files are plain SimilarityStats: `lorp select` reads them.
+    s = SimilarityStats(4)
+    s.update(np.random.default_rng(0).normal(size=(5, 10, 8)) + 1)
+    s.to_file(tmp_path / "x.npz")
+    out = subprocess.run([LORP, "select", str(tmp_path / "x.npz"), "--budget", "1", "--json"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0 and len(json.loads(out.stdout)["pruned"]) == 1

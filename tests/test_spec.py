@@ -1,0 +1,126 @@
+"""Job specs: every bad input is one line naming the field, exit code 2, nothing written."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorp.cli import main
+from pipeline.spec import SpecError, parse_spec
+
+LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
+GOOD = {
+    "name": "t",
+    "models": [{"ref": "smollm2-135m"}],
+    "budgets": [4, 0.25],
+    "methods": [{"name": "lorp", "options": {"variant": "released"}}, {"name": "shortgpt"}],
+}
+
+
+def test_good_spec_defaults() -> None:
+    spec = parse_spec(GOOD)
+    assert spec.budgets == (4, 0.25) and spec.methods[0].options == {"variant": "released"}
+    assert spec.calibration.samples == 128 and spec.calibration.seq_len == 2048
+    assert spec.models[0].trust_remote_code is False and spec.models[0].allow_pickle is False
+    assert spec.resources.capture.num_gpus == 0
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"nmae": "x"}, "nmae: unknown key (known: budgets, cache_dir, calibration"),
+        ({"calibration": {"sampels": 3}}, "calibration.sampels: unknown key"),
+        (
+            {"calibration": {"samples": "many"}},
+            "calibration.samples: expected an integer, got str 'many'",
+        ),
+        ({"calibration": {"samples": 0}}, "calibration.samples: must be an integer >= 1, got 0"),
+        (
+            {"calibration": {"samples": 2, "shards": 3}},
+            "calibration.shards: 3 shards for 2 samples",
+        ),
+        ({"budgets": [4, 0]}, "budgets[1]: a block count must be >= 1, got 0"),
+        ({"budgets": [1.5]}, "budgets[0]: a fraction must be in (0, 1), got 1.5"),
+        ({"budgets": ["4"]}, "budgets[0]: expected an integer, got str '4'"),
+        ({"budgets": 4}, "budgets: expected a list, got int 4"),
+        ({"methods": [{"name": "lorpp"}]}, "methods[0].name: unknown method 'lorpp'"),
+        (
+            {"methods": [{"name": "shortgpt", "options": {"k": 2}}]},
+            "methods[0].options: unknown option 'k'",
+        ),
+        ({"methods": [{"name": "lorp"}, {"name": "lorp"}]}, "methods: 'lorp' appears twice"),
+        ({"models": [{"ref": "x", "dtype": "fp8"}]}, "models[0].dtype: must be one of float32"),
+        (
+            {"models": [{"ref": "x", "trust_remote_code": "yes"}]},
+            "models[0].trust_remote_code: expected true or false",
+        ),
+        ({"models": []}, "models: at least one model is needed"),
+        (
+            {"resources": {"grid": {"num_gpus": -1}}},
+            "resources.grid.num_gpus: must be >= 0, got -1",
+        ),
+        ({"name": "a b"}, "name: letters, digits"),
+    ],
+)
+def test_bad_spec_names_the_field(patch: dict, message: str) -> None:
+    data = GOOD | patch
+    with pytest.raises(SpecError) as exc:
+        parse_spec(data)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def run_cli(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(text)
+    code = main(["run", str(spec)])
+    return code, capsys.readouterr().err
+
+
+def test_cli_malformed_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(tmp_path, "name: [unclosed\nmodels: x\n", capsys)
+    assert code == 2 and "malformed YAML at line 2" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("models", "budgets", "message"),
+    [
+        ([{"ref": "no-such-model"}], [2], "models[0].ref: unknown model 'no-such-model'"),
+        (
+            [{"ref": "smollm2-135m"}],
+            [29],
+            "budgets[0]: budget must leave the 2 boundary blocks: 1 <= blocks <= 28",
+        ),
+        ([{"ref": "smollm2-135m"}], [0.001], "budgets[0]: budget must leave the 2 boundary blocks"),
+    ],
+)
+def test_cli_model_level_errors_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], models: list, budgets: list, message: str
+) -> None:
+    data = GOOD | {"models": models, "budgets": budgets, "output_dir": str(tmp_path / "run")}
+    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_seq_len_above_model_maximum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = GOOD | {"calibration": {"seq_len": 100000}, "output_dir": str(tmp_path / "run")}
+    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
+    assert (
+        code == 2
+        and "calibration.seq_len: 100000 exceeds smollm2-135m's max_position_embeddings" in err
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_spec_file_via_console_script(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [LORP, "run", str(tmp_path / "nope.yaml")], capture_output=True, text=True, timeout=300
+    )
+    assert (
+        out.returncode == 2 and "job spec not found" in out.stderr and out.stderr.count("\n") == 1
+    )
