@@ -31,9 +31,29 @@ def corpus_windows(tokenizer: Any, corpus: str, spec: EvaluationSpec) -> Any:
     return eval_windows(joined, spec.seq_len, spec.max_windows)
 
 
+def resolve_backend(spec: EvaluationSpec, num_gpus: float) -> str:
+    """auto: vLLM where there is a GPU for it and vllm imports; transformers otherwise."""
+    if spec.backend != "auto":
+        return spec.backend
+    import importlib.util
+
+    return "vllm" if num_gpus > 0 and importlib.util.find_spec("vllm") else "transformers"
+
+
 def evaluate_model(model: Any, tokenizer: Any, spec: EvaluationSpec) -> dict[str, float]:
+    """The transformers backend: perplexity per corpus, then the zero-shot tasks."""
     metrics = {}
     for corpus in spec.perplexity:
         windows = corpus_windows(tokenizer, corpus, spec)
         metrics[metric_name(corpus)] = perplexity(model, windows, batch_size=spec.batch_size)
+    if spec.zero_shot:
+        from pipeline.zero_shot import hf_zero_shot
+
+        metrics |= hf_zero_shot(
+            model,
+            tokenizer,
+            list(spec.zero_shot),
+            limit=spec.zero_shot_limit,
+            batch_size=spec.batch_size,
+        )
     return metrics

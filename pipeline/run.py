@@ -33,6 +33,7 @@ from lorp.similarity import FORMAT_VERSION
 from lorp.sources import cache_root, materialize, parse_model_ref, read_config
 from pipeline.calibration import write_shards
 from pipeline.catalog import read_catalog, upsert, write_catalog
+from pipeline.evaluation import resolve_backend
 from pipeline.spec import JobSpec, ModelSpec, SpecError
 from pipeline.tracking import Tracker, default_tracking_uri
 from pipeline.workers import PointTask, distributed_capture, run_point
@@ -226,6 +227,7 @@ def _statistics(
                 f"not {plan.spec.label} ({plan.fingerprint})"
             )
         summary.cached += 1
+        stats.extra["file"] = str(cache_file.resolve())
         events("capture", model=plan.spec.label, source="cache", file=str(cache_file))
         return stats
     start = time.perf_counter()
@@ -242,6 +244,7 @@ def _statistics(
     seconds = time.perf_counter() - start
     stats.extra.update({"capture_seconds": seconds, "dtype": plan.spec.dtype})
     stats.to_file(cache_file)
+    stats.extra["file"] = str(cache_file.resolve())
     summary.captured += 1
     events(
         "capture",
@@ -295,7 +298,7 @@ def _record_model(
         S=S,
         labels=labels,
     )
-    return {"rls": score, "k": k}
+    return {"rls": score, "k": k, "stats_file": stats.extra.get("file")}
 
 
 def _plan_points(
@@ -343,7 +346,18 @@ def _run_points(
     ckpt_root: Path,
 ) -> list[dict[str, Any]]:
     res = spec.resources.grid
-    in_flight: dict[Any, tuple[Point, str]] = {}
+    backend = resolve_backend(spec.evaluation, res.num_gpus) if spec.evaluation.enabled else "none"
+    if backend == "vllm" and not spec.save_checkpoints:
+        backend = "transformers"  # auto: vLLM needs checkpoints on disk
+    evaluators: list[Any] = []
+    if backend == "vllm" and todo:
+        from pipeline.vllm_engine import vllm_evaluators
+
+        n = max(1, min(len(todo), spec.resources.max_concurrent_points))
+        evaluators = vllm_evaluators(n, spec.evaluation, res.num_cpus, res.num_gpus)
+    idle = list(evaluators)
+    # ref -> (point, run id, surgery result when this ref is its vLLM evaluation)
+    in_flight: dict[Any, tuple[Point, str, dict[str, Any] | None, Any]] = {}
     queue = list(todo)
     while queue or in_flight:
         while queue and len(in_flight) < spec.resources.max_concurrent_points:
@@ -365,11 +379,14 @@ def _run_points(
                 spec.evaluation,
                 res,
                 p.plan.spec.trust_remote_code,
+                backend,
             )
             ref = run_point.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
-            in_flight[ref] = (p, run_id)
+            in_flight[ref] = (p, run_id, None, None)
         ready, _ = ray.wait(list(in_flight), num_returns=1)
-        p, run_id = in_flight.pop(ready[0])
+        p, run_id, surgery, evaluator = in_flight.pop(ready[0])
+        if evaluator is not None:
+            idle.append(evaluator)
         try:
             result = ray.get(ready[0])
         except Exception as exc:  # a task that failed after its retries: record, go on
@@ -377,13 +394,22 @@ def _run_points(
             summary.failed.append(f"{p.plan.spec.label}/{p.label}/{p.budget}: {exc}")
             events("point_failed", grid_key=p.grid_key, error=str(exc)[:500])
             continue
+        if backend == "vllm" and surgery is None:  # second stage: score it in vLLM
+            target = _checkpoint_of(spec, p) or str(p.plan.path)
+            ev = idle.pop(0) if idle else evaluators[len(in_flight) % len(evaluators)]
+            ref = ev.evaluate.remote(target, p.plan.spec.dtype)
+            in_flight[ref] = (p, run_id, result, ev)
+            continue
+        if surgery is not None:
+            result = {**surgery, "metrics": {**surgery["metrics"], **result}}
+        result["backend"] = backend
         row = _catalog_row(spec, p, result, run_id, tracker)
         rows = upsert(rows, row)
         write_catalog(catalog_path, rows)  # before FINISHED: see the module docstring
         tracker.log(
             run_id,
             metrics={**result["metrics"], "params": result["params"], "seconds": result["seconds"]},
-            tags={"checkpoint": row["checkpoint"] or ""},
+            tags={"checkpoint": row["checkpoint"] or "", "eval_backend": row["eval_backend"]},
         )
         tracker.finish(run_id)
         summary.done += 1
@@ -445,9 +471,11 @@ def _catalog_row(
         "rls": p.model_info["rls"],
         "k": int(k) if k is not None else None,
         "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
+        "stats_file": p.model_info.get("stats_file"),
         "params": result["params"],
         "params_dense": result["params_dense"],
         "checkpoint": _checkpoint_of(spec, p),
+        "eval_backend": result.get("backend"),
         "mlflow_run_id": run_id,
         "created_at": _now(),
         "lorp_version": lorp.__version__,

