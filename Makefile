@@ -46,6 +46,7 @@ test: lint $(STAMP_VLLM) $(STAMP_MODELS)
 # The main job end to end on an embedded local Ray; a second run resumes, not repeats.
 demo: $(STAMP_TEST) $(STAMP_MODELS)
 	$(VENV)/bin/lorp run jobs/demo.yaml
+	$(VENV)/bin/lorp dashboard runs/demo
 
 format: $(STAMP_TEST)
 	$(VENV)/bin/ruff check --fix .
