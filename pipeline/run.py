@@ -356,11 +356,11 @@ def _run_points(
         n = max(1, min(len(todo), spec.resources.max_concurrent_points))
         evaluators = vllm_evaluators(n, spec.evaluation, res.num_cpus, res.num_gpus)
     idle = list(evaluators)
-    # ref -> (point, run id, surgery result when this ref is its vLLM evaluation)
-    in_flight: dict[Any, tuple[Point, str, dict[str, Any] | None, Any]] = {}
+    in_flight: dict[Any, tuple[Point, str, Any]] = {}  # ref -> (point, run id, evaluator)
     queue = list(todo)
     while queue or in_flight:
-        while queue and len(in_flight) < spec.resources.max_concurrent_points:
+        limit = len(evaluators) or spec.resources.max_concurrent_points
+        while queue and len(in_flight) < limit:
             p = queue.pop(0)
             run_id = tracker.start_point(
                 spec.name, p.parent_run, p.grid_key, f"{p.label}-{p.budget}"
@@ -381,27 +381,25 @@ def _run_points(
                 p.plan.spec.trust_remote_code,
                 backend,
             )
-            ref = run_point.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
-            in_flight[ref] = (p, run_id, None, None)
+            if evaluators:  # vLLM: the actor that owns a GPU runs the whole point
+                ev = idle.pop(0)
+                ref = ev.run.remote(task, _checkpoint_of(spec, p) or str(p.plan.path))
+            else:
+                ev = None
+                ref = run_point.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
+            in_flight[ref] = (p, run_id, ev)
         ready, _ = ray.wait(list(in_flight), num_returns=1)
-        p, run_id, surgery, evaluator = in_flight.pop(ready[0])
+        p, run_id, evaluator = in_flight.pop(ready[0])
         if evaluator is not None:
             idle.append(evaluator)
         try:
             result = ray.get(ready[0])
         except Exception as exc:  # a task that failed after its retries: record, go on
             tracker.finish(run_id, "FAILED")
-            summary.failed.append(f"{p.plan.spec.label}/{p.label}/{p.budget}: {exc}")
-            events("point_failed", grid_key=p.grid_key, error=str(exc)[:500])
+            cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            summary.failed.append(f"{p.plan.spec.label}/{p.label}/{p.budget}: {cause}")
+            events("point_failed", grid_key=p.grid_key, error=str(exc)[-4000:], cause=cause)
             continue
-        if backend == "vllm" and surgery is None:  # second stage: score it in vLLM
-            target = _checkpoint_of(spec, p) or str(p.plan.path)
-            ev = idle.pop(0) if idle else evaluators[len(in_flight) % len(evaluators)]
-            ref = ev.evaluate.remote(target, p.plan.spec.dtype)
-            in_flight[ref] = (p, run_id, result, ev)
-            continue
-        if surgery is not None:
-            result = {**surgery, "metrics": {**surgery["metrics"], **result}}
         result["backend"] = backend
         row = _catalog_row(spec, p, result, run_id, tracker)
         rows = upsert(rows, row)

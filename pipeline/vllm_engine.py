@@ -19,6 +19,7 @@ import numpy as np
 def cpu_defaults() -> None:
     """Environment vLLM needs on a CPU box; GPU clusters leave these alone."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -89,8 +90,8 @@ def perplexity_vllm(engine: Any, windows: Sequence[Sequence[int]], batch: int = 
 
 def lm_eval_vllm_shim() -> None:
     """lm-eval's vllm backend asks `importlib.metadata.version("vllm")`, which fails when the
-    installed distribution is `vllm-cpu` (measured). Answer with vllm-cpu's version for that
-    one name; every other lookup is untouched."""
+    installed distribution is `vllm-cpu` (measured). Answer that one name as vLLM itself
+    does (`<vllm-cpu version>+cpu`); every other lookup is untouched."""
     import importlib.metadata as md
 
     if getattr(md.version, "_lorp_shim", False):
@@ -102,7 +103,9 @@ def lm_eval_vllm_shim() -> None:
             return original(name)
         except md.PackageNotFoundError:
             if name == "vllm":
-                return original("vllm-cpu")
+                # vLLM's own fallback spells it this way, and its CPU platform detection
+                # looks for the "+cpu": without it, engines fail with an empty device.
+                return original("vllm-cpu") + "+cpu"
             raise
 
     version._lorp_shim = True  # type: ignore[attr-defined]
@@ -111,11 +114,15 @@ def lm_eval_vllm_shim() -> None:
 
 def release(engine: Any) -> None:
     """Free an engine's memory before the next checkpoint's engine starts in this process."""
+    del engine
+    free_memory()
+
+
+def free_memory() -> None:
     import gc
 
     import torch
 
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -126,8 +133,10 @@ def _evaluator_class():  # type: ignore[no-untyped-def]
 
     @ray.remote
     class VLLMEvaluator:
-        """One per GPU, reused across checkpoints: each checkpoint gets an engine, scored
-        on batches of windows, then released before the next one starts."""
+        """One per GPU, reused across checkpoints. It runs a whole grid point: surgery,
+        speed and saving with transformers (then freed), then an engine over the saved
+        checkpoint, scored on batches of windows and released before the next point. One
+        actor owns its GPU end to end, so no second task ever waits for that GPU."""
 
         def __init__(self, spec: Any) -> None:
             import torch
@@ -136,6 +145,14 @@ def _evaluator_class():  # type: ignore[no-untyped-def]
             if not torch.cuda.is_available():
                 cpu_defaults()
             lm_eval_vllm_shim()
+
+        def run(self, task: Any, model_dir: str) -> dict[str, Any]:
+            from pipeline.workers import execute_point
+
+            result = execute_point(task)
+            free_memory()  # the transformers copy goes before the engine comes
+            result["metrics"] |= self.evaluate(model_dir, task.dtype)
+            return result
 
         def evaluate(self, model_dir: str, dtype: str) -> dict[str, float]:
             from transformers import AutoTokenizer

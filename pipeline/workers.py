@@ -166,8 +166,14 @@ class PointTask:
 
 @ray.remote(max_retries=2)
 def run_point(task: PointTask) -> dict[str, Any]:
-    """Drop the blocks, save the checkpoint atomically, evaluate; returns plain results.
-    `layers=()` evaluates the dense model."""
+    """A grid point as a Ray task (the transformers backend)."""
+    return execute_point(task)
+
+
+def execute_point(task: PointTask) -> dict[str, Any]:
+    """Drop the blocks, measure dense then pruned speed in this process, save the checkpoint
+    atomically, evaluate with transformers unless a vLLM evaluator scores it afterwards;
+    returns plain results. `layers=()` is the dense model."""
     from lorp.surgery import drop_layers, save_pruned
     from pipeline.evaluation import evaluate_model
     from pipeline.speed import count_params, peak_memory_gib, prefill_latency, reset_peak_memory
@@ -199,6 +205,7 @@ def run_point(task: PointTask) -> dict[str, Any]:
         save_pruned(model, tokenizer, task.checkpoint_dir, task.provenance, overwrite=True)
     if ev.enabled and task.backend == "transformers":
         metrics |= evaluate_model(model, tokenizer, ev)
+    del model
     return {
         "grid_key": task.grid_key,
         "kept": kept,

@@ -250,9 +250,11 @@ def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) ->
     pytest.importorskip("vllm")
     spec = job(tmp_path, models["llama"], name="vllm", budgets=[2], methods=[{"name": "shortgpt"}])
     spec["evaluation"] = {"backend": "vllm", "perplexity": ["ptb"], "seq_len": 48,
-                          "max_windows": 4, "speed": False}  # fmt: skip
+                          "max_windows": 4, "speed": False, "zero_shot": ["copa"],
+                          "zero_shot_limit": 4}  # fmt: skip
     summary = run_job(parse_spec(spec))
     assert summary.done == 2 and not summary.failed
     rows = read_catalog(tmp_path / "run" / "catalog.parquet")
     assert {r["eval_backend"] for r in rows} == {"vllm"}
     assert all(np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1 for r in rows)
+    assert all(0.0 <= r["acc_copa"] <= 100.0 for r in rows)  # lm-eval's vllm backend, shimmed
