@@ -22,12 +22,14 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipeline.run import run_job
     from pipeline.spec import load_spec
+    from pipeline.tracking import redact
 
     spec = load_spec(args.spec)
     summary = run_job(spec, force=args.force)
+    uri = redact(summary.tracking_uri)
     print(f"catalog      {summary.catalog.resolve()}")
-    print(f"mlflow       {summary.tracking_uri}")
-    browse = f"mlflow ui --host 127.0.0.1 --backend-store-uri {summary.tracking_uri}"
+    print(f"mlflow       {uri}")
+    browse = f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}"
     print(f"             browse: {browse}")
     print(f"checkpoints  {summary.checkpoints.resolve()}")
     print(

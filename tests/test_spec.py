@@ -124,3 +124,21 @@ def test_missing_spec_file_via_console_script(tmp_path: Path) -> None:
     assert (
         out.returncode == 2 and "job spec not found" in out.stderr and out.stderr.count("\n") == 1
     )
+
+
+def test_credentials_are_redacted_from_printed_uris() -> None:
+    from pipeline.tracking import redact
+
+    assert (
+        redact("https://alice:s3cret@mlflow.example:5000/x") == "https://***@mlflow.example:5000/x"
+    )
+    assert redact("sqlite:////tmp/run/mlflow.db") == "sqlite:////tmp/run/mlflow.db"
+
+
+def test_safe_defaults_in_shipped_specs() -> None:
+    from pipeline.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "jobs").glob("*.yaml"):
+        spec = load_spec(path)
+        assert not any(m.trust_remote_code or m.allow_pickle for m in spec.models), path
