@@ -24,6 +24,7 @@ from pipeline.workers import FAULT_MARKER_ENV, FAULT_SHARD_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
+RAY = str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,8 @@ def test_driver_sigkill_mid_grid_then_rerun(model: Path, tmp_path: Path) -> None
     assert proc.poll() is None, "the job ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+    # The killed driver's embedded Ray outlives it; stop it as an operator would.
+    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
     before = read_catalog(run_dir / "catalog.parquet")
     assert 2 <= len(before) < 10
 
