@@ -27,8 +27,10 @@ from pipeline.spec import EvaluationSpec, Resources
 
 log = logging.getLogger(__name__)
 
-# Test-only fault hook: a capture worker exits hard on this shard, once per marker file.
+# Test-only fault hooks: a worker exits hard on this shard / on this grid point's
+# checkpoint, once per marker file.
 FAULT_SHARD_ENV = "LORP_FAULT_CAPTURE_SHARD"
+FAULT_POINT_ENV = "LORP_FAULT_POINT_SUFFIX"
 FAULT_MARKER_ENV = "LORP_FAULT_MARKER"
 
 
@@ -89,10 +91,10 @@ class CaptureWorker:
         )
 
 
-def _maybe_fail(shard_path: str) -> None:
-    shard = os.environ.get(FAULT_SHARD_ENV)
+def _maybe_fail(name: str, env: str = FAULT_SHARD_ENV) -> None:
+    target = os.environ.get(env)
     marker = os.environ.get(FAULT_MARKER_ENV)
-    if shard and marker and Path(shard_path).name == shard and not Path(marker).exists():
+    if target and marker and Path(name).name.endswith(target) and not Path(marker).exists():
         Path(marker).write_text(str(os.getpid()))
         os._exit(1)  # a hard death mid-shard, as a lost node would look
 
@@ -202,6 +204,7 @@ def execute_point(task: PointTask) -> dict[str, Any]:
             "peak_mem_gib": peak_memory_gib(model.device),
         }
     if task.checkpoint_dir and task.layers:
+        _maybe_fail(task.checkpoint_dir, FAULT_POINT_ENV)  # dies mid-checkpoint in tests
         save_pruned(model, tokenizer, task.checkpoint_dir, task.provenance, overwrite=True)
     if ev.enabled and task.backend == "transformers":
         metrics |= evaluate_model(model, tokenizer, ev)

@@ -135,3 +135,51 @@ def test_unwritable_output_directory(model: Path, tmp_path: Path) -> None:
     assert out.returncode == 2 and "Not a directory" in out.stderr, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1
     assert blocker.read_text() == "a file"
+
+
+def test_grid_worker_killed_mid_checkpoint_is_retried(model: Path, tmp_path: Path) -> None:
+    from pipeline.workers import FAULT_POINT_ENV
+
+    job = write_job(tmp_path, model, "pointfault", budgets=[2], methods=[{"name": "lorp"}])
+    marker = tmp_path / "died-once"
+    env = dict(os.environ, **{FAULT_POINT_ENV: "lorp-b2", FAULT_MARKER_ENV: str(marker)})
+    out = subprocess.run(
+        [LORP, "run", str(job)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert marker.is_file()  # the worker died before writing the checkpoint
+    rows = read_catalog(tmp_path / "pointfault" / "catalog.parquet")
+    assert len(rows) == 2 and all(np.isfinite(r["ppl_ptb"]) for r in rows)
+    lorp_row = next(r for r in rows if r["method"] == "lorp")
+    assert (Path(lorp_row["checkpoint"]) / "model.safetensors").is_file()
+
+
+def test_load_forty_points_catalog_and_mlflow_agree(tmp_path: Path) -> None:
+    """2 models x 5 budgets x 4 methods through the full pipeline, points in flight at once."""
+    root = tmp_path / "models"
+    a = save_tiny_ptb("llama", root / "a", n_blocks=8)
+    b = save_tiny_ptb("qwen3", root / "b", n_blocks=8)
+    methods = [{"name": m} for m in ("lorp", "shortgpt", "streamline", "angular")]
+    job = write_job(
+        tmp_path, a, "load",
+        models=[{"ref": str(a), "name": "a"}, {"ref": str(b), "name": "b"}],
+        budgets=[1, 2, 3, 4, 5],
+        methods=methods,
+        evaluation={"enabled": False}, save_checkpoints=False,
+        resources={"max_concurrent_points": 4, "grid": {"num_cpus": 0.5}},
+    )  # fmt: skip
+    out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_catalog(tmp_path / "load" / "catalog.parquet")
+    assert len(rows) == 40 and len({r["grid_key"] for r in rows}) == 40
+    client = MlflowClient(f"sqlite:///{tmp_path / 'load' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("load")
+    runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id], max_results=1000)
+            if r.data.tags["lorp.kind"] == "point"}  # fmt: skip
+    assert len(runs) == 40 and {r.info.status for r in runs.values()} == {"FINISHED"}
+    for row in rows:  # row for row: the same point, the same layers, the same size
+        run = runs[row["mlflow_run_id"]]
+        assert run.data.tags["lorp.grid_key"] == row["grid_key"]
+        assert json.loads(run.data.params["pruned_layers"]) == row["pruned_layers"]
+        assert int(run.data.params["budget"]) == row["budget"]
+        assert run.data.metrics["params"] == row["params"]
