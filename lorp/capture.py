@@ -100,7 +100,9 @@ def capture_stats(
     start = time.perf_counter()
     try:
         with torch.inference_mode():
-            for batch in tqdm(batches, total=total, disable=not progress, desc="capture"):
+            # disable=None: a bar on a terminal only, never in logs or before an error line.
+            bar = tqdm(batches, total=total, disable=None if progress else True, desc="capture")
+            for batch in bar:
                 input_ids, attention_mask = _unpack(batch)
                 input_ids = input_ids.to(device)
                 if attention_mask is not None:

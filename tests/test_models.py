@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +176,39 @@ def test_fingerprint_is_content_not_path(tmp_path: Path, monkeypatch: pytest.Mon
     tiny_model("llama").save_pretrained(tmp_path / "d", max_shard_size="100KB")
     assert len(list((tmp_path / "d").glob("*.safetensors"))) > 1
     assert fingerprint_checkpoint(tmp_path / "d") == fingerprint_checkpoint(a)
+
+
+def _lorp_capture(model_dir: Path, data: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    lorp_bin = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
+    args = [lorp_bin, "capture", str(model_dir), "--data", data, "--samples", "2",
+            "--seq-len", "16", "--out", "s.npz"]  # fmt: skip
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def test_cli_bad_models_and_corpora(tmp_path: Path) -> None:
+    """Through the console script: one line, exit 2, no stats file written."""
+    from tiny_models import save_tiny_ptb
+
+    gpt2 = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=128)
+    ).save_pretrained(gpt2)
+    out = _lorp_capture(gpt2, "ptb", tmp_path)
+    assert out.returncode == 2 and "unsupported model_type 'gpt2'" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
+
+    llama = save_tiny_ptb("llama", tmp_path / "llama")
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    out = _lorp_capture(llama, str(tmp_path / "empty.txt"), tmp_path)
+    assert out.returncode == 2 and "is empty" in out.stderr and out.stderr.count("\n") == 1
+
+    broken = AutoModelForCausalLM.from_pretrained(llama)
+    with torch.no_grad():
+        broken.model.layers[2].mlp.down_proj.weight.fill_(float("inf"))
+    broken.save_pretrained(tmp_path / "broken")
+    shutil.copy(llama / "tokenizer.json", tmp_path / "broken")
+    shutil.copy(llama / "tokenizer_config.json", tmp_path / "broken")
+    out = _lorp_capture(tmp_path / "broken", "ptb", tmp_path)
+    assert out.returncode == 2 and "non-finite activations at layer 3" in out.stderr, out.stderr
+    assert "float32 or bfloat16" in out.stderr and out.stderr.count("\n") == 1
+    assert not (tmp_path / "s.npz").exists()
