@@ -259,7 +259,7 @@ def model_page(
             "Mean similarity against normalised layer distance (Fig. 2); this model in bold, "
             "the rest of the fleet faint.")))  # fmt: skip
     parts.append("".join(figs))
-    labels = _labels(rows)
+    labels = _labels(rows, S)
     if labels:
         parts.append(
             "<h2>Clusters along depth</h2>"
@@ -293,9 +293,8 @@ def model_page(
     return _page(model, "".join(parts))
 
 
-def _labels(rows: list[Row]) -> list[int] | None:
+def _labels(rows: list[Row], S: np.ndarray | None) -> list[int] | None:
     """The model's clusters at its RLS-chosen K (what LoRP starts from)."""
-    S = load_S(rows[0])
     k = rows[0].get("k")
     if S is None or not k:
         return None

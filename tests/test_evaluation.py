@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +9,7 @@ import pytest
 import torch
 from lm_eval.api.model import LM
 from tiny_models import tiny_model
+from vllm_score import score_in_subprocess
 
 from lorp.data import eval_windows, load_corpus, tokenize_documents
 from lorp.perplexity import perplexity
@@ -117,22 +115,7 @@ def test_vllm_and_transformers_agree_on_pruned_smollm2(tmp_path: Path) -> None:
     windows = eval_windows(ids, 256, max_windows=4)
     ppl_hf = perplexity(lm.model, windows, batch_size=4)
 
-    (tmp_path / "w.json").write_text(json.dumps(windows.tolist()))
-    script = Path(__file__).with_name("vllm_score.py")
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(ckpt),
-            str(tmp_path / "w.json"),
-            str(tmp_path / "o.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    logprobs = [np.array(x) for x in json.loads((tmp_path / "o.json").read_text())]
+    logprobs = score_in_subprocess(ckpt, windows.tolist(), tmp_path)
     nll = -sum(lp.sum() for lp in logprobs)
     ppl_vllm = float(np.exp(nll / sum(lp.size for lp in logprobs)))
     assert ppl_vllm == pytest.approx(ppl_hf, rel=1e-3)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
+from vllm_score import score_in_subprocess
 
 from lorp.surgery import drop_layers, save_pruned
 
@@ -27,21 +25,6 @@ def test_pruned_checkpoint_prompt_logprobs_match_transformers(tmp_path: Path) ->
         logp = torch.log_softmax(model(windows).logits.double(), dim=-1)
     expected = logp[:, :-1].gather(-1, windows[:, 1:, None])[..., 0].numpy()
 
-    (tmp_path / "windows.json").write_text(json.dumps(windows.tolist()))
-    script = Path(__file__).with_name("vllm_score.py")
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(out),
-            str(tmp_path / "windows.json"),
-            str(tmp_path / "o.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = np.array(json.loads((tmp_path / "o.json").read_text()))
+    got = np.array(score_in_subprocess(out, windows.tolist(), tmp_path))
     assert got.shape == expected.shape == (3, 47)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)

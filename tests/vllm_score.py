@@ -6,8 +6,25 @@ usage: python vllm_score.py MODEL_DIR WINDOWS.json OUT.json
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+
+
+def score_in_subprocess(model_dir: Path, windows: list[list[int]], tmp: Path) -> list[np.ndarray]:
+    """Prompt log-probs of `windows` from a fresh vLLM engine in a child process."""
+    (tmp / "windows.json").write_text(json.dumps(windows))
+    run = subprocess.run(
+        [sys.executable, __file__, str(model_dir), str(tmp / "windows.json"), str(tmp / "o.json")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [np.array(x) for x in json.loads((tmp / "o.json").read_text())]
+
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
