@@ -4,14 +4,12 @@ Tensors and arrays in, arrays and layer lists out. Nothing here imports Ray, MLf
 vLLM: the fleet orchestration lives in `pipeline/`.
 """
 
-__version__ = "0.1.0"
-
-from lorp.allocation import Allocation, allocate, allocate_detailed, redundancy_scores  # noqa: E402
-from lorp.clustering import affinity, cluster_layers  # noqa: E402
-from lorp.locality import k_for_rls, off_diagonal_mean, rls  # noqa: E402
-from lorp.methods import (  # noqa: E402
+from lorp.allocation import Allocation, allocate, allocate_detailed, redundancy_scores
+from lorp.clustering import affinity, cluster_layers
+from lorp.locality import k_for_rls, off_diagonal_mean, rls
+from lorp.methods import (
     LorpExplanation,
-    MethodSpec,
+    RegisteredMethod,
     Selection,
     available_methods,
     explain,
@@ -20,20 +18,28 @@ from lorp.methods import (  # noqa: E402
     resolve_budget,
     select_layers,
     unregister_method,
+    validate_options,
 )
-from lorp.similarity import (  # noqa: E402
+from lorp.model_profile import Profile, profile
+from lorp.provenance import provenance
+from lorp.similarity import (
+    FORMAT_VERSION,
     LayerSimilarity,
     NonFiniteActivationError,
     SimilarityStats,
     load_similarity,
 )
+from lorp.surgery import kept_layers
+from lorp.version import __version__
 
 __all__ = [
+    "FORMAT_VERSION",
     "Allocation",
     "LayerSimilarity",
     "LorpExplanation",
-    "MethodSpec",
     "NonFiniteActivationError",
+    "Profile",
+    "RegisteredMethod",
     "Selection",
     "SimilarityStats",
     "__version__",
@@ -45,12 +51,16 @@ __all__ = [
     "explain",
     "get_method",
     "k_for_rls",
+    "kept_layers",
     "load_similarity",
     "off_diagonal_mean",
+    "profile",
+    "provenance",
     "redundancy_scores",
     "register_method",
     "resolve_budget",
     "rls",
     "select_layers",
     "unregister_method",
+    "validate_options",
 ]

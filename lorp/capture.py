@@ -5,6 +5,12 @@ buffer (Eq. 3), and a forward hook on the last block stores its output (before t
 norm: transformers' `hidden_states[-1]` is after it), then stops the forward. The decoder
 stack is called directly, so the vocabulary projection (`lm_head`, 7-20% of a forward) is
 never computed. One GEMM per batch then adds the buffer's Gram matrix (Eq. 4's sum).
+
+The hooks also keep, per sequence, the state of its last real token at every one of the
+N + 1 states (float64, a few KB), for the last-token statistics of the angular-distance
+method. With a BOS prepended to every window, `skip_prefix=1` keeps its position out of S
+(the BOS state is an attention sink with a norm far above the text's); the last token is
+recorded regardless.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorp.architectures import decoder_blocks, decoder_stack
-from lorp.similarity import SimilarityStats, normalize_states
+from lorp.similarity import SimilarityStats, normalize_states, token_selection
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +43,34 @@ def _unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class _Recorder:
-    """Hook state for one batch: which tokens count and the buffer they land in."""
+    """Hook state for one batch: which tokens count, and the buffers they land in."""
 
-    def __init__(self, n_states: int) -> None:
+    def __init__(self, n_states: int, skip_prefix: int) -> None:
         self.n_states = n_states
+        self.skip_prefix = skip_prefix
         self.keep: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
         self.buf: torch.Tensor | None = None
+        self.last_buf: torch.Tensor | None = None
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Select the tokens of a new batch [B, T] and drop the previous buffers."""
+        self.keep, self.last = token_selection(
+            tuple(input_ids.shape), attention_mask, self.skip_prefix, input_ids.device
+        )
+        self.buf = self.last_buf = None
 
     def store(self, index: int, hidden: torch.Tensor) -> None:
         h = hidden.reshape(-1, hidden.shape[-1])
-        if self.keep is not None:
-            h = h[self.keep]
-        f = normalize_states(h)
+        last = normalize_states(h[self.last].double())
+        f = normalize_states(h if self.keep is None else h[self.keep])
         if self.buf is None:
             self.buf = torch.empty((self.n_states, *f.shape), dtype=f.dtype, device=f.device)
+            self.last_buf = torch.empty(
+                (self.n_states, *last.shape), dtype=last.dtype, device=last.device
+            )
         self.buf[index] = f
+        self.last_buf[index] = last
 
 
 def capture_stats(
@@ -63,12 +82,15 @@ def capture_stats(
     extra: dict[str, Any] | None = None,
     progress: bool = True,
     total: int | None = None,
+    skip_prefix: int = 0,
 ) -> SimilarityStats:
     """Run `batches` (token tensors [B, T], or dicts with input_ids and attention_mask)
     through the decoder stack of `model` and return the similarity statistics.
 
     The model's dtype and device are the caller's (fp32 on CPU, bf16 on GPU);
-    normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded.
+    normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded;
+    so are the first `skip_prefix` real tokens of each sequence (1 for BOS windows,
+    `lorp.data.prepend_bos`), from S only.
     """
     blocks = decoder_blocks(model)
     stack = decoder_stack(model)
@@ -80,7 +102,7 @@ def capture_stats(
         calibration_fingerprint=calibration_fingerprint,
         extra=extra,
     )
-    rec = _Recorder(n + 1)
+    rec = _Recorder(n + 1, skip_prefix)
 
     def pre_hook(index: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -107,19 +129,15 @@ def capture_stats(
                 input_ids = input_ids.to(device)
                 if attention_mask is not None:
                     attention_mask = attention_mask.to(device)
-                    keep = attention_mask.reshape(-1).bool()
-                    rec.keep = None if bool(keep.all()) else keep
-                else:
-                    rec.keep = None
-                rec.buf = None
+                rec.start(input_ids, attention_mask)
                 try:
                     stack(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
                 except _StopForward:
                     pass
                 else:
                     raise RuntimeError("the last block never ran: cannot capture its output")
-                stats.add_normalized(rec.buf)
-                rec.buf = None
+                stats.add_normalized(rec.buf, last=rec.last_buf)
+                rec.buf = rec.last_buf = None
     finally:
         for handle in handles:
             handle.remove()

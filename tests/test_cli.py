@@ -113,3 +113,56 @@ def test_lorp_never_imports_the_fleet() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_select_window_and_candidate_options(stats_file: Path) -> None:
+    stats = SimilarityStats.from_file(stats_file)
+    for args, method, options in [
+        (["--method", "streamline", "--last-block"], "streamline", {"last_block": True}),
+        (["--method", "angular"], "angular", {}),
+        (["--method", "shortgpt", "--candidates", "all"], "shortgpt", {"candidates": "all"}),
+    ]:
+        out = run("select", str(stats_file), "--budget", "3", "--json", *args)
+        assert out.returncode == 0, out.stderr
+        d = json.loads(out.stdout)
+        assert d["pruned"] == list(select_layers(stats, 3, method, **options).layers)
+        assert d["options"] == {**d["options"], **options}
+    code = main(["select", str(stats_file), "--budget", "2", "--candidates", "all"])
+    assert code == 2
+
+
+def test_capture_with_bos_then_prune(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`capture --bos always` on a tiny PTB model (its tokenizer adds no BOS itself), then
+    `prune --stats`: the checkpoint carries the one provenance layout."""
+    from tiny_models import save_tiny_ptb
+
+    from lorp.surgery import PROVENANCE_FILE
+
+    monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
+    model = save_tiny_ptb("llama", tmp_path / "llama")
+    common = ["--data", "ptb", "--samples", "3", "--seq-len", "16"]
+    assert main(["capture", str(model), *common, "--out", str(tmp_path / "auto.npz")]) == 0
+    args = ["capture", str(model), *common, "--bos", "always", "--out", str(tmp_path / "s.npz")]
+    assert main(args) == 0
+    assert "BOS 1 first" in capsys.readouterr().out
+    auto, bos = (SimilarityStats.from_file(tmp_path / f) for f in ("auto.npz", "s.npz"))
+    assert auto.tokens == bos.tokens == 3 * 16  # the BOS position is not in S
+    assert auto.sequences == bos.sequences == 3
+    assert bos.calibration_fingerprint == auto.calibration_fingerprint + ":bos1"
+    assert bos.extra["bos"] == "always" and auto.extra["bos_id"] is None
+
+    out = tmp_path / "pruned"
+    argv = ["prune", str(model), "--stats", str(tmp_path / "s.npz"), "--budget", "2"]
+    assert main([*argv, "--method", "shortgpt", "--out", str(out)]) == 0
+    record = json.loads((out / PROVENANCE_FILE).read_text())
+    expected = select_layers(bos, 2, "shortgpt")
+    assert record["pruned"] == list(expected.layers) and record["kept"] == list(expected.kept)
+    assert record["method"] == "shortgpt" and record["options"] == {"candidates": "inner"}
+    assert record["n_blocks"] == 6 and record["stats_hash"] and record["job"] is None
+    manual = tmp_path / "manual"
+    assert main(["prune", str(model), "--layers", "1,3-4", "--out", str(manual)]) == 0
+    rec2 = json.loads((manual / PROVENANCE_FILE).read_text())
+    assert rec2.keys() == record.keys() and rec2["kept"] == [0, 2, 5]
+    assert rec2["method"] == "manual" and rec2["budget"] == 3

@@ -11,10 +11,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, tiny_model, word_tokenizer
 
-from lorp.data import calibration_windows, eval_windows, load_corpus
-from lorp.perplexity import perplexity
+from lorp.data import (
+    BOS_POLICIES,
+    calibration_fingerprint,
+    calibration_windows,
+    eval_windows,
+    load_corpus,
+    prepend_bos,
+    resolve_bos,
+)
+from lorp.perplexity import perplexity, window_nll
 
 
 def test_ptb_splits() -> None:
@@ -82,3 +90,52 @@ def test_perplexity_equals_hand_computation() -> None:
     assert perplexity(model, windows, batch_size=2) == pytest.approx(
         math.exp(nll / count), rel=1e-6
     )
+
+
+def test_bos_policy_follows_the_tokenizer() -> None:
+    adds = word_tokenizer(["a", "b"], add_bos=True)
+    plain = word_tokenizer(["a", "b"], add_bos=False)
+    none = word_tokenizer(["a", "b"], add_bos=False, with_bos_token=False)
+    assert adds("a")["input_ids"] == [1, 4] and plain("a")["input_ids"] == [4]
+    assert resolve_bos(adds, "auto") == 1 and resolve_bos(plain, "auto") is None
+    assert resolve_bos(plain, "always") == 1 and resolve_bos(adds, "never") is None
+    assert resolve_bos(none, "auto") is None and resolve_bos(none, "never") is None
+    with pytest.raises(ValueError, match="bos 'always': the tokenizer has no bos_token_id"):
+        resolve_bos(none, "always")
+    with pytest.raises(ValueError, match="bos must be one of auto, always, never, got 'yes'"):
+        resolve_bos(adds, "yes")
+    assert BOS_POLICIES == ("auto", "always", "never")
+
+
+def test_prepend_bos_and_the_fingerprint() -> None:
+    w = torch.arange(12).reshape(3, 4)
+    b = prepend_bos(w, 7)
+    assert b.shape == (3, 5) and torch.equal(b[:, 0], torch.full((3,), 7))
+    assert torch.equal(b[:, 1:], w) and b.dtype == w.dtype
+    assert prepend_bos(w, None) is w
+    corpus = load_corpus("ptb", "valid")
+    plain = calibration_fingerprint(corpus, 8, 64, 0)
+    assert plain == calibration_fingerprint(corpus, 8, 64, 0, bos_id=None)
+    assert plain.endswith(":8x64:seed0")  # unchanged for windows without a BOS
+    assert calibration_fingerprint(corpus, 8, 64, 0, bos_id=1) == plain + ":bos1"
+    assert calibration_fingerprint(corpus, 8, 64, 0, bos_id=2) != plain + ":bos1"
+
+
+def test_bos_windows_score_exactly_their_text_tokens() -> None:
+    """Non-overlapping BOS windows predict every text token once, the first from the BOS."""
+    model = tiny_model("llama")
+    text = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
+    windows = prepend_bos(eval_windows(text, 20), 1)
+    assert windows.shape == (3, 21)
+    with torch.no_grad():
+        nll, count = window_nll(model, windows)
+    assert count == 60  # 3 windows x 20 text tokens, the BOS never a target
+    with torch.no_grad():
+        logits = model(windows).logits.double()
+    expected = 0.0
+    for b in range(3):
+        for t in range(20):  # text token t sits at position t + 1, predicted at t
+            row = logits[b, t]
+            expected += float(torch.logsumexp(row, 0) - row[windows[b, t + 1]])
+    assert nll == pytest.approx(expected, rel=1e-6)
+    assert perplexity(model, windows) == pytest.approx(math.exp(expected / 60), rel=1e-6)

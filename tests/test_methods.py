@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from conftest import make_states
 
@@ -17,13 +18,14 @@ from lorp import (
     unregister_method,
 )
 from lorp.methods import Selection
+from lorp.similarity import LayerSimilarity
 
 
 @pytest.fixture(scope="module")
 def stats() -> SimilarityStats:
     s = SimilarityStats(12, model_fingerprint="tiny")
     for seed in range(3):
-        s.update(make_states(13, 30, 24, seed=seed))
+        s.update(make_states(13, 30, 24, seed=seed).reshape(13, 5, 6, 24))  # 5 sequences each
     return s
 
 
@@ -31,40 +33,111 @@ def test_builtin_methods_registered() -> None:
     assert available_methods() == [
         "angular",
         "lorp",
+        "lorp-loss",
         "lorp-stage2",
+        "ppl",
         "random",
         "shortgpt",
+        "sleb",
         "streamline",
     ]
     assert get_method("shortgpt").needs_output_state
     assert not get_method("lorp").needs_output_state
+    assert get_method("angular").needs_last_token and not get_method("lorp").needs_last_token
+    assert get_method("lorp").takes_profile and not get_method("shortgpt").takes_profile
     assert set(get_method("lorp").defaults) == {"variant", "k", "thresholds", "ks", "seed"}
+    assert get_method("shortgpt").defaults == {"candidates": "inner"}
+    assert get_method("streamline").defaults == {"last_block": False}
+    assert get_method("angular").defaults == {"last_block": False}
 
 
-def test_shortgpt_lowest_block_influence(stats: SimilarityStats) -> None:
+@pytest.mark.parametrize(("candidates", "pool"), [("inner", range(1, 11)), ("all", range(12))])
+def test_shortgpt_lowest_block_influence(
+    stats: SimilarityStats, candidates: str, pool: range
+) -> None:
     S = stats.matrix(include_output=True)
-    bi = {l: 1 - S[l, l + 1] for l in range(12)}
+    bi = {l: 1 - S[l, l + 1] for l in pool}
     expected = sorted(sorted(bi, key=lambda l: (bi[l], l))[:3])
-    sel = select_layers(stats, 3, "shortgpt")
+    sel = select_layers(stats, 3, "shortgpt", candidates=candidates)
     assert list(sel.layers) == expected
     assert sel.details["block_influence"][5] == pytest.approx(bi[5])
+    assert sel.options == {"candidates": candidates}
 
 
-def test_streamline_best_contiguous_window(stats: SimilarityStats) -> None:
+@pytest.mark.parametrize(("last_block", "end"), [(False, 11), (True, 12)])
+def test_streamline_best_contiguous_window(
+    stats: SimilarityStats, last_block: bool, end: int
+) -> None:
     S = stats.matrix(include_output=True)
     for n in (2, 4, 10):
-        best = max(range(1, 12 - n + 1), key=lambda s: (S[s, s + n], -s))
-        assert select_layers(stats, n, "streamline").layers == tuple(range(best, best + n))
+        best = max(range(1, end - n + 1), key=lambda s: (S[s, s + n], -s))
+        sel = select_layers(stats, n, "streamline", last_block=last_block)
+        assert sel.layers == tuple(range(best, best + n))
+        assert sorted(sel.details["window_cos"]) == list(range(1, end - n + 1))
 
 
-def test_angular_minimises_arccos(stats: SimilarityStats) -> None:
-    S = stats.matrix(include_output=True)
+@pytest.mark.parametrize(("last_block", "end"), [(False, 11), (True, 12)])
+def test_angular_minimises_last_token_arccos(
+    stats: SimilarityStats, last_block: bool, end: int
+) -> None:
+    D = stats.last_token_angular()
     for n in (2, 5):
-        dist = {s: math.acos(min(1.0, S[s, s + n])) / math.pi for s in range(0, 12 - n + 1)}
+        dist = {s: D[s, s + n] for s in range(0, end - n + 1)}
         best = min(dist, key=lambda s: (dist[s], s))
-        sel = select_layers(stats, n, "angular")
+        sel = select_layers(stats, n, "angular", last_block=last_block)
         assert sel.layers == tuple(range(best, best + n))
         assert sel.details["window_start"] == best
+        assert sorted(sel.details["angular_distance"]) == list(range(0, end - n + 1))
+
+
+def chain(n_states: int, rho: float = 0.8) -> np.ndarray:
+    """S_ij = rho^|i-j|: a symmetric matrix with depth decay to edit by hand."""
+    idx = np.arange(n_states)
+    return rho ** np.abs(idx[:, None] - idx[None, :])
+
+
+def set_sym(M: np.ndarray, i: int, j: int, value: float) -> None:
+    M[i, j] = M[j, i] = value
+
+
+def test_reference_rules_keep_the_last_block() -> None:
+    """The LoRP authors' released code (lib/layer_select.py) never lets ShortGPT take block
+    0 or N-1, nor a Streamline window reach block N-1; angular follows the window rule."""
+    N = 8
+    M = chain(N + 1)
+    set_sym(M, N - 1, N, 0.99)  # the last block barely changes its input: lowest BI
+    set_sym(M, 0, 1, 0.98)  # so does the first
+    set_sym(M, 5, N, 0.97)  # the best 3-block window is [5, 8): it contains block N-1
+    sim = LayerSimilarity(M, N, last_token=M, last_token_angular=np.arccos(M) / math.pi)
+
+    assert select_layers(sim, 1, "shortgpt").layers == (1,)  # 0.8 everywhere inside: lowest
+    assert select_layers(sim, 1, "shortgpt", candidates="all").layers == (N - 1,)
+    assert select_layers(sim, 2, "shortgpt", candidates="all").layers == (0, N - 1)
+    assert N - 1 not in select_layers(sim, 3, "streamline").layers
+    assert select_layers(sim, 3, "streamline", last_block=True).layers == (5, 6, 7)
+    assert N - 1 not in select_layers(sim, 3, "angular").layers
+    assert select_layers(sim, 3, "angular", last_block=True).layers == (5, 6, 7)
+
+
+def test_angular_reads_the_last_token_not_the_token_mean() -> None:
+    """Token-mean S favours the window at 1, the last-token angles the one at 4: streamline
+    and angular disagree, each following its own statistic."""
+    N = 8
+    S = chain(N + 1)
+    set_sym(S, 1, 3, 0.95)
+    last = chain(N + 1)
+    set_sym(last, 4, 6, 0.95)
+    sim = LayerSimilarity(S, N, last_token=last, last_token_angular=np.arccos(last) / math.pi)
+    assert select_layers(sim, 2, "streamline").layers == (1, 2)
+    assert select_layers(sim, 2, "angular").layers == (4, 5)
+
+
+def test_angular_refuses_stats_without_last_token(stats: SimilarityStats) -> None:
+    with pytest.raises(ValueError, match="'angular' needs last-token statistics"):
+        select_layers(stats.matrix(), 2, "angular")
+    no_last = LayerSimilarity(stats.matrix(include_output=True), 12)
+    with pytest.raises(ValueError, match="'angular' needs last-token statistics"):
+        select_layers(no_last, 2, "angular")
 
 
 def test_random_is_seeded_and_avoids_boundaries(stats: SimilarityStats) -> None:
@@ -107,11 +180,17 @@ def test_budget_fractions(stats: SimilarityStats) -> None:
 def test_bad_method_and_options(stats: SimilarityStats) -> None:
     with pytest.raises(ValueError, match="unknown method 'lorpp' \\(known: angular, lorp"):
         select_layers(stats, 2, "lorpp")
-    with pytest.raises(ValueError, match="method 'shortgpt' has no option 'k' \\(options: none\\)"):
+    with pytest.raises(
+        ValueError, match="method 'shortgpt' has no option 'k' \\(options: candidates\\)"
+    ):
         select_layers(stats, 2, "shortgpt", k=3)
-    with pytest.raises(ValueError, match="variant must be one of"):
+    with pytest.raises(ValueError, match="method 'random' has no option 'k' \\(options: seed\\)"):
+        select_layers(stats, 2, "random", k=3)
+    with pytest.raises(
+        ValueError, match="method 'lorp' option 'variant': must be one of paper, released"
+    ):
         select_layers(stats, 2, "lorp", variant="latest")
-    with pytest.raises(ValueError, match="k must be a positive integer"):
+    with pytest.raises(ValueError, match="option 'k': must be a positive integer or null, got 0"):
         select_layers(stats, 2, "lorp", k=0)
 
 
@@ -128,28 +207,29 @@ def test_registry_refuses_duplicates() -> None:
 
 
 def test_a_method_that_evaluates_candidates(stats: SimilarityStats) -> None:
-    """The registry's hook for SLEB-like methods: they get an evaluator, nobody else does."""
-    calls: list[tuple[int, ...]] = []
+    """The registry's hook for SLEB-like methods: they get `losses`, nobody else does."""
+    calls: list[list[tuple[int, ...]]] = []
 
-    def loss(pruned: tuple[int, ...]) -> float:
-        calls.append(pruned)
-        return float(sum(pruned))  # prefers shallow blocks
+    def losses(candidates: list[tuple[int, ...]]) -> list[float]:
+        calls.append(candidates)
+        return [float(sum(c)) for c in candidates]  # prefers shallow blocks
 
     @register_method("greedy-eval-test", needs_evaluator=True)
-    def greedy(similarity, budget, *, evaluator=None):  # type: ignore[no-untyped-def]
-        """Greedy removal by evaluator loss (test only)."""
+    def greedy(similarity, budget, *, losses=None):  # type: ignore[no-untyped-def]
+        """Greedy removal by calibration loss, one batch per step (test only)."""
         chosen: tuple[int, ...] = ()
         for _ in range(budget):
             cands = [l for l in range(1, similarity.n_blocks - 1) if l not in chosen]
-            chosen += (min(cands, key=lambda l: evaluator(tuple(sorted(chosen + (l,))))),)
+            values = losses([tuple(sorted(chosen + (l,))) for l in cands])
+            chosen += (cands[int(np.argmin(values))],)
         return Selection(layers=chosen)
 
     try:
-        assert select_layers(stats, 3, "greedy-eval-test", evaluator=loss).layers == (1, 2, 3)
-        assert len(calls) == 10 + 9 + 8
-        with pytest.raises(ValueError, match="scores candidate models: pass evaluator="):
+        assert select_layers(stats, 3, "greedy-eval-test", losses=losses).layers == (1, 2, 3)
+        assert [len(c) for c in calls] == [10, 9, 8]
+        with pytest.raises(ValueError, match="scores candidate models: pass losses="):
             select_layers(stats, 3, "greedy-eval-test")
-        # Methods without the flag never receive an evaluator.
-        assert select_layers(stats, 3, "shortgpt", evaluator=loss).layers
+        # Methods without the flag never receive `losses`.
+        assert select_layers(stats, 3, "shortgpt", losses=losses).layers
     finally:
         unregister_method("greedy-eval-test")

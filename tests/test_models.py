@@ -63,6 +63,54 @@ def test_capture_equals_brute_force(family: str) -> None:
     assert np.ptp(expected[np.triu_indices(N_BLOCKS + 1, 1)]) > 0.05
 
 
+def brute_last_token(states: np.ndarray, last: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Means over sequences of cos(h_i, h_j) and of arccos(cos)/pi at each sequence's last
+    real token, pair by pair; states [L, B, T, d]."""
+    L = states.shape[0]
+    cos, ang = np.zeros((L, L)), np.zeros((L, L))
+    for b, t in enumerate(last):
+        for i in range(L):
+            for j in range(L):
+                u, v = states[i, b, t], states[j, b, t]
+                c = np.dot(u, v) / (np.linalg.norm(u) * np.linalg.norm(v))
+                cos[i, j] += c
+                ang[i, j] += np.arccos(np.clip(c, -1, 1)) / np.pi if i != j else 0.0
+    return cos / len(last), ang / len(last)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_last_token_gram_equals_brute_force(family: str) -> None:
+    """Right padding on the second sequence: its last real token is position 16, not 23."""
+    model = tiny_model(family)
+    batches = [batch(0), batch(1)]
+    stats = capture_stats(model, batches, progress=False)
+    parts = [brute_last_token(independent_states(model, b), [23, 16]) for b in batches]
+    cos, ang = ((parts[0][i] + parts[1][i]) / 2 for i in (0, 1))
+    assert stats.sequences == 4
+    np.testing.assert_allclose(stats.last_gram / 4, cos, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(stats.last_token_matrix(), cos, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(stats.last_token_angular(), ang, rtol=0, atol=1e-5)
+
+
+def test_capture_skips_the_bos_position_from_S_only() -> None:
+    model = tiny_model("llama")
+    b = batch(0)
+    ids = torch.cat([torch.ones(2, 1, dtype=torch.long), b["input_ids"]], dim=1)
+    mask = torch.cat([torch.ones(2, 1, dtype=torch.long), b["attention_mask"]], dim=1)
+    bos = {"input_ids": ids, "attention_mask": mask}
+    stats = capture_stats(model, [bos], progress=False, skip_prefix=1)
+    states = independent_states(model, bos)
+    keep = mask.bool().clone()
+    keep[:, 0] = False
+    flat = states.reshape(N_BLOCKS + 1, -1, states.shape[-1])
+    expected = brute_force_S(flat, keep.reshape(-1).numpy())
+    np.testing.assert_allclose(stats.matrix(include_output=True), expected, rtol=1e-5, atol=1e-5)
+    assert stats.tokens == 24 + 17
+    np.testing.assert_allclose(
+        stats.last_token_matrix(), brute_last_token(states, [24, 17])[0], rtol=0, atol=1e-6
+    )
+
+
 def test_capture_never_runs_the_lm_head() -> None:
     model = tiny_model("llama")
     calls = []

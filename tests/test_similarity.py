@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -9,8 +10,27 @@ import pytest
 import torch
 from conftest import brute_force_S, make_states
 
-from lorp import NonFiniteActivationError, SimilarityStats, load_similarity
+from lorp import FORMAT_VERSION, NonFiniteActivationError, SimilarityStats, load_similarity
 from lorp.similarity import LayerSimilarity
+
+
+def brute_last_token(states: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over sequences of the cosine and of arccos(cos)/pi between every pair of
+    states at each sequence's last real token; states [L, B, T, d], mask [B, T]."""
+    L, B = states.shape[:2]
+    cos, ang, n = np.zeros((L, L)), np.zeros((L, L)), 0
+    for b in range(B):
+        real = np.flatnonzero(mask[b])
+        if real.size == 0:
+            continue
+        n += 1
+        for i in range(L):
+            for j in range(L):
+                u, v = states[i, b, real[-1]], states[j, b, real[-1]]
+                c = float(np.dot(u, v) / (np.linalg.norm(u) * np.linalg.norm(v)))
+                cos[i, j] += c
+                ang[i, j] += math.acos(min(1.0, max(-1.0, c))) / math.pi
+    return cos / n, ang / n
 
 
 def test_matches_brute_force_float64(states: np.ndarray) -> None:
@@ -126,7 +146,9 @@ def test_file_round_trip_keeps_metadata(tmp_path, states: np.ndarray) -> None:
     assert (back.tokens, back.n_blocks) == (40, 8)
     assert back.model_fingerprint == "abc" and back.calibration_fingerprint == "ptb:8x256"
     assert back.extra == {"dtype": "fp32"}
-    assert back.metadata()["format_version"] == 1
+    assert back.metadata()["format_version"] == FORMAT_VERSION == 2
+    assert np.array_equal(back.last_gram, stats.last_gram) and back.sequences == 1
+    assert np.array_equal(back.last_angular_sum, stats.last_angular_sum)
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
     assert isinstance(load_similarity(path), SimilarityStats)
 
@@ -157,6 +179,8 @@ def test_pickles_to_host_memory(states: np.ndarray) -> None:
     stats.update(states)
     back = pickle.loads(pickle.dumps(stats))
     assert np.array_equal(back.gram, stats.gram) and back.tokens == stats.tokens
+    assert np.array_equal(back.last_gram, stats.last_gram) and back.sequences == 1
+    assert np.array_equal(back.last_angular_sum, stats.last_angular_sum)
 
 
 def test_layer_similarity_views(states: np.ndarray) -> None:
@@ -164,5 +188,84 @@ def test_layer_similarity_views(states: np.ndarray) -> None:
     stats.update(states)
     sim = stats.similarity()
     assert sim.has_output and sim.blocks.shape == (8, 8)
+    assert sim.has_last_token and sim.last_token.shape == (9, 9)
+    np.testing.assert_array_equal(sim.last_token, stats.last_token_matrix())
+    np.testing.assert_array_equal(sim.last_token_angular, stats.last_token_angular())
     bare = LayerSimilarity.from_matrix(stats.matrix())
-    assert not bare.has_output and bare.n_blocks == 8
+    assert not bare.has_output and bare.n_blocks == 8 and not bare.has_last_token
+
+
+def padded_batch() -> tuple[np.ndarray, np.ndarray]:
+    """[L=9, B=4, T=10, d=32] states; right padding, left padding, none, and all padding."""
+    states = make_states(9, 40, 32, seed=5).reshape(9, 4, 10, 32)
+    mask = np.ones((4, 10), dtype=bool)
+    mask[0, 6:] = False  # right padding: last real token at 5
+    mask[1, :3] = False  # left padding: last real token at 9
+    mask[3, :] = False  # nothing real: no sequence
+    return states, mask
+
+
+def test_last_token_sums_match_brute_force() -> None:
+    states, mask = padded_batch()
+    stats = SimilarityStats(8)
+    stats.update(states, mask=mask)
+    cos, ang = brute_last_token(states, mask)
+    assert stats.sequences == 3 and stats.has_last_token
+    np.testing.assert_allclose(stats.last_token_matrix(), cos, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(stats.last_token_angular(), ang, rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(np.diag(stats.last_token_angular()), 0.0)
+    # The all-token S is unchanged by the last-token bookkeeping.
+    np.testing.assert_allclose(
+        stats.matrix(include_output=True),
+        brute_force_S(states.reshape(9, 40, 32), mask.reshape(-1)),
+        rtol=1e-12,
+    )
+
+
+def test_skip_prefix_drops_the_first_real_token_from_S_only() -> None:
+    states, mask = padded_batch()
+    stats = SimilarityStats(8)
+    stats.update(states, mask=mask, skip_prefix=1)
+    first_real = mask & (np.cumsum(mask, axis=1) == 1)
+    kept = (mask & ~first_real).reshape(-1)
+    assert stats.tokens == int(mask.sum()) - 3 == int(kept.sum())
+    np.testing.assert_allclose(
+        stats.matrix(include_output=True), brute_force_S(states.reshape(9, 40, 32), kept)
+    )
+    np.testing.assert_allclose(stats.last_token_matrix(), brute_last_token(states, mask)[0])
+    with pytest.raises(ValueError, match="skip_prefix must be a non-negative integer, got -1"):
+        stats.update(states, mask=mask, skip_prefix=-1)
+
+
+def test_last_token_sums_merge_like_the_gram() -> None:
+    batches = [make_states(7, 24, 16, seed=s).reshape(7, 3, 8, 16) for s in range(9)]
+    one = SimilarityStats(6)
+    for b in batches:
+        one.update(b)
+    shards = []
+    for k in range(3):
+        part = SimilarityStats(6)
+        for b in batches[k::3]:
+            part.update(b)
+        shards.append(part)
+    merged = SimilarityStats.merge_all(shards[::-1])
+    assert merged.sequences == one.sequences == 9 * 3
+    np.testing.assert_allclose(merged.last_gram, one.last_gram, rtol=1e-12)
+    np.testing.assert_allclose(merged.last_angular_sum, one.last_angular_sum, rtol=1e-12)
+    # A part whose tokens came without their last-token sums cannot join one with them.
+    bare = SimilarityStats(6)
+    bare.add_normalized(torch.from_numpy(make_states(7, 5, 16)))
+    with pytest.raises(ValueError, match="with and without last-token statistics"):
+        merged.merge(bare)
+    with pytest.raises(ValueError, match="no last-token statistics"):
+        bare.last_token_matrix()
+
+
+def test_version_1_files_are_refused(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "old.npz"
+    meta = {"format_version": 1, "n_blocks": 2}
+    np.savez(path, gram=np.eye(3), tokens=np.int64(1), metadata=np.array(json.dumps(meta)))
+    with pytest.raises(ValueError, match="unsupported format_version 1 .*capture the statistics"):
+        SimilarityStats.from_file(path)

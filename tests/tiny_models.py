@@ -109,3 +109,24 @@ def save_tiny_ptb(family: str, path: Path, seed: int = 0, n_blocks: int = N_BLOC
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def word_tokenizer(words: list[str], add_bos: bool, with_bos_token: bool = True):  # type: ignore[no-untyped-def]
+    """A word-level tokenizer over `words`; `add_bos` makes it prepend <s> to every
+    encoding by default, as Gemma's and Llama's tokenizers do (SmolLM2's and Qwen2's do
+    not)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<oov>": 3}
+    vocab |= {w: i + 4 for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<oov>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 1)]
+        )
+    special = {"bos_token": "<s>"} if with_bos_token else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<oov>", **special
+    )

@@ -1,12 +1,21 @@
 """Layer-selection methods. Importing this package registers every built-in method; a new
 method is one new module here, decorated with `register_method`, imported below."""
 
-from lorp.methods import angular, lorp_method, random_layers, shortgpt, streamline  # noqa: F401
+from lorp.methods import (  # noqa: F401
+    angular,
+    lorp_loss,
+    lorp_method,
+    ppl,
+    random_layers,
+    shortgpt,
+    sleb,
+    streamline,
+)
 from lorp.methods.lorp_method import LorpExplanation, explain
 from lorp.methods.registry import (
-    Evaluator,
-    MethodSpec,
+    Losses,
     PruningMethod,
+    RegisteredMethod,
     Selection,
     available_methods,
     get_method,
@@ -14,13 +23,14 @@ from lorp.methods.registry import (
     resolve_budget,
     select_layers,
     unregister_method,
+    validate_options,
 )
 
 __all__ = [
-    "Evaluator",
     "LorpExplanation",
-    "MethodSpec",
+    "Losses",
     "PruningMethod",
+    "RegisteredMethod",
     "Selection",
     "available_methods",
     "explain",
@@ -29,4 +39,5 @@ __all__ = [
     "resolve_budget",
     "select_layers",
     "unregister_method",
+    "validate_options",
 ]

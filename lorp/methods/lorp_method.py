@@ -4,27 +4,36 @@ Rule: RLS of S (Eq. 5-6) picks K (Sec. 5.1) unless K is given; spectral clusteri
 A = (S + 1) / 2 (Eq. 7) partitions the N blocks; the two-stage allocation (Eq. 8-11)
 spends the budget. `explain` returns every intermediate quantity for the catalog and the
 dashboards.
+
+RLS, K and the clusters do not depend on the budget: a precomputed `lorp.Profile` of the
+same S (`profile=`) supplies them, so a grid of budgets clusters once. It is used where it
+provably gives the same labels: same seed, and the same K (fixed `k` equal to the
+profile's K, or K from RLS with the profile's thresholds and ks); otherwise the labels are
+computed afresh. A profile of another S is an error.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lorp.allocation import STAGE1, Variant, allocate_detailed
+from lorp.allocation import STAGE1, VARIANTS, Variant, allocate_detailed
 from lorp.clustering import cluster_layers
-from lorp.locality import DEFAULT_KS, DEFAULT_THRESHOLDS, k_for_rls, rls
+from lorp.locality import DEFAULT_KS, DEFAULT_THRESHOLDS, check_k_policy, is_int, rls
 from lorp.methods.registry import (
     Selection,
-    _jsonable,
     as_similarity,
+    check_choice,
+    check_seed,
+    jsonable,
     register_method,
     resolve_budget,
 )
+from lorp.model_profile import Profile, matrix_hash, rls_or_nan
+from lorp.model_profile import profile as compute_profile
 from lorp.similarity import LayerSimilarity, SimilarityStats
 
 
@@ -44,7 +53,7 @@ class LorpExplanation:
     stage1: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(
+        return jsonable(
             {
                 "rls": self.rls,
                 "k": self.k,
@@ -60,6 +69,21 @@ class LorpExplanation:
         )
 
 
+def check_lorp_options(options: Mapping[str, Any], n_blocks: int | None) -> None:
+    """The option values of `lorp` and `lorp-stage2` (`validate_options` calls it)."""
+    check_choice("variant", options["variant"], VARIANTS)
+    k = options["k"]
+    if k is not None and (not is_int(k) or k < 1):
+        raise ValueError(f"option 'k': must be a positive integer or null, got {k!r}")
+    if k is not None and n_blocks is not None and k > n_blocks:
+        raise ValueError(f"option 'k': {k} exceeds the number of blocks ({n_blocks})")
+    try:
+        check_k_policy(options["thresholds"], options["ks"])
+    except ValueError as exc:
+        raise ValueError(f"options 'thresholds', 'ks': {exc}") from None
+    check_seed("seed", options["seed"])
+
+
 def explain(
     stats: SimilarityStats | LayerSimilarity | np.ndarray,
     budget: int | float,
@@ -70,28 +94,19 @@ def explain(
     ks: Sequence[int] = DEFAULT_KS,
     seed: int = 0,
     stage1: bool = True,
+    profile: Profile | None = None,
 ) -> LorpExplanation:
-    """Run LoRP and return RLS, K, cluster labels, r(l) and the stage of every pick."""
+    """Run LoRP and return RLS, K, cluster labels, r(l) and the stage of every pick.
+
+    `profile`: a `lorp.profile` of the same S, whose clusters are reused when its seed and
+    K policy match these options (module docstring); the result is the same either way.
+    """
     similarity = as_similarity(stats)
     S = similarity.blocks
+    options = {"variant": variant, "k": k, "thresholds": thresholds, "ks": ks, "seed": seed}
+    check_lorp_options(options, S.shape[0])
     n_budget = resolve_budget(budget, similarity.n_blocks)
-    try:
-        score = rls(S)
-    except ValueError:
-        if k is None:
-            raise
-        score = math.nan  # K is given, so RLS is only reported; it is undefined here
-    if k is None:
-        chosen_k = k_for_rls(score, thresholds, ks)
-    elif isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-        raise ValueError(f"k must be a positive integer or null, got {k!r}")
-    else:
-        chosen_k = int(k)
-    if chosen_k > S.shape[0]:
-        raise ValueError(f"k={chosen_k} exceeds the number of blocks ({S.shape[0]})")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    labels = cluster_layers(S, chosen_k, seed=int(seed))
+    score, chosen_k, labels = _clusters(S, k, thresholds, ks, int(seed), profile)
     alloc = allocate_detailed(S, labels, n_budget, variant=variant, stage1=stage1)
     return LorpExplanation(
         rls=score,
@@ -107,45 +122,83 @@ def explain(
     )
 
 
-@register_method("lorp")
-def lorp(
-    similarity: LayerSimilarity,
-    budget: int,
-    *,
-    variant: Variant = "paper",
-    k: int | None = None,
-    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-    ks: Sequence[int] = DEFAULT_KS,
-    seed: int = 0,
-) -> Selection:
-    """LoRP (this paper): RLS-guided spectral clustering, then two-stage allocation."""
-    exp = explain(similarity, budget, variant=variant, k=k, thresholds=thresholds, ks=ks, seed=seed)
-    return Selection(layers=exp.layers, details=exp.to_dict())
+def _clusters(
+    S: np.ndarray,
+    k: int | None,
+    thresholds: Sequence[float],
+    ks: Sequence[int],
+    seed: int,
+    given: Profile | None,
+) -> tuple[float, int, np.ndarray]:
+    """RLS, K and the labels: from `given` where it provably matches, else computed (K
+    from RLS through `lorp.profile`, the one place that turns S into model facts)."""
+    if given is not None:
+        if given.s_hash != matrix_hash(S):
+            raise ValueError("profile was computed from another S than the one to prune")
+        if _reusable(given, k, thresholds, ks, seed):
+            return given.rls, int(given.k), np.asarray(given.labels)  # type: ignore[arg-type]
+    if k is None:
+        own = compute_profile(S, thresholds=thresholds, ks=ks, seed=seed)
+        if own.k is None:
+            rls(S)  # raises the one-line "RLS is undefined" error
+        return own.rls, int(own.k), np.asarray(own.labels)  # type: ignore[arg-type]
+    return rls_or_nan(S), int(k), cluster_layers(S, int(k), seed=seed)
 
 
-@register_method("lorp-stage2")
-def lorp_stage2(
-    similarity: LayerSimilarity,
-    budget: int,
-    *,
-    variant: Variant = "paper",
-    k: int | None = None,
-    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-    ks: Sequence[int] = DEFAULT_KS,
-    seed: int = 0,
-) -> Selection:
-    """LoRP without Stage 1 (the paper's Table 5 ablation): Stage 2 from an empty set."""
-    exp = explain(
-        similarity,
-        budget,
-        variant=variant,
-        k=k,
-        thresholds=thresholds,
-        ks=ks,
-        seed=seed,
-        stage1=False,
+def _reusable(
+    given: Profile, k: int | None, thresholds: Sequence[float], ks: Sequence[int], seed: int
+) -> bool:
+    """True when `given`'s labels are the ones these options would compute."""
+    if given.labels is None or given.k is None or given.seed != seed:
+        return False
+    if k is not None:
+        return int(k) == given.k
+    return given.thresholds == tuple(float(t) for t in thresholds) and given.ks == tuple(
+        int(x) for x in ks
     )
-    return Selection(layers=exp.layers, details=exp.to_dict())
 
 
-__all__ = ["STAGE1", "LorpExplanation", "explain", "lorp", "lorp_stage2"]
+def _lorp_method(stage1: bool, doc: str) -> Callable[..., Selection]:
+    """LoRP as a registry method; `stage1=False` is the Stage-2-only ablation."""
+
+    def method(
+        similarity: LayerSimilarity,
+        budget: int,
+        *,
+        variant: Variant = "paper",
+        k: int | None = None,
+        thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+        ks: Sequence[int] = DEFAULT_KS,
+        seed: int = 0,
+        profile: Profile | None = None,
+    ) -> Selection:
+        exp = explain(
+            similarity,
+            budget,
+            variant=variant,
+            k=k,
+            thresholds=thresholds,
+            ks=ks,
+            seed=seed,
+            stage1=stage1,
+            profile=profile,
+        )
+        return Selection(layers=exp.layers, details=exp.to_dict())
+
+    method.__doc__ = doc
+    return method
+
+
+lorp = register_method("lorp", check=check_lorp_options)(
+    _lorp_method(
+        True, "LoRP (this paper): RLS-guided spectral clustering, then two-stage allocation."
+    )
+)
+lorp_stage2 = register_method("lorp-stage2", check=check_lorp_options)(
+    _lorp_method(
+        False, "LoRP without Stage 1 (the paper's Table 5 ablation): Stage 2 from an empty set."
+    )
+)
+
+
+__all__ = ["STAGE1", "LorpExplanation", "check_lorp_options", "explain", "lorp", "lorp_stage2"]

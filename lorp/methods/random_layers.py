@@ -6,17 +6,22 @@ LoRP) with numpy's PCG64 seeded by `seed`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
-from lorp.methods.registry import Selection, register_method
+from lorp.methods.registry import Selection, check_seed, register_method
 from lorp.similarity import LayerSimilarity
 
 
-@register_method("random")
+def _check(options: Mapping[str, Any], n_blocks: int | None) -> None:
+    check_seed("seed", options["seed"])
+
+
+@register_method("random", check=_check)
 def random_layers(similarity: LayerSimilarity, budget: int, *, seed: int = 0) -> Selection:
     """Random: uniformly drawn non-boundary blocks (seeded), a floor."""
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
     rng = np.random.default_rng(int(seed))
     picks = rng.choice(np.arange(1, similarity.n_blocks - 1), size=budget, replace=False)
     return Selection(layers=tuple(sorted(int(i) for i in picks)))

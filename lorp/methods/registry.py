@@ -2,15 +2,32 @@
 
 A method is a plain function `fn(similarity, budget, *, option=default, ...) -> Selection`
 registered under a name. Its keyword-only parameters are its options: the registry reads
-them from the signature, so an unknown option is refused before the method runs. Flags on
-the registration say what the method needs beyond the block-input matrix:
+them from the signature, and `validate_options` checks every option's name and value
+before the method runs (see there). Flags on the registration say what the method needs
+beyond the block-input matrix:
 
 - ``needs_output_state``: the output of the last block (row N of a `SimilarityStats`);
   a bare N x N matrix cannot serve it.
+- ``needs_last_token``: the last-token statistics (`LayerSimilarity.last_token*`), which
+  only a `SimilarityStats` captured by `lorp.capture` (format 2) carries.
 - ``needs_evaluator``: the method scores candidate pruned models itself (SLEB,
-  Shortened-LLaMA's perplexity criterion). It then receives ``evaluator=``, a callable
-  mapping a tuple of pruned block indices to a loss (lower is better), supplied by
-  whoever can build and run models (the pipeline); methods without the flag never see it.
+  Shortened-LLaMA's perplexity criterion, loss-guided LoRP). It then receives
+  ``losses=``, a `Losses` callable supplied by whoever can build and run models (the
+  pipeline, or `lorp.loss.LossEvaluator` in one process); methods without the flag never
+  see it. The method stays pure: it only hands candidate sets to the callable and reads
+  back numbers.
+
+`Losses`: ``losses(candidates) -> values``. Each candidate is a sorted tuple of distinct
+0-based block indices to drop; its value is the mean calibration NLL per predicted token
+of the model without those blocks (lower is better). One call is one batch: the caller
+may score its candidates in parallel (the pipeline spreads them over several actors), so
+a method hands over every candidate it can decide on at once, e.g. all single removals of
+one greedy step.
+
+Two keyword parameters are not options: ``losses`` (above) and ``profile``, a
+precomputed `lorp.Profile` of the same S that `select_layers` passes to any method whose
+signature names it, so RLS, K and the clusters are computed once per model, not once per
+selection.
 """
 
 from __future__ import annotations
@@ -22,9 +39,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from lorp.locality import is_int, is_real
+from lorp.model_profile import Profile
 from lorp.similarity import LayerSimilarity, SimilarityStats
+from lorp.surgery import kept_layers
 
-Evaluator = Callable[[tuple[int, ...]], float]
+# losses(candidates) -> one mean calibration NLL per candidate set of blocks to drop.
+Losses = Callable[[list[tuple[int, ...]]], list[float]]
+# check(options, n_blocks): raise ValueError("option 'x': ...") for a bad value. `options`
+# holds every option (defaults filled in); n_blocks is None when not known yet.
+OptionCheck = Callable[[Mapping[str, Any], int | None], None]
+NOT_OPTIONS = ("losses", "profile")
 
 
 @dataclass(frozen=True)
@@ -40,18 +65,17 @@ class Selection:
 
     @property
     def kept(self) -> tuple[int, ...]:
-        pruned = set(self.layers)
-        return tuple(i for i in range(self.n_blocks) if i not in pruned)
+        return tuple(kept_layers(self.n_blocks, self.layers))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
             "budget": self.budget,
             "n_blocks": self.n_blocks,
-            "options": _jsonable(dict(self.options)),
+            "options": jsonable(dict(self.options)),
             "pruned": list(self.layers),
             "kept": list(self.kept),
-            "details": _jsonable(dict(self.details)),
+            "details": jsonable(dict(self.details)),
         }
 
 
@@ -60,12 +84,17 @@ class PruningMethod(Protocol):
 
 
 @dataclass(frozen=True)
-class MethodSpec:
+class RegisteredMethod:
+    """A registry entry: the function, its options' defaults, its value check and flags."""
+
     name: str
     fn: PruningMethod
     defaults: Mapping[str, Any]
-    needs_output_state: bool
-    needs_evaluator: bool
+    needs_output_state: bool = False
+    needs_evaluator: bool = False
+    needs_last_token: bool = False
+    takes_profile: bool = False
+    check: OptionCheck | None = None
 
     @property
     def summary(self) -> str:
@@ -73,32 +102,56 @@ class MethodSpec:
         return doc.splitlines()[0] if doc else ""
 
 
-_REGISTRY: dict[str, MethodSpec] = {}
+_REGISTRY: dict[str, RegisteredMethod] = {}
 
 
 def register_method(
-    name: str, *, needs_output_state: bool = False, needs_evaluator: bool = False
+    name: str,
+    *,
+    needs_output_state: bool = False,
+    needs_evaluator: bool = False,
+    needs_last_token: bool = False,
+    check: OptionCheck | None = None,
 ) -> Callable[[Callable[..., Selection]], Callable[..., Selection]]:
-    """Decorator: register `fn` as method `name`; a second registration of a name fails."""
+    """Decorator: register `fn` as method `name`; a second registration of a name fails.
+
+    `check(options, n_blocks)` validates option values beyond what the defaults' types
+    say (see `validate_options`)."""
 
     def decorator(fn: Callable[..., Selection]) -> Callable[..., Selection]:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
-        params = list(inspect.signature(fn).parameters.values())
-        defaults = {}
-        for p in params[2:]:
-            if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.default is inspect.Parameter.empty:
-                raise TypeError(
-                    f"method {name!r}: option {p.name!r} must be keyword-only with a default"
-                )
-            if p.name != "evaluator":
-                defaults[p.name] = p.default
-        if needs_evaluator and "evaluator" not in {p.name for p in params}:
-            raise TypeError(f"method {name!r} needs an evaluator but takes no 'evaluator' argument")
-        _REGISTRY[name] = MethodSpec(name, fn, defaults, needs_output_state, needs_evaluator)
+        params = list(inspect.signature(fn).parameters.values())[2:]
+        defaults = _option_defaults(name, params)
+        names = {p.name for p in params}
+        if needs_evaluator and "losses" not in names:
+            raise TypeError(f"method {name!r} needs an evaluator but takes no 'losses' argument")
+        _REGISTRY[name] = RegisteredMethod(
+            name,
+            fn,
+            defaults,
+            needs_output_state=needs_output_state,
+            needs_evaluator=needs_evaluator,
+            needs_last_token=needs_last_token,
+            takes_profile="profile" in names,
+            check=check,
+        )
         return fn
 
     return decorator
+
+
+def _option_defaults(name: str, params: list[inspect.Parameter]) -> dict[str, Any]:
+    """The options of a method: its keyword-only parameters, each with a default."""
+    defaults = {}
+    for p in params:
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.default is inspect.Parameter.empty:
+            raise TypeError(
+                f"method {name!r}: option {p.name!r} must be keyword-only with a default"
+            )
+        if p.name not in NOT_OPTIONS:
+            defaults[p.name] = p.default
+    return defaults
 
 
 def unregister_method(name: str) -> None:
@@ -106,7 +159,7 @@ def unregister_method(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-def get_method(name: str) -> MethodSpec:
+def get_method(name: str) -> RegisteredMethod:
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -117,6 +170,63 @@ def get_method(name: str) -> MethodSpec:
 
 def available_methods() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def validate_options(
+    method: str, options: Mapping[str, Any], n_blocks: int | None = None
+) -> dict[str, Any]:
+    """Check a method's options, names and values, without running it; return them with
+    the defaults filled in.
+
+    Every option must be one the method declares; a value must have its default's type
+    (bool, int, float or str; an int serves a float option; None defaults are the
+    method's check's business); then the method's own `check` runs, with `n_blocks` when
+    known (bounds such as "k exceeds the number of blocks" need it). Raises ValueError:
+    "method 'lorp' option 'variant': must be one of paper, released, got 'latest'".
+    """
+    spec = get_method(method)
+    unknown = sorted(set(options) - set(spec.defaults))
+    if unknown:
+        known = ", ".join(sorted(spec.defaults)) or "none"
+        raise ValueError(f"method {method!r} has no option {unknown[0]!r} (options: {known})")
+    merged = {**spec.defaults, **options}
+    try:
+        for name, value in options.items():
+            check_type_like(name, value, spec.defaults[name])
+        if spec.check is not None:
+            spec.check(merged, n_blocks)
+    except ValueError as exc:
+        raise ValueError(f"method {method!r} {exc}") from None
+    return merged
+
+
+def check_type_like(name: str, value: Any, default: Any) -> None:
+    """Raise ValueError("option 'name': ...") unless `value` has the type of `default`."""
+    if default is None or isinstance(default, list | tuple | Mapping):
+        return
+    if isinstance(default, bool):
+        ok, what = isinstance(value, bool | np.bool_), "true or false"
+    elif isinstance(default, int | np.integer):
+        ok, what = is_int(value), "an integer"
+    elif isinstance(default, float | np.floating):
+        ok, what = is_real(value), "a number"
+    elif isinstance(default, str):
+        ok, what = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"option {name!r}: must be {what}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"option {name!r}: must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_seed(name: str, value: Any) -> None:
+    """numpy's and scikit-learn's seeds: an integer in [0, 2**32)."""
+    if not is_int(value) or not 0 <= value < 2**32:
+        raise ValueError(f"option {name!r}: must be an integer in [0, 2**32), got {value!r}")
 
 
 def resolve_budget(budget: int | float, n_blocks: int) -> int:
@@ -150,31 +260,34 @@ def select_layers(
     budget: int | float,
     method: str = "lorp",
     *,
-    evaluator: Evaluator | None = None,
+    losses: Losses | None = None,
+    profile: Profile | None = None,
     **options: Any,
 ) -> Selection:
     """Choose `budget` blocks to prune with a registered method.
 
     `stats` is a `SimilarityStats` (every method), or an N x N block-input matrix (only the
-    methods that need no output state). `budget` is a block count or a fraction of N.
+    methods that need neither the output state nor last-token statistics). `budget` is a
+    block count or a fraction of N. `losses` (a `Losses`) is required by, and only handed
+    to, methods registered with ``needs_evaluator``. `profile` (`lorp.profile` of the same
+    S) is handed to methods that take one and ignored by the others; the selection is the
+    same with or without it.
     """
     spec = get_method(method)
     similarity = as_similarity(stats)
-    unknown = sorted(set(options) - set(spec.defaults))
-    if unknown:
-        known = ", ".join(sorted(spec.defaults)) or "none"
-        raise ValueError(f"method {method!r} has no option {unknown[0]!r} (options: {known})")
-    if spec.needs_output_state and not similarity.has_output:
-        raise ValueError(
-            f"method {method!r} needs the last block's output state: give it a SimilarityStats "
-            "file (.npz), not a bare N x N matrix"
-        )
+    merged = validate_options(method, options, similarity.n_blocks)
+    _check_inputs(spec, similarity)
     n_budget = resolve_budget(budget, similarity.n_blocks)
     kwargs = dict(options)
     if spec.needs_evaluator:
-        if evaluator is None:
-            raise ValueError(f"method {method!r} scores candidate models: pass evaluator=")
-        kwargs["evaluator"] = evaluator
+        if losses is None:
+            raise ValueError(
+                f"method {method!r} scores candidate models: pass losses=, a callable from "
+                "candidate sets of blocks to drop to their calibration losses"
+            )
+        kwargs["losses"] = losses
+    if spec.takes_profile and profile is not None:
+        kwargs["profile"] = profile
     chosen = spec.fn(similarity, n_budget, **kwargs)
     layers = tuple(sorted(int(i) for i in chosen.layers))
     if len(set(layers)) != n_budget or any(not 0 <= i < similarity.n_blocks for i in layers):
@@ -184,9 +297,23 @@ def select_layers(
         method=method,
         budget=n_budget,
         n_blocks=similarity.n_blocks,
-        options={**spec.defaults, **options},
+        options=merged,
         details=chosen.details,
     )
+
+
+def _check_inputs(spec: RegisteredMethod, similarity: LayerSimilarity) -> None:
+    """Refuse, in one line, statistics that lack what the method reads."""
+    if spec.needs_output_state and not similarity.has_output:
+        raise ValueError(
+            f"method {spec.name!r} needs the last block's output state: give it a "
+            "SimilarityStats file (.npz), not a bare N x N matrix"
+        )
+    if spec.needs_last_token and not similarity.has_last_token:
+        raise ValueError(
+            f"method {spec.name!r} needs last-token statistics: give it a SimilarityStats "
+            "file (.npz) captured by lorp.capture, not a bare matrix"
+        )
 
 
 def best_window(scores: Sequence[float], starts: Sequence[int]) -> int:
@@ -194,14 +321,16 @@ def best_window(scores: Sequence[float], starts: Sequence[int]) -> int:
     return min(zip(starts, scores, strict=True), key=lambda sc: (-sc[1], sc[0]))[0]
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Plain JSON types; non-finite floats become None (JSON has no -inf)."""
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | np.ndarray):
-        return [_jsonable(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
+        return [jsonable(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
     if isinstance(value, np.integer):
         return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
     if isinstance(value, float | np.floating):
         return float(value) if np.isfinite(value) else None
     return value
