@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lorp import SimilarityStats, available_methods, select_layers  # noqa: E402
+from lorp import SimilarityStats, available_methods, get_method, select_layers  # noqa: E402
 from lorp.architectures import decoder_stack  # noqa: E402
 from lorp.capture import capture_stats  # noqa: E402
 from lorp.clustering import cluster_layers  # noqa: E402
@@ -150,7 +150,7 @@ def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[
 
     from pipeline.calibration import _write_parquet
     from pipeline.spec import Resources
-    from pipeline.workers import CaptureWorker, tree_reduce
+    from pipeline.workers import CaptureTask, CaptureWorker, tree_reduce
 
     tmp = Path(tempfile.mkdtemp(prefix="lorp-bench-"))
     shards = []
@@ -161,17 +161,13 @@ def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         start = time.perf_counter()
-        workers = [
-            CaptureWorker.options(num_cpus=1).remote(
-                model_path, "float32", Resources(num_cpus=1), "fp", "cal"
-            )
-            for _ in range(2)
-        ]
+        task = CaptureTask(model_path, "", "float32", "cal", Resources(num_cpus=1), batch_size=4)
+        workers = [CaptureWorker.options(num_cpus=1).remote(task) for _ in range(2)]
         ray.get([w.__ray_ready__.remote() for w in workers])
         load_s = time.perf_counter() - start
 
         def run() -> None:
-            tree_reduce([w.capture.remote(s, 4) for w, s in zip(workers, shards, strict=True)])
+            tree_reduce([w.capture.remote(s) for w, s in zip(workers, shards, strict=True)])
 
         t_ray = median_time(run, repeats)
     finally:
@@ -191,6 +187,8 @@ def selection_benchmarks(repeats: int) -> dict[str, float]:
         s.update(x)
         budget = n // 4
         for method in available_methods():
+            if get_method(method).needs_evaluator:  # scores models: not a selection cost
+                continue
             t = median_time(lambda m=method, s=s, b=budget: select_layers(s, b, m), repeats)
             out[f"select_ms.{method}.n{n}"] = t * 1000
         S = s.matrix()
@@ -221,19 +219,20 @@ def evaluation_benchmarks(quick: bool) -> dict[str, float]:
     from lorp.perplexity import perplexity
     from lorp.sources import load_model
     from lorp.surgery import drop_layers, save_pruned
-    from pipeline.speed import prefill_latency
+    from pipeline.speed import interleaved_speedup
 
     out: dict[str, float] = {}
     lm = load_model("smollm2-135m")
     n = lm.n_blocks
     seq = 256 if quick else 512
-    dense_lat = prefill_latency(lm.model, seq, repeats=5)["latency_ms"]
-    for frac in (0.1, 0.2, 0.3):
+    for frac in (0.1, 0.2, 0.3):  # dense and pruned interleaved in this one process
         k = round(frac * n)
         m = load_model("smollm2-135m").model
         drop_layers(m, list(range(n - 1 - k, n - 1)))
-        lat = prefill_latency(m, seq, repeats=5)["latency_ms"]
-        out[f"prefill_speedup.removed_{k}_of_{n}"] = dense_lat / lat
+        timing = interleaved_speedup(lm.model, m, seq, pairs=7)
+        out[f"prefill_speedup.removed_{k}_of_{n}"] = timing["speedup"]
+        out[f"prefill_speedup_std.removed_{k}_of_{n}"] = timing["speedup_std"]
+        del m
     drop_layers(lm.model, [20, 21, 22])
     tmp = Path(tempfile.mkdtemp(prefix="lorp-bench-"))
     ckpt = save_pruned(lm.model, lm.tokenizer, tmp / "pruned", {})
@@ -330,9 +329,12 @@ def main() -> int:
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True))
-    if args.readme:
+    violations = speedup_violations(figures)
+    for line in violations:
+        print(f"check failed: {line}", file=sys.stderr)
+    if args.readme and not violations:
         write_readme(Path(args.readme), table, args)
-    return 0
+    return 1 if violations else 0
 
 
 TARGETS = [
@@ -367,6 +369,25 @@ TARGETS = [
 ]
 
 
+SPEEDUP_SLACK = 1.05  # a measured speed-up more than 5% above N/(N-k) is a broken timing
+
+
+def speedup_blocks(what: str) -> tuple[int, int]:
+    """'removed_3_of_30' -> (3, 30)."""
+    parts = what.split("_")
+    return int(parts[1]), int(parts[3])
+
+
+def speedup_violations(f: dict[str, Any]) -> list[str]:
+    """Measured speed-ups above what removing k of N blocks allows (plus 5%)."""
+    bad = []
+    for key in sorted(k for k in f if k.startswith("prefill_speedup.")):
+        k, n = speedup_blocks(key.split(".", 1)[1])
+        if f[key] > n / (n - k) * SPEEDUP_SLACK:
+            bad.append(f"{key} = {f[key]:.3f}x exceeds N/(N-k) = {n / (n - k):.3f}x by > 5%")
+    return bad
+
+
 def render_table(f: dict[str, Any]) -> str:
     lines = ["| figure | value | target | met |", "| --- | --- | --- | --- |"]
     for key, label, target, ok in TARGETS:
@@ -376,8 +397,15 @@ def render_table(f: dict[str, Any]) -> str:
         met = "-" if ok is None else ("yes" if ok(v) else "**no**")
         lines.append(f"| {label} (`{key}`) | {v:.4g} | {target} | {met} |")
     for key in sorted(k for k in f if k.startswith("prefill_speedup.")):
-        what = key.split(".", 1)[1].replace("_", " ")
-        lines.append(f"| pruned vs dense prefill, {what} | {f[key]:.3f}x | - | - |")
+        what = key.split(".", 1)[1]
+        k, n = speedup_blocks(what)
+        bound = n / (n - k)
+        std = f.get(f"prefill_speedup_std.{what}", 0.0)
+        met = "yes" if f[key] <= bound * SPEEDUP_SLACK else "**no: above the bound**"
+        lines.append(
+            f"| pruned vs dense prefill, {what.replace('_', ' ')} (interleaved, median) "
+            f"| {f[key]:.3f}x ± {std:.3f} | <= N/(N-k) = {bound:.3f}x | {met} |"
+        )
     lines.append(f"\nMeasured on {f['machine']}; {f['tokens']} calibration tokens.")
     return "\n".join(lines)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from lorp.atomic import atomic_file
 from lorp.data import (
     CORPUS_ALIASES,
     Corpus,
     calibration_fingerprint,
     calibration_windows,
     load_corpus,
+    prepend_bos,
+    resolve_bos,
     tokenize_documents,
 )
 from pipeline.spec import CalibrationSpec
@@ -34,6 +36,8 @@ class CalibrationShards:
     fingerprint: str
     paths: tuple[Path, ...]
     tokens: int
+    bos: int | None = None
+    """The BOS id every window starts with (None: no BOS)."""
 
 
 def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
@@ -61,7 +65,8 @@ def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> Calibr
     """Tokenize, cut `spec.samples` windows and split them into `spec.shards` parquet files.
     Reuses existing shards with the same fingerprint."""
     corpus = load_any_corpus(spec.dataset, spec.split, spec.text_field)
-    fp = calibration_fingerprint(corpus, spec.samples, spec.seq_len, spec.seed)
+    bos = resolve_bos(tokenizer, spec.bos)
+    fp = calibration_fingerprint(corpus, spec.samples, spec.seq_len, spec.seed, bos_id=bos)
     tok_id = hashlib.sha256(
         (getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))).encode()
     ).hexdigest()[:8]
@@ -76,24 +81,39 @@ def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> Calibr
             spec.seed,
             name=f"corpus {spec.dataset!r} ({corpus.split})",
         )
+        if bos is not None:
+            windows = prepend_bos(windows, bos)
         shard_dir.mkdir(parents=True, exist_ok=True)
         for path, part in zip(paths, np.array_split(windows.numpy(), spec.shards), strict=True):
             _write_parquet(path, part)
-    return CalibrationShards(fp, paths, spec.samples * spec.seq_len)
+    return CalibrationShards(fp, paths, spec.samples * spec.seq_len, bos)
+
+
+def heldout_windows(tokenizer: Any, spec: CalibrationSpec) -> tuple[np.ndarray, str]:
+    """`spec.loss_samples` windows from the calibration split, drawn with `seed + 1`, for the
+    losses of loss-guided methods (never part of S), and their fingerprint."""
+    corpus = load_any_corpus(spec.dataset, spec.split, spec.text_field)
+    bos = resolve_bos(tokenizer, spec.bos)
+    seed = spec.seed + 1
+    windows = calibration_windows(
+        tokenize_documents(tokenizer, corpus),
+        spec.loss_samples,
+        spec.seq_len,
+        seed,
+        name=f"corpus {spec.dataset!r} ({corpus.split})",
+    )
+    if bos is not None:
+        windows = prepend_bos(windows, bos)
+    fp = calibration_fingerprint(corpus, spec.loss_samples, spec.seq_len, seed, bos_id=bos)
+    return windows.numpy(), f"heldout:{fp}"
 
 
 def _write_parquet(path: Path, windows: np.ndarray) -> None:
     arr = pa.FixedSizeListArray.from_arrays(
         pa.array(windows.astype(np.int32).reshape(-1)), windows.shape[1]
     )
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         pq.write_table(pa.table({"input_ids": arr}), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_shard(path: str | os.PathLike[str]) -> torch.Tensor:

@@ -9,13 +9,14 @@ newest wins).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from lorp.atomic import atomic_file
 
 CORE_SCHEMA = pa.schema(
     [
@@ -25,6 +26,7 @@ CORE_SCHEMA = pa.schema(
         ("model_ref", pa.string()),
         ("family", pa.string()),
         ("fingerprint", pa.string()),
+        ("dtype", pa.string()),
         ("n_blocks", pa.int64()),
         ("method", pa.string()),
         ("method_label", pa.string()),
@@ -36,13 +38,20 @@ CORE_SCHEMA = pa.schema(
         ("stages", pa.string()),
         ("rls", pa.float64()),
         ("k", pa.int64()),
+        ("labels", pa.list_(pa.int64())),
         ("calibration", pa.string()),
+        ("evaluation", pa.string()),
+        ("zero_shot", pa.string()),
         ("stats_file", pa.string()),
         ("params", pa.int64()),
         ("params_dense", pa.int64()),
         ("checkpoint", pa.string()),
         ("eval_backend", pa.string()),
+        ("degraded", pa.bool_()),
+        ("tracking_uri", pa.string()),
+        ("experiment_id", pa.string()),
         ("mlflow_run_id", pa.string()),
+        ("model_uri", pa.string()),
         ("created_at", pa.string()),
         ("lorp_version", pa.string()),
     ]
@@ -70,20 +79,43 @@ def write_catalog(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = to_table(rows)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 
+def slot(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a row answers for: one job's model, method label and budget. A rerun with
+    other evaluation settings gives the slot a new grid key; its row replaces the old."""
+    return (row["job"], row["model"], row["method_label"], row["budget"])
+
+
 def upsert(rows: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Rows with `row` replacing any row of the same grid key."""
-    return [r for r in rows if r["grid_key"] != row["grid_key"]] + [dict(row)]
+    """Rows with `row` replacing any row of the same grid key or slot."""
+    keep = [r for r in rows if r["grid_key"] != row["grid_key"] and slot(r) != slot(row)]
+    return keep + [dict(row)]
+
+
+class Catalog:
+    """A job's catalog file and its rows in memory; every change is written at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows = read_catalog(path)
+
+    def by_key(self) -> dict[str, dict[str, Any]]:
+        return {r["grid_key"]: r for r in self.rows}
+
+    def put(self, row: Mapping[str, Any]) -> None:
+        self.rows = upsert(self.rows, row)
+        write_catalog(self.path, self.rows)
+
+    def update(self, grid_key: str, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Add or replace columns of one row (figures measured after the point)."""
+        row = self.by_key()[grid_key]
+        row.update(values)
+        write_catalog(self.path, self.rows)
+        return row
 
 
 def merge_catalogs(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:

@@ -1,10 +1,11 @@
-"""`lorp run` and `lorp catalog merge`: the pipeline's subcommands, plugged into the `lorp`
-console script through the `lorp.commands` entry-point group. Heavy imports (Ray, MLflow)
-happen inside the commands, so `lorp select` stays fast."""
+"""`lorp run`, `lorp status`, `lorp catalog merge` and `lorp pull`: the pipeline's
+subcommands, plugged into the `lorp` console script through the `lorp.commands` entry-point
+group. Heavy imports (Ray, MLflow) happen inside the commands, so `lorp select` stays fast."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -16,29 +17,66 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("spec", metavar="JOB.yaml")
     p.add_argument("--force", action="store_true", help="redo grid points already done")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
 
 
+def talk(quiet: bool) -> None:
+    """Progress lines on stderr, one per capture and point, unless --quiet."""
+    logger = logging.getLogger("pipeline")
+    if quiet or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def run(args: argparse.Namespace) -> int:
+    from pipeline.progress import Progress
     from pipeline.run import run_job
     from pipeline.spec import load_spec
     from pipeline.tracking import redact
 
     spec = load_spec(args.spec)
-    summary = run_job(spec, force=args.force)
+    talk(args.quiet)
+    progress = Progress(bar=False if args.quiet else None)
+    summary = run_job(spec, force=args.force, progress=progress)
     uri = redact(summary.tracking_uri)
     print(f"catalog      {summary.catalog.resolve()}")
     print(f"mlflow       {uri}")
-    browse = f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}"
-    print(f"             browse: {browse}")
+    print(f"             browse: mlflow ui --host 127.0.0.1 --backend-store-uri {uri}")
     print(f"checkpoints  {summary.checkpoints.resolve()}")
     print(
         f"grid points  {summary.done} done, {summary.skipped} already done, "
         f"{len(summary.failed)} failed; S captured {summary.captured}, from cache {summary.cached}"
     )
+    for line in summary.degraded:
+        print(f"degraded     {line}")
     for failure in summary.failed:
         print(f"failed: {failure}", file=sys.stderr)
     return 1 if summary.failed else 0
+
+
+def add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="how far a job is: points done, failed and left",
+        description="Summarise a run directory's job, while it runs or after it ended.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=status)
+
+
+def status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.status import format_status, run_status
+
+    for line in format_status(run_status(Path(args.run_dir))):
+        print(line)
+    return 0
 
 
 def add_catalog(sub: argparse._SubParsersAction) -> None:
@@ -56,4 +94,33 @@ def merge(args: argparse.Namespace) -> int:
     rows = merge_catalogs(args.catalogs)
     write_catalog(args.out, rows)
     print(f"wrote {args.out}: {len(rows)} rows from {len(args.catalogs)} catalogs")
+    return 0
+
+
+def add_pull(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pull",
+        help="copy a registered variant's checkpoint out of the MLflow Model Registry",
+        description="Copy the checkpoint directory that a model version points at into DIR "
+        "(atomically): models:/<name>/<version> or models:/<name>@<alias> (best-8, dense).",
+    )
+    p.add_argument("uri", metavar="URI")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="the MLflow store holding the registry (default: $MLFLOW_TRACKING_URI)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
+    p.set_defaults(func=pull)
+
+
+def pull(args: argparse.Namespace) -> int:
+    from pipeline.model_registry import pull as pull_version
+
+    out, mv = pull_version(
+        args.uri, args.out, tracking_uri=args.tracking_uri, overwrite=args.overwrite
+    )
+    method, budget = mv.tags.get("method_label", "?"), mv.tags.get("budget", "?")
+    print(f"wrote {out}: {mv.name} version {mv.version} ({method}, budget {budget})")
     return 0

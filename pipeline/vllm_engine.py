@@ -112,10 +112,14 @@ def lm_eval_vllm_shim() -> None:
     md.version = version
 
 
-def release(engine: Any) -> None:
-    """Free an engine's memory before the next checkpoint's engine starts in this process."""
-    del engine
-    free_memory()
+def prepare_vllm() -> None:
+    """Per-process setup before an engine starts: CPU defaults where there is no GPU, and
+    the lm-eval version shim (harmless on GPU, where `vllm` is installed by that name)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        cpu_defaults()
+    lm_eval_vllm_shim()
 
 
 def free_memory() -> None:
@@ -126,83 +130,3 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _evaluator_class():  # type: ignore[no-untyped-def]
-    import ray
-
-    @ray.remote
-    class VLLMEvaluator:
-        """One per GPU, reused across checkpoints. It runs a whole grid point: surgery,
-        speed and saving with transformers (then freed), then an engine over the saved
-        checkpoint, scored on batches of windows and released before the next point. One
-        actor owns its GPU end to end, so no second task ever waits for that GPU."""
-
-        def __init__(self, spec: Any) -> None:
-            import torch
-
-            self.spec = spec
-            if not torch.cuda.is_available():
-                cpu_defaults()
-            lm_eval_vllm_shim()
-
-        def run(self, task: Any, model_dir: str) -> dict[str, Any]:
-            from pipeline.workers import execute_point
-
-            result = execute_point(task)
-            free_memory()  # the transformers copy goes before the engine comes
-            result["metrics"] |= self.evaluate(model_dir, task.dtype)
-            return result
-
-        def evaluate(self, model_dir: str, dtype: str) -> dict[str, float]:
-            from transformers import AutoTokenizer
-
-            from pipeline.evaluation import corpus_windows, metric_name
-
-            spec = self.spec
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            max_len = spec.seq_len + 8
-            engine = make_engine(
-                model_dir,
-                dtype=dtype,
-                max_model_len=max_len,
-                tensor_parallel_size=spec.tensor_parallel_size,
-            )
-            metrics = {}
-            try:
-                for corpus in spec.perplexity:
-                    windows = corpus_windows(tokenizer, corpus, spec).tolist()
-                    metrics[metric_name(corpus)] = perplexity_vllm(engine, windows)
-            finally:
-                release(engine)
-            if spec.zero_shot:
-                from lm_eval.models.vllm_causallms import VLLM
-
-                from pipeline.zero_shot import evaluate_zero_shot
-
-                lm = VLLM(
-                    pretrained=model_dir,
-                    dtype=dtype,
-                    enforce_eager=True,
-                    max_model_len=max_len,
-                    tensor_parallel_size=spec.tensor_parallel_size,
-                )
-                try:
-                    metrics |= evaluate_zero_shot(
-                        lm, list(spec.zero_shot), limit=spec.zero_shot_limit
-                    )
-                finally:
-                    release(lm)
-            return metrics
-
-    return VLLMEvaluator
-
-
-def vllm_evaluators(n: int, spec: Any, num_cpus: float, num_gpus: float) -> list[Any]:
-    cls = _evaluator_class()
-    return [
-        cls.options(
-            num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=2, max_task_retries=2
-        ).remote(spec)
-        for _ in range(n)
-    ]

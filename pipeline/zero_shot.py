@@ -61,17 +61,34 @@ def check_tasks(names: list[str]) -> None:
 
 
 def scores(results: dict[str, Any], names: list[str]) -> dict[str, float]:
-    """`acc_<task>` per task and their mean `acc_avg`, in percent as the paper reports."""
-    out = {}
+    """`acc_<task>` per task and their mean `acc_avg`, in percent as the paper reports, and
+    `n_<task>`, the items scored (the accuracy's standard error depends on it)."""
+    out, counts = {}, {}
     for name in names:
         task, metric = TASKS[name]
         entry = results["results"][task]
         value = entry.get(f"{metric},none", entry.get("acc,none"))
         out[f"acc_{name}"] = 100.0 * float(value)
+        n = results.get("n-samples", {}).get(task, {}).get("effective")
+        if n is not None:
+            counts[f"n_{name}"] = float(n)
     finite = [v for v in out.values() if math.isfinite(v)]
     if finite:
         out["acc_avg"] = sum(finite) / len(finite)
-    return out
+    return out | counts
+
+
+def task_split(name: str) -> str:
+    """The split a task scores: the one its YAML names (lm-eval's own for RACE)."""
+    task_file = TASKS_DIR / f"{TASKS[name][0]}.yaml"
+    if not task_file.is_file():
+        return "test"  # lm-eval's race task scores its test split
+    text = task_file.read_text()
+    for key in ("test_split", "validation_split"):
+        for line in text.splitlines():
+            if line.startswith(f"{key}:"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def evaluate_zero_shot(

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from job_specs import tiny_job
+from job_specs import write_job as write_spec
 from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
 from pipeline.catalog import read_catalog
-from pipeline.workers import FAULT_MARKER_ENV, FAULT_SHARD_ENV
+from pipeline.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
@@ -33,26 +34,9 @@ def model(tmp_path_factory) -> Path:
 
 
 def write_job(tmp_path: Path, model: Path, name: str, **extra) -> Path:  # type: ignore[no-untyped-def]
-    spec = {
-        "name": name,
-        "output_dir": str(tmp_path / name),
-        "cache_dir": str(tmp_path / f"cache-{name}"),
-        "models": [{"ref": str(model), "name": "tiny"}],
-        "budgets": [1, 2, 3],
-        "methods": [{"name": "lorp"}, {"name": "shortgpt"}, {"name": "streamline"}],
-        "calibration": {
-            "dataset": "ptb",
-            "samples": 12,
-            "seq_len": 48,
-            "shards": 3,
-            "batch_size": 2,
-        },
-        "evaluation": {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
-        "ray": {"num_cpus": 2},
-    } | extra
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    evaluation = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+    spec = tiny_job(tmp_path, model, name, evaluation=evaluation, ray={"num_cpus": 2})
+    return write_spec(tmp_path, spec | extra)
 
 
 def stats_of(run_dir: Path) -> SimilarityStats:
@@ -138,8 +122,6 @@ def test_unwritable_output_directory(model: Path, tmp_path: Path) -> None:
 
 
 def test_grid_worker_killed_mid_checkpoint_is_retried(model: Path, tmp_path: Path) -> None:
-    from pipeline.workers import FAULT_POINT_ENV
-
     job = write_job(tmp_path, model, "pointfault", budgets=[2], methods=[{"name": "lorp"}])
     marker = tmp_path / "died-once"
     env = dict(os.environ, **{FAULT_POINT_ENV: "lorp-b2", FAULT_MARKER_ENV: str(marker)})

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,15 +16,17 @@ import numpy as np
 import pytest
 import ray
 import yaml
+from job_specs import tiny_job, write_job
 from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
 from pipeline.calibration import read_shard, write_shards
 from pipeline.catalog import read_catalog
-from pipeline.run import EventLog, run_job
-from pipeline.spec import CalibrationSpec, Resources, parse_spec
-from pipeline.workers import distributed_capture
+from pipeline.records import EventLog
+from pipeline.run import run_job
+from pipeline.spec import CalibrationSpec, parse_spec
+from pipeline.workers import CaptureTask, distributed_capture
 
 pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,23 +50,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def job(tmp_path: Path, model: Path, **overrides) -> dict:  # type: ignore[no-untyped-def]
-    spec = {
-        "name": "grid",
-        "output_dir": str(tmp_path / "run"),
-        "cache_dir": str(tmp_path / "cache"),
-        "models": [{"ref": str(model), "name": "tiny"}],
-        "budgets": [1, 2, 3],
-        "methods": [{"name": "lorp"}, {"name": "shortgpt"}, {"name": "streamline"}],
-        "calibration": {
-            "dataset": "ptb",
-            "samples": 12,
-            "seq_len": 48,
-            "shards": 3,
-            "batch_size": 2,
-        },
-        "evaluation": {"enabled": False},
-    }
-    return spec | overrides
+    spec = tiny_job(tmp_path, model, **overrides)
+    return spec | {"output_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache")}
 
 
 def mlflow_runs(run_dir: Path, experiment: str) -> list:  # type: ignore[no-untyped-def]
@@ -80,15 +69,8 @@ def test_one_shard_equals_three_shards_through_ray(local_ray, models, tmp_path: 
         cal = CalibrationSpec(samples=12, seq_len=48, shards=shards, batch_size=2)
         sh = write_shards(tok, cal, tmp_path / f"s{shards}")
         assert len(sh.paths) == shards
-        stats = distributed_capture(
-            str(models["llama"]),
-            "float32",
-            [str(p) for p in sh.paths],
-            2,
-            Resources(),
-            "fp",
-            sh.fingerprint,
-        )
+        task = CaptureTask(str(models["llama"]), "", "float32", sh.fingerprint, batch_size=2)
+        stats = distributed_capture(task, [str(p) for p in sh.paths])
         results.append(stats)
     one, three = results
     assert one.tokens == three.tokens == 12 * 48
@@ -179,8 +161,7 @@ def test_lorp_run_cli_with_evaluation_and_catalog_merge(models, tmp_path: Path) 
         ]
         spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 4}
         spec["ray"] = {"num_cpus": 2}
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(f"# lorp run {path}\n" + yaml.safe_dump(spec))
+        path = write_job(tmp_path, spec)
         specs.append(spec)
         out = subprocess.run([LORP, "run", str(path)], capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -258,3 +239,105 @@ def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) ->
     assert {r["eval_backend"] for r in rows} == {"vllm"}
     assert all(np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1 for r in rows)
     assert all(0.0 <= r["acc_copa"] <= 100.0 for r in rows)  # lm-eval's vllm backend, shimmed
+
+
+def test_driver_talks_status_follows_and_changed_evaluation_reevaluates(
+    models, tmp_path: Path
+) -> None:
+    """`lorp run` prints a line per point; `lorp status` reads the run while it goes and
+    after; a changed evaluation setting re-evaluates every point from the cached S."""
+    from pipeline.status import run_status
+
+    ev = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+    spec = job(tmp_path, models["llama"], name="talk", budgets=[1, 2],
+               methods=[{"name": "shortgpt"}], evaluation=ev, ray={"num_cpus": 2})  # fmt: skip
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([LORP, "run", str(write_job(tmp_path, spec))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    states = set()
+    while proc.poll() is None:
+        if (run_dir / "events.jsonl").is_file():
+            states.add(run_status(run_dir).state)
+        time.sleep(0.3)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "running" in states
+    lines = [ln for ln in err.splitlines() if re.search(r"\[\d/3\] tiny ", ln)]
+    assert len(lines) == 3, err[-3000:]  # dense + 2 budgets, each with its figure and ETA
+    assert all("ppl_ptb" in ln and "left, ETA" in ln for ln in lines)
+    assert "[3/3]" in lines[-1] and "0 left" in lines[-1]
+
+    status = subprocess.run([LORP, "status", str(run_dir)], capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    assert "finished" in status.stdout and "3 done, 0 failed, 0 left of 3" in status.stdout
+    before = by_slot(run_dir)
+
+    spec["evaluation"] = ev | {"max_windows": 3}
+    again = subprocess.run([LORP, "run", "-q", str(write_job(tmp_path, spec))],
+                           capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "3 done, 0 already done" in again.stdout and "from cache 1" in again.stdout
+    assert not re.search(r"\[\d/3\]", again.stderr)  # --quiet
+    after = by_slot(run_dir)
+    assert set(after) == set(before) and len(after) == 3  # replaced, not added
+    for name, row in after.items():
+        assert row["grid_key"] != before[name]["grid_key"]
+        assert row["ppl_ptb"] != before[name]["ppl_ptb"]  # 3 windows, not 2
+        assert json.loads(row["evaluation"])["max_windows"] == 3
+    runs = [r for r in mlflow_runs(run_dir, "talk") if r.data.tags["lorp.kind"] == "point"]
+    assert {r.info.run_id for r in runs} == {r["mlflow_run_id"] for r in after.values()}
+
+
+def by_slot(run_dir: Path) -> dict[str, dict]:
+    return {
+        f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog.parquet")
+    }
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ({"name": "lorp", "options": {"variant": "latest"}}, r"methods\[0\].options: .*'latest'"),
+        ({"name": "lorp", "options": {"k": 0}}, r"methods\[0\].options: .*'k'.*got 0"),
+        ({"name": "lorp", "options": {"k": 7}}, r"methods\[0\].options: .*7 exceeds .*\(6\)"),
+    ],
+)
+def test_bad_option_value_fails_before_any_file(models, tmp_path: Path, method, message) -> None:  # type: ignore[no-untyped-def]
+    spec = job(tmp_path, models["llama"], name="bad", methods=[method])
+    out = subprocess.run([LORP, "run", str(write_job(tmp_path, spec))],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert re.search(message, out.stderr), out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_loss_guided_methods_score_candidates_on_parallel_actors(
+    local_ray, models, tmp_path: Path
+) -> None:
+    """sleb and lorp-loss get a `losses` callable served by 2 Ray actors at once; their
+    selections are cached, so a rerun evaluates nothing."""
+    methods = [{"name": "sleb"}, {"name": "lorp-loss"}]
+    spec = job(tmp_path, models["llama"], name="loss", budgets=[2], methods=methods)
+    summary = run_job(parse_spec(spec))
+    assert summary.done == 2 and not summary.failed
+    rows = {r["method"]: r for r in read_catalog(tmp_path / "run" / "catalog.parquet")}
+    assert rows["sleb"]["n_evals"] == 4 + 3  # N=6: blocks 1..4, then the 3 left
+    assert 0 < rows["lorp-loss"]["n_evals"] <= rows["sleb"]["n_evals"]
+    assert all(r["select_s"] > 0 for r in rows.values())
+    events = EventLog(tmp_path / "run" / "events.jsonl").read()
+    batches = [e for e in events if e["event"] == "losses"]
+    assert (
+        sum(e["candidates"] for e in batches)
+        == rows["sleb"]["n_evals"] + rows["lorp-loss"]["n_evals"]
+    )
+    overlapping = [
+        e for e in batches
+        if len({s["pid"] for s in e["spans"]}) == 2
+        and max(s["start"] for s in e["spans"]) < min(s["end"] for s in e["spans"])
+    ]  # fmt: skip
+    assert overlapping  # two actors scored shares of one batch at the same time
+
+    again = run_job(parse_spec(spec))
+    assert again.skipped == 2
+    events = EventLog(tmp_path / "run" / "events.jsonl").read()
+    assert len([e for e in events if e["event"] == "losses"]) == len(batches)  # cached

@@ -1,0 +1,173 @@
+"""The quality report: the paper's Table 2 for the models we can run, through `lorp run`.
+
+    python benchmarks/quality.py [--models smollm2-135m ...] [--readme README.md]
+    python benchmarks/quality.py --bos-check      # Gemma 3 dense PTB perplexity, BOS on/off
+
+It runs `jobs/quality.yaml` (optionally restricted to some models) with the product's own
+driver, then renders one table per model from the catalog: PTB test perplexity at each
+budget for every method, the dense row, the best non-degraded variant per budget in bold,
+degraded variants marked, and each method's candidate evaluations and selection time. A
+rerun resumes: finished points are skipped, S and loss-guided selections come from the
+caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.catalog import read_catalog  # noqa: E402
+
+BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
+PAPER_METHODS = ("lorp", "shortgpt", "streamline")
+
+
+def run(models: list[str] | None) -> Path:
+    from pipeline.cli import talk
+    from pipeline.run import run_job
+    from pipeline.spec import load_spec
+
+    spec = load_spec(ROOT / "jobs" / "quality.yaml")
+    if models:
+        import dataclasses
+
+        keep = tuple(m for m in spec.models if m.label in models)
+        if not keep:
+            raise SystemExit(f"--models: none of {models} is in jobs/quality.yaml")
+        spec = dataclasses.replace(spec, models=keep)
+    talk(False)
+    summary = run_job(spec)
+    return summary.catalog
+
+
+def _ppl(row: dict[str, Any]) -> float:
+    value = row.get("ppl_ptb")
+    return float(value) if value is not None else math.nan
+
+
+def model_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One model's Table 2: methods x budgets, best per budget bold, degraded marked."""
+    budgets = sorted({r["budget"] for r in rows if r["budget"]})
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    by = defaultdict(dict)
+    for r in rows:
+        if r["budget"]:
+            by[r["method_label"]][r["budget"]] = r
+    best = {
+        b: min(
+            (by[m][b] for m in by if b in by[m] and not by[m][b].get("degraded")),
+            key=_ppl,
+            default=None,
+        )
+        for b in budgets
+    }
+    head = "| method | " + " | ".join(f"{b} blocks: pruned | PPL" for b in budgets)
+    lines = [head + " | evaluations | selection s |"]
+    lines.append("| --- " * (2 * len(budgets) + 3) + "|")
+    if dense:
+        cells = " | ".join(f"- | {_ppl(dense):,.1f}" for _ in budgets)
+        lines.append(f"| dense | {cells} | - | - |")
+    for label in sorted(by, key=lambda m: min(_ppl(r) for r in by[m].values())):
+        cells, evals, secs = [], 0.0, 0.0
+        for b in budgets:
+            r = by[label].get(b)
+            if r is None:
+                cells.append("- | -")
+                continue
+            figure = f"{_ppl(r):,.1f}"
+            figure = f"**{figure}**" if best[b] is r else figure
+            figure += " (degraded)" if r.get("degraded") else ""
+            cells.append(f"{' '.join(str(x) for x in r['pruned_layers'])} | {figure}")
+            evals += r.get("n_evals") or 0
+            secs += r.get("select_s") or 0
+        lines.append(f"| {label} | {' | '.join(cells)} | {int(evals)} | {secs:.1f} |")
+    return lines
+
+
+def findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the paper's ranking (LoRP ahead of ShortGPT and Streamline) holds here."""
+    out = []
+    for b in sorted({r["budget"] for r in rows if r["budget"]}):
+        at = {r["method_label"]: _ppl(r) for r in rows if r["budget"] == b}
+        if not all(m in at for m in PAPER_METHODS):
+            continue
+        rest = min(at["shortgpt"], at["streamline"])
+        verdict = "holds" if at["lorp"] <= rest else "does not hold"
+        out.append(
+            f"at {b} blocks the paper's ranking {verdict} (LoRP {at['lorp']:,.1f}, "
+            f"best of ShortGPT/Streamline {rest:,.1f})"
+        )
+    return out
+
+
+def render(catalog: Path) -> str:
+    rows = read_catalog(catalog)
+    parts = [
+        "Reproduce: `python benchmarks/quality.py --readme README.md` (runs "
+        "`jobs/quality.yaml` through `lorp run`).",
+        "",
+    ]
+    for model in sorted({r["model"] for r in rows}):
+        mrows = [r for r in rows if r["model"] == model]
+        n = mrows[0]["n_blocks"]
+        parts += [f"**{model}** (N = {n}; PTB test, 32 x 512, BOS per the tokenizer)", ""]
+        parts += model_table(mrows) + [""]
+        parts += [f"- {line}" for line in findings(mrows)] + [""]
+    return "\n".join(parts)
+
+
+def write_readme(path: Path, text: str) -> None:
+    doc = path.read_text()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in doc:
+        doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END) :]
+    else:
+        doc += f"\n## Quality report\n\n{block}\n"
+    path.write_text(doc)
+
+
+def bos_check() -> None:
+    import torch
+
+    from lorp.perplexity import perplexity
+    from lorp.sources import load_model
+    from pipeline.evaluation import corpus_windows
+    from pipeline.spec import EvaluationSpec
+
+    torch.set_num_threads(2)
+    lm = load_model("gemma3-270m")
+    for bos in ("auto", "never"):
+        windows = corpus_windows(
+            lm.tokenizer, "ptb", EvaluationSpec(seq_len=512, max_windows=16, bos=bos)
+        )
+        print(
+            f"gemma3-270m dense PTB perplexity, 16 x 512, bos {bos}: "
+            f"{perplexity(lm.model, windows, batch_size=4):.1f}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="restrict to these model labels")
+    parser.add_argument("--readme", help="write the tables into this README")
+    parser.add_argument("--bos-check", action="store_true", help="Gemma 3 with and without BOS")
+    args = parser.parse_args()
+    if args.bos_check:
+        bos_check()
+        return 0
+    text = render(run(args.models))
+    print(text)
+    if args.readme:
+        write_readme(Path(args.readme), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Evaluation backends behind one interface: perplexity of token windows and zero-shot
+accuracy, with a context manager that really frees the engine.
+
+- `TransformersBackend` scores the model already in memory (the grid point's pruned model).
+- `VLLMBackend` starts one vLLM engine over a saved checkpoint and serves both perplexity
+  (prompt log-probabilities) and zero-shot (lm-eval's `VLLM` wraps that same engine), so a
+  point starts one engine, not two. Pitfalls: engines start only in a subprocess or a Ray
+  actor (vLLM re-imports `__main__`); see `pipeline.vllm_engine`.
+
+`evaluate` is the one per-corpus loop both backends share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+from pipeline.spec import EvaluationSpec
+
+BACKEND_NAMES = ("transformers", "vllm")
+
+
+class Backend(Protocol):
+    name: str
+
+    def perplexity(self, windows: torch.Tensor) -> float:
+        """exp(mean NLL) over non-overlapping windows [n, T] (position 0 is not scored)."""
+        ...
+
+    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
+        """`acc_<task>` (percent), `n_<task>` (items scored) and `acc_avg`."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine and its memory; the backend is unusable afterwards."""
+        ...
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 4) -> None:
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+
+    def perplexity(self, windows: torch.Tensor) -> float:
+        from lorp.perplexity import perplexity
+
+        return perplexity(self.model, windows, batch_size=self.batch_size)
+
+    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
+        from pipeline.zero_shot import hf_zero_shot
+
+        return hf_zero_shot(
+            self.model, self.tokenizer, tasks, limit=limit, batch_size=self.batch_size
+        )
+
+    def close(self) -> None:
+        self.model = self.tokenizer = None  # the caller owns the model; drop our references
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model_dir: str, dtype: str, max_model_len: int, tp: int = 1) -> None:
+        from lm_eval.models.vllm_causallms import VLLM
+
+        from pipeline.vllm_engine import prepare_vllm
+
+        prepare_vllm()
+        # lm-eval's wrapper owns the engine (`.model`); perplexity reuses that engine.
+        self._lm: Any = VLLM(
+            pretrained=model_dir,
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tp,
+        )
+
+    def perplexity(self, windows: torch.Tensor) -> float:
+        from pipeline.vllm_engine import perplexity_vllm
+
+        return perplexity_vllm(self._lm.model, windows.tolist())
+
+    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
+        from pipeline.zero_shot import evaluate_zero_shot
+
+        return evaluate_zero_shot(self._lm, tasks, limit=limit)
+
+    def close(self) -> None:
+        from pipeline.vllm_engine import free_memory
+
+        self._lm = None  # the only reference: the engine goes with it
+        free_memory()
+
+
+@contextmanager
+def open_backend(backend: Backend) -> Iterator[Backend]:
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str, float]:
+    """Perplexity on every configured corpus, then the zero-shot tasks."""
+    from pipeline.evaluation import corpus_windows, metric_name
+
+    metrics = {}
+    for corpus in spec.perplexity:
+        metrics[metric_name(corpus)] = backend.perplexity(corpus_windows(tokenizer, corpus, spec))
+    if spec.zero_shot:
+        metrics |= backend.zero_shot(list(spec.zero_shot), spec.zero_shot_limit)
+    return metrics

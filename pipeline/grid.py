@@ -1,0 +1,190 @@
+"""The grid stages of a job: run the points and record each one as it ends, then the speed
+pass and the quality gate, which add figures to rows already written.
+
+Recording order for a point: catalog row first, then the MLflow run is closed, so a killed
+driver never leaves a FINISHED run without its row (the next start closes the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from pipeline.evaluation import metric_name
+from pipeline.plan import GridPoint
+from pipeline.records import PointResult, RowContext, catalog_row, headline, point_params
+from pipeline.records import provenance as point_provenance
+from pipeline.scheduler import first_line, make_pool, run_points, run_speed_pass, whole_node
+from pipeline.workers import PointTask, SpeedTask
+
+if TYPE_CHECKING:
+    from pipeline.job import JobRun
+
+SPEED_COLUMNS = ("latency_ms", "latency_dense_ms", "speedup", "speedup_std", "peak_mem_gib")
+
+
+def point_task(job: JobRun, point: GridPoint, backend: str) -> PointTask:
+    ckpt = job.checkpoint(point)
+    plan = point.model
+    return PointTask(
+        grid_key=point.key,
+        model_path=str(plan.path),
+        fingerprint=plan.fingerprint,
+        dtype=plan.spec.dtype,
+        layers=point.layers,
+        checkpoint_dir=str(ckpt) if ckpt else None,
+        provenance=point_provenance(job.spec, point),
+        evaluation=job.spec.evaluation,
+        resources=job.spec.resources.grid,
+        trust_remote_code=plan.spec.trust_remote_code,
+        backend=backend,
+    )
+
+
+def run_grid(job: JobRun, todo: list[GridPoint], backend: str) -> None:
+    """Every point to do, `max_concurrent_points` at once, each recorded as it ends."""
+    if not todo:
+        return
+    spec = job.spec
+    capacity = max(1, min(len(todo), spec.resources.max_concurrent_points))
+    pool = make_pool(backend, capacity, spec.resources.grid)
+    items = [(p, point_task(job, p, backend)) for p in todo]
+
+    def on_start(p: GridPoint) -> None:
+        run_id = job.tracker.start_point(spec.name, job.parents[p.model.label], p.key, p.name)
+        job.tracker.log(run_id, params=point_params(p))
+        job.run_ids[p.key] = run_id
+
+    run_points(
+        items,
+        pool,
+        on_start,
+        lambda p, r: record_point(job, p, r, backend),
+        lambda p, e: record_failure(job, p, e),
+    )
+
+
+def record_point(job: JobRun, point: GridPoint, result: PointResult, backend: str) -> None:
+    run_id = job.run_ids[point.key]
+    ckpt = job.checkpoint(point)
+    ctx = RowContext(
+        job.tracker.display_uri,
+        job.tracker.experiment_id,
+        run_id,
+        str(ckpt) if ckpt else None,
+        backend,
+    )
+    row = catalog_row(job.spec, point, job.facts[point.model.label], result, ctx)
+    job.catalog.put(row)  # before FINISHED: see the module docstring
+    metrics = {
+        **result.metrics,
+        "params": result.params,
+        "seconds": result.seconds,
+        "n_evals": point.n_evals,
+        "select_s": point.select_s,
+    }
+    job.tracker.log(
+        run_id, metrics=metrics, tags={"checkpoint": ckpt or "", "eval_backend": backend}
+    )
+    job.tracker.log_evaluation_inputs(run_id, job.spec.evaluation, result.zero_shot)
+    job.tracker.finish(run_id)
+    job.summary.done += 1
+    job.events(
+        "point",
+        grid_key=point.key,
+        model=point.model.label,
+        method=point.label,
+        budget=point.budget,
+        seconds=round(result.seconds, 3),
+    )
+    name = f"{point.model.label} {point.name}"
+    job.progress.point(name, headline(row, job.spec.evaluation.perplexity), result.seconds)
+
+
+def record_failure(job: JobRun, point: GridPoint, exc: BaseException) -> None:
+    job.tracker.finish(job.run_ids[point.key], "FAILED")
+    cause = first_line(exc)
+    job.summary.failed.append(f"{point.model.label}/{point.label}/{point.budget}: {cause}")
+    job.events("point_failed", grid_key=point.key, error=str(exc)[-4000:], cause=cause)
+    job.progress.point(f"{point.model.label} {point.name}", cause, 0.0, ok=False)
+
+
+# -- speed -------------------------------------------------------------------------------
+
+
+def _missing(row: dict[str, Any], column: str) -> bool:
+    value = row.get(column)
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
+    """One task per model whose finished variants lack speed figures."""
+    ev, rows = job.spec.evaluation, job.catalog.by_key()
+    if not (ev.enabled and ev.speed):
+        return []
+    pending: dict[str, list[GridPoint]] = defaultdict(list)
+    for p in points:
+        if p.key in rows and _missing(rows[p.key], "speedup"):
+            pending[p.model.label].append(p)
+    resources = whole_node(job.spec.resources.speed, job.spec.resources.grid.num_gpus)
+    return [
+        SpeedTask(
+            str(ps[0].model.path),
+            ps[0].model.fingerprint,
+            ps[0].model.spec.dtype,
+            tuple((p.key, p.layers) for p in ps),
+            ev.seq_len,
+            ev.speed_repeats,
+            resources,
+            ps[0].model.spec.trust_remote_code,
+        )
+        for ps in pending.values()
+    ]
+
+
+def run_speed(job: JobRun, points: list[GridPoint]) -> None:
+    """Time every finished variant against its dense model, one model at a time."""
+    tasks = speed_tasks(job, points)
+    if not tasks:
+        return
+    job.progress.note(f"speed: {len(tasks)} model(s), each on a whole node")
+
+    def done(task: SpeedTask, figures: dict[str, dict[str, float]]) -> None:
+        for key, values in figures.items():
+            row = job.catalog.update(key, values)
+            job.tracker.log(row["mlflow_run_id"], metrics=values)
+        job.events("speed", model=task.model_path, variants=len(figures))
+
+    def failed(task: SpeedTask, exc: BaseException) -> None:
+        job.events("speed_failed", model=task.model_path, cause=first_line(exc))
+        job.progress.note(f"speed failed for {task.model_path}: {first_line(exc)}")
+
+    run_speed_pass(tasks, done, failed)
+
+
+# -- quality gate ------------------------------------------------------------------------
+
+
+def run_quality_gate(job: JobRun, points: list[GridPoint]) -> None:
+    """`ppl_ratio` (variant / dense on the first corpus) and `degraded` on every row."""
+    ev = job.spec.evaluation
+    if not (ev.enabled and ev.perplexity):
+        return
+    column, rows = metric_name(ev.perplexity[0]), job.catalog.by_key()
+    dense = {p.model.label: rows.get(p.key) for p in points if p.is_dense}
+    for p in points:
+        row, base = rows.get(p.key), dense.get(p.model.label)
+        if row is None or base is None or _missing(row, column) or _missing(base, column):
+            continue
+        ratio = float(row[column]) / float(base[column])
+        degraded = ratio > ev.degraded_ratio
+        if row.get("ppl_ratio") != ratio or row.get("degraded") != degraded:
+            job.catalog.update(p.key, {"ppl_ratio": ratio, "degraded": degraded})
+            job.tracker.log(
+                row["mlflow_run_id"],
+                metrics={"ppl_ratio": ratio},
+                tags={"degraded": str(degraded).lower()},
+            )
+        if degraded:
+            job.summary.degraded.append(f"{p.model.label} {p.name}: {column} x{ratio:,.1f}")

@@ -1,0 +1,105 @@
+"""`JobRun`: one execution of a job spec, the context every stage of the driver shares:
+the spec, the run directory, the MLflow tracker, the event log, the catalog, progress, and
+what the stages learn on the way (model facts, parent runs, point runs)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from lorp import Selection, get_method
+from lorp import profile as lorp_profile
+from pipeline.catalog import Catalog, slot
+from pipeline.losses import LossSelector
+from pipeline.plan import GridPoint, ModelPlan, checkpoint_dir, plan_points, similarity_selector
+from pipeline.progress import Progress
+from pipeline.records import EventLog, ModelFacts, RunSummary
+from pipeline.spec import JobSpec, MethodSpec
+from pipeline.tracking import Tracker, default_tracking_uri
+
+
+class JobRun:
+    """One execution of a job spec: its run directory, records and progress."""
+
+    def __init__(self, spec: JobSpec, force: bool, progress: Progress) -> None:
+        self.spec, self.force, self.progress = spec, force, progress
+        self.run_dir = spec.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or spec.tracking.mlflow_uri
+        uri = uri or default_tracking_uri(self.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.catalog = Catalog(self.run_dir / "catalog.parquet")
+        self.summary = RunSummary(self.run_dir, self.catalog.path, uri, self.ckpt_root)
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        experiment = spec.tracking.experiment or spec.name
+        self.tracker = Tracker(uri, experiment, self.run_dir / "mlartifacts")
+        self.facts: dict[str, ModelFacts] = {}
+        self.parents: dict[str, str] = {}
+        self.run_ids: dict[str, str] = {}
+
+    def open(self) -> None:
+        """Repair what a killed predecessor left: stale MLflow runs, partial checkpoints."""
+        completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
+        closed = self.tracker.close_stale_runs(self.spec.name, completed)
+        if self.ckpt_root.is_dir():
+            for partial in self.ckpt_root.glob("*/.*.partial"):
+                shutil.rmtree(partial, ignore_errors=True)
+        self.events(
+            "start",
+            job=self.spec.name,
+            force=self.force,
+            closed_stale_runs=closed,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+
+    def prepare_model(self, plan: ModelPlan, backend: str) -> list[GridPoint]:
+        """S (cached or captured), the model's profile and parent run, and its points."""
+        from pipeline.statistics import describe, model_statistics
+
+        ms = model_statistics(self.spec, plan, self.run_dir, self.force)
+        self.summary.captured += ms.source == "computed"
+        self.summary.cached += ms.source == "cache"
+        self.events("capture", model=plan.label, **describe(ms))
+        self.progress.capture(plan.label, ms.source, ms.seconds, ms.stats.tokens)
+        prof = lorp_profile(ms.stats.matrix())
+        key = plan.model_key(ms.stats.calibration_fingerprint)
+        parent = self.tracker.model_run(self.spec.name, key, plan.label)
+        self.tracker.record_model(parent, self.spec, plan, ms, prof)
+        self.facts[plan.label] = ModelFacts(
+            prof.rls, prof.k, list(prof.labels) if prof.labels is not None else None, str(ms.file)
+        )
+        self.parents[plan.label] = parent
+        loss_guided = LossSelector(self, plan, ms.stats, ms.file.stem, prof)
+        plain = similarity_selector(ms.stats, prof)
+
+        def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
+            guided = get_method(m.name).needs_evaluator
+            return (loss_guided if guided else plain)(m, budget)
+
+        try:
+            return plan_points(self.spec, plan, key, backend, select)
+        finally:
+            loss_guided.close()
+
+    def todo(self, points: list[GridPoint]) -> list[GridPoint]:
+        """Points not yet in the catalog (all with `force`); replaced rows lose their run."""
+        done = self.catalog.by_key()
+        slots = {slot(r): r for r in self.catalog.rows}
+        todo = []
+        for p in points:
+            if p.key in done and not self.force:
+                self.summary.skipped += 1
+                continue
+            old = done.get(p.key) or slots.get((self.spec.name, p.model.label, p.label, p.budget))
+            if old and old.get("mlflow_run_id"):
+                self.tracker.delete(old["mlflow_run_id"])  # the redo replaces the old run
+            todo.append(p)
+        return todo
+
+    def checkpoint(self, point: GridPoint) -> Path | None:
+        if not (self.spec.save_checkpoints and point.layers):
+            return None
+        return checkpoint_dir(self.ckpt_root, point).resolve()

@@ -1,0 +1,196 @@
+"""Loss-guided selection on the fleet: the `Losses` callable that `sleb`, `ppl` and
+`lorp-loss` consume, served by Ray actors, and a cache of their selections.
+
+Each `LossWorker` actor loads the dense model once and scores candidate block sets on the
+held-out calibration windows (`lorp.loss.LossEvaluator`: blocks dropped in memory, no
+checkpoint written). `RayLosses` splits each batch of candidates over the actors, so the
+candidates of one greedy step run in parallel, and records every batch with the time span
+each actor spent on its share (`events.jsonl`, event `losses`). The held-out windows are
+cut from the calibration split with `seed + 1` and never enter S; the test split is never
+used for selection.
+
+A loss-guided selection costs minutes, so it is cached by content key (S, the held-out
+windows, method, options, budget): a rerun or a resumed job selects instantly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from lorp import Selection
+from lorp.atomic import atomic_file
+from lorp.methods.registry import jsonable
+from pipeline.spec import Resources
+
+
+@dataclass(frozen=True)
+class LossTask:
+    model_path: str
+    fingerprint: str
+    dtype: str
+    windows: np.ndarray
+    """Held-out calibration windows [n, T] (BOS first where the policy adds one)."""
+    batch_size: int = 4
+    resources: Resources = field(default_factory=Resources)
+    trust_remote_code: bool = False
+
+
+@ray.remote
+class LossWorker:
+    """One loaded dense model; scores shares of candidate batches."""
+
+    def __init__(self, task: LossTask) -> None:
+        import torch
+
+        from lorp.loss import LossEvaluator
+        from pipeline.workers import load_checked
+
+        torch.set_num_threads(max(1, int(task.resources.num_cpus)))
+        device = "cuda" if task.resources.num_gpus > 0 else "cpu"
+        lm = load_checked(
+            task.model_path, task.fingerprint, task.dtype, device, task.trust_remote_code
+        )
+        windows = torch.from_numpy(task.windows.astype(np.int64))
+        self.evaluator = LossEvaluator(lm.model, windows, batch_size=task.batch_size)
+
+    def score(self, candidates: list[tuple[int, ...]]) -> tuple[list[float], dict[str, Any]]:
+        start = time.time()
+        losses = self.evaluator(candidates)
+        span = {"pid": os.getpid(), "start": start, "end": time.time(), "n": len(candidates)}
+        return losses, span
+
+
+class RayLosses:
+    """`losses(candidates) -> list[float]` over `n` actors; counts every evaluation."""
+
+    def __init__(self, task: LossTask, n: int, events: Any) -> None:
+        res = task.resources
+        self.actors = [
+            LossWorker.options(
+                num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2, max_task_retries=2
+            ).remote(task)
+            for _ in range(max(1, n))
+        ]
+        self.events, self.n_evals = events, 0
+
+    def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
+        shares = [candidates[i :: len(self.actors)] for i in range(len(self.actors))]
+        refs = [a.score.remote(s) for a, s in zip(self.actors, shares, strict=True) if s]
+        results = ray.get(refs)
+        out: list[float] = [0.0] * len(candidates)
+        for i, (losses, _) in enumerate(results):
+            out[i :: len(self.actors)] = losses
+        self.n_evals += len(candidates)
+        self.events("losses", candidates=len(candidates), spans=[s for _, s in results])
+        return out
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class SelectionCache:
+    """Selections of loss-guided methods as JSON files, by content key."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, key: str) -> tuple[Selection, float] | None:
+        path = self.root / f"{key}.json"
+        if not path.is_file():
+            return None
+        d = json.loads(path.read_text())
+        sel = Selection(
+            layers=tuple(d["pruned"]),
+            method=d["method"],
+            budget=d["budget"],
+            n_blocks=d["n_blocks"],
+            options=d["options"],
+            details=d["details"],
+        )
+        return sel, float(d.get("select_s", 0.0))
+
+    def put(self, key: str, selection: Selection, seconds: float) -> None:
+        record = selection.to_dict() | {"select_s": seconds}
+        with atomic_file(self.root / f"{key}.json") as tmp:
+            Path(tmp).write_text(json.dumps(jsonable(record), sort_keys=True))
+
+
+class LossSelector:
+    """Selections of loss-guided methods for one model: cached, else computed on
+    `RayLosses` actors that start on first use and stop with `close()`."""
+
+    def __init__(self, job: Any, plan: Any, stats: Any, stats_key: str, profile: Any) -> None:
+        from pipeline.statistics import stats_cache_dir
+
+        self.job, self.plan, self.stats, self.profile = job, plan, stats, profile
+        self.stats_key = stats_key
+        self.cache = SelectionCache(stats_cache_dir(job.spec) / "selections")
+        self.heldout: tuple[np.ndarray, str] | None = None
+        self.losses: RayLosses | None = None
+
+    def __call__(self, method: Any, budget: int) -> tuple[Selection, float]:
+        from lorp.methods import select_layers, validate_options
+        from pipeline.plan import content_key
+        from pipeline.progress import duration
+
+        windows, fp = self._heldout()
+        options = validate_options(method.name, method.options)
+        key = content_key(self.stats_key, fp, method.name, options, budget)
+        hit = None if self.job.force else self.cache.get(key)
+        if hit is not None:
+            return hit
+        start = time.perf_counter()
+        sel = select_layers(
+            self.stats,
+            budget,
+            method.name,
+            profile=self.profile,
+            losses=self._losses(windows),
+            **method.options,
+        )
+        seconds = time.perf_counter() - start
+        self.cache.put(key, sel, seconds)
+        n = sel.details.get("n_evals", 0)
+        name = f"{self.plan.label} {method.key}-b{budget}"
+        self.job.progress.note(f"selected {name}: {n} evaluations in {duration(seconds)}")
+        return sel, seconds
+
+    def _heldout(self) -> tuple[np.ndarray, str]:
+        if self.heldout is None:
+            from transformers import AutoTokenizer
+
+            from pipeline.calibration import heldout_windows
+
+            trust = self.plan.spec.trust_remote_code
+            tok = AutoTokenizer.from_pretrained(str(self.plan.path), trust_remote_code=trust)
+            self.heldout = heldout_windows(tok, self.job.spec.calibration)
+        return self.heldout
+
+    def _losses(self, windows: np.ndarray) -> RayLosses:
+        if self.losses is None:
+            spec, plan = self.job.spec, self.plan
+            task = LossTask(
+                str(plan.path),
+                plan.fingerprint,
+                plan.spec.dtype,
+                windows,
+                spec.evaluation.batch_size,
+                spec.resources.grid,
+                plan.spec.trust_remote_code,
+            )
+            self.losses = RayLosses(task, spec.resources.max_concurrent_points, self.job.events)
+        return self.losses
+
+    def close(self) -> None:
+        if self.losses is not None:
+            self.losses.close()
+            self.losses = None

@@ -1,0 +1,224 @@
+"""Planning: what a job will do, decided before any Ray task, MLflow run or file exists.
+
+Pure: no Ray, no MLflow. `plan_models` resolves and checks every model (reference, family,
+context length, budgets, method option values against N), so every input error surfaces
+here, before the run directory is created. `plan_points` turns one model's statistics into
+its grid points, each holding the `Selection` it will prune. Keys name exactly what a
+figure depends on, so a rerun skips what is done and redoes what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lorp import Selection, select_layers
+from lorp.architectures import architecture_for
+from lorp.methods import resolve_budget, validate_options
+from lorp.similarity import FORMAT_VERSION, SimilarityStats
+from lorp.sources import materialize, parse_model_ref, read_config
+from pipeline.spec import EvaluationSpec, JobSpec, MethodSpec, ModelSpec, SpecError
+
+BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
+
+
+def content_key(*parts: Any) -> str:
+    """A short, stable hash of JSON-able parts."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model of the job, resolved to a local directory and checked."""
+
+    spec: ModelSpec
+    path: Path
+    fingerprint: str
+    n_blocks: int
+    family: str
+    budgets: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def stats_key(self, calibration: str) -> str:
+        """The S cache key: the same weights, calibration and dtype share one S."""
+        return content_key(self.fingerprint, calibration, self.spec.dtype, FORMAT_VERSION)
+
+    def model_key(self, calibration: str) -> str:
+        return content_key(self.fingerprint, calibration, self.spec.dtype)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One (model, method, budget) of the grid; the dense point has no selection."""
+
+    key: str
+    model: ModelPlan
+    method: MethodSpec | None
+    selection: Selection | None
+    select_s: float = 0.0
+    """Wall time of the selection (loss-guided methods: their candidate evaluations)."""
+
+    @property
+    def is_dense(self) -> bool:
+        return self.selection is None
+
+    @property
+    def method_name(self) -> str:
+        return self.method.name if self.method else "dense"
+
+    @property
+    def label(self) -> str:
+        return self.method.key if self.method else "dense"
+
+    @property
+    def budget(self) -> int:
+        return self.selection.budget if self.selection else 0
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.selection.layers if self.selection else ()
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.selection.to_dict()["options"] if self.selection else {}
+
+    @property
+    def n_evals(self) -> int:
+        """Candidate models the selection evaluated (0 for similarity-only methods)."""
+        return int(self.selection.details.get("n_evals", 0)) if self.selection else 0
+
+    @property
+    def name(self) -> str:
+        """Run and checkpoint name: `<label>-b<budget>`."""
+        return f"{self.label}-b{self.budget}" if self.selection else "dense"
+
+
+def safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def checkpoint_dir(root: Path, point: GridPoint) -> Path:
+    return root / safe_name(point.model.label) / safe_name(point.name)
+
+
+def evaluation_key(spec: EvaluationSpec, backend: str) -> dict[str, Any]:
+    """The evaluation settings that change a figure (batch sizes and parallelism do not)."""
+    fields = asdict(spec)
+    for name in ("batch_size", "tensor_parallel_size", "backend", "degraded_ratio"):
+        fields.pop(name, None)
+    return {**fields, "backend": backend}
+
+
+def grid_key(model_key: str, point: str, options: Mapping[str, Any], budget: int, ev: Any) -> str:
+    return content_key(model_key, point, dict(options), budget, ev)
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+def plan_models(spec: JobSpec) -> list[ModelPlan]:
+    """Resolve and check every model; all input errors surface here, naming the field."""
+    for i, m in enumerate(spec.models):
+        try:
+            parse_model_ref(m.ref)
+        except ValueError as exc:
+            raise SpecError(f"models[{i}].ref: {exc}") from None
+    return [_plan_model(spec, i, m) for i, m in enumerate(spec.models)]
+
+
+def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
+    from lorp.fingerprint import fingerprint_checkpoint
+
+    try:
+        path = materialize(m.ref, allow_pickle=m.allow_pickle)
+        config = read_config(path)
+        family = architecture_for(str(config.get("model_type"))).family
+    except ValueError as exc:
+        raise SpecError(f"models[{i}].ref: {exc}") from None
+    n = int(config["num_hidden_layers"])
+    _check_context(spec, m, config.get("max_position_embeddings"))
+    budgets = []
+    for j, b in enumerate(spec.budgets):
+        try:
+            budgets.append(resolve_budget(b, n))
+        except ValueError as exc:
+            raise SpecError(f"budgets[{j}]: {exc} ({m.label})") from None
+    for j, method in enumerate(spec.methods):
+        try:
+            validate_options(method.name, method.options, n_blocks=n)
+        except ValueError as exc:
+            raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
+    fingerprint = fingerprint_checkpoint(path)
+    return ModelPlan(m, path, fingerprint, n, family, tuple(sorted(set(budgets))))
+
+
+def _check_context(spec: JobSpec, m: ModelSpec, max_pos: int | None) -> None:
+    """Windows (plus a BOS token where the policy may add one) must fit the context."""
+    if max_pos is None:
+        return
+    for field, seq_len, bos in (
+        ("calibration.seq_len", spec.calibration.seq_len, spec.calibration.bos),
+        ("evaluation.seq_len", spec.evaluation.seq_len, spec.evaluation.bos),
+    ):
+        if field.startswith("evaluation") and not spec.evaluation.enabled:
+            continue
+        need = seq_len + (bos != "never")
+        if need > max_pos:
+            raise SpecError(
+                f"{field}: {seq_len} (+1 BOS unless bos: never) exceeds {m.label}'s "
+                f"max_position_embeddings {max_pos}"
+            )
+
+
+def resolve_backend(spec: JobSpec, vllm_installed: bool) -> str:
+    """Decided once per job and recorded: none, transformers or vllm."""
+    ev = spec.evaluation
+    if not ev.enabled:
+        return "none"
+    if ev.backend != "auto":
+        return ev.backend
+    gpu = spec.resources.grid.num_gpus > 0
+    return "vllm" if gpu and vllm_installed and spec.save_checkpoints else "transformers"
+
+
+# -- points ------------------------------------------------------------------------------
+
+
+Selector = Callable[[MethodSpec, int], tuple[Selection, float]]
+"""(method, budget) -> (selection, seconds): how a point's blocks are chosen."""
+
+
+def similarity_selector(stats: SimilarityStats, profile: Any = None) -> Selector:
+    """Select from S alone (every method that needs no candidate evaluations)."""
+
+    def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
+        start = time.perf_counter()
+        sel = select_layers(stats, budget, m.name, profile=profile, **m.options)
+        return sel, time.perf_counter() - start
+
+    return select
+
+
+def plan_points(
+    spec: JobSpec, plan: ModelPlan, model_key: str, backend: str, select: Selector
+) -> list[GridPoint]:
+    """The dense point (when evaluating) and one point per budget x method, selected now."""
+    ev = evaluation_key(spec.evaluation, backend) if spec.evaluation.enabled else None
+    points = []
+    if spec.evaluation.enabled:
+        points.append(GridPoint(grid_key(model_key, "dense", {}, 0, ev), plan, None, None))
+    for budget in plan.budgets:
+        for m in spec.methods:
+            sel, seconds = select(m, budget)
+            key = grid_key(model_key, m.name, sel.to_dict()["options"], budget, ev)
+            points.append(GridPoint(key, plan, m, sel, seconds))
+    return points

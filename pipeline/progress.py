@@ -1,0 +1,76 @@
+"""A driver that talks: one log line per capture and per finished point (model, method,
+budget, headline figure, elapsed, points left, ETA), and a progress bar on terminals only.
+
+Lines go through the `pipeline` logger at INFO; `lorp run` shows them unless `--quiet`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("pipeline")
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class Progress:
+    """Counts the grid's points and says how far the job is."""
+
+    def __init__(self, bar: bool | None = None) -> None:
+        self.total = self.done = self.failed = 0
+        self.start = time.monotonic()
+        self.bar: Any = None
+        self.want_bar = sys.stderr.isatty() if bar is None else bar
+
+    def capture(self, model: str, source: str, seconds: float, tokens: int) -> None:
+        how = "from cache" if source == "cache" else f"captured in {duration(seconds)}"
+        log.info("S %-24s %s (%s calibration tokens)", model, how, f"{tokens:,}")
+
+    def grid(self, total: int, skipped: int) -> None:
+        self.total = total
+        log.info("grid: %d points to run, %d already done", total, skipped)
+        if self.want_bar and total:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="points", unit="pt", leave=False)
+
+    def point(self, name: str, figure: str, seconds: float, ok: bool = True) -> None:
+        self.done += ok
+        self.failed += not ok
+        ended = self.done + self.failed
+        left = self.total - ended
+        elapsed = time.monotonic() - self.start
+        eta = duration(elapsed / ended * left) if ended and left else "-"
+        status = figure if ok else f"FAILED: {figure}"
+        self._write(
+            f"[{ended}/{self.total}] {name}: {status} ({duration(seconds)}); {left} left, ETA {eta}"
+        )
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def note(self, text: str) -> None:
+        self._write(text)
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.clear()
+        log.info(line)
+        if self.bar is not None:
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

