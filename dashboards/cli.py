@@ -19,16 +19,17 @@ def add_dashboard(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dashboards.site import build_site, experiment_ids
+    from dashboards.site import build_site, legacy_tracking
     from pipeline.catalog import merge_catalogs
 
     run_dir = Path(args.run_dir)
     catalogs = args.catalog or [str(run_dir / "catalog.parquet")]
     rows = merge_catalogs(catalogs)
-    db = run_dir / "mlflow.db"
-    exp = experiment_ids(f"sqlite:///{db.resolve()}", rows) if db.is_file() else {}
+    # Rows name their own store and experiment; only older catalogs need RUN_DIR's store.
     index = build_site(
-        rows, Path(args.out) if args.out else run_dir / "dashboard", experiment_ids=exp
+        rows,
+        Path(args.out) if args.out else run_dir / "dashboard",
+        fallback_tracking=legacy_tracking(run_dir, rows),
     )
     print(f"dashboard    {index.resolve()}")
     print(

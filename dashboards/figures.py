@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import io
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -69,8 +70,28 @@ def distance_svg(profiles: Mapping[str, np.ndarray], highlight: str | None = Non
     return _svg(fig)
 
 
+# One point of a trade-off line: (cost, quality, error half-width or None, degraded).
+TradeoffPoint = tuple[float, float, float | None, bool]
+
+
+def _tradeoff_line(ax: Any, pts: Sequence[TradeoffPoint], color: str, label: str) -> None:
+    pts = sorted(p for p in pts if np.isfinite(p[1]))
+    if not pts:
+        return
+    x, y = [p[0] for p in pts], [p[1] for p in pts]
+    err = [p[2] or 0.0 for p in pts]
+    if any(p[2] is not None for p in pts):
+        ax.errorbar(x, y, yerr=err, marker="o", color=color, capsize=3, label=label)
+    else:
+        ax.plot(x, y, marker="o", color=color, label=label)
+    bad = [p for p in pts if p[3]]
+    if bad:  # degraded variants: crossed out, so a figure never hides the quality gate
+        ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="black",
+                   zorder=3)  # fmt: skip
+
+
 def tradeoff_svg(
-    lines: Mapping[str, Sequence[tuple[float, float]]],
+    lines: Mapping[str, Sequence[TradeoffPoint]],
     xlabel: str,
     ylabel: str,
     dense: float | None,
@@ -79,11 +100,7 @@ def tradeoff_svg(
     plt = _plt()
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     for i, (method, pts) in enumerate(sorted(lines.items())):
-        pts = sorted(p for p in pts if np.isfinite(p[1]))
-        if pts:
-            ax.plot(
-                *zip(*pts, strict=True), marker="o", color=PALETTE[i % len(PALETTE)], label=method
-            )
+        _tradeoff_line(ax, pts, PALETTE[i % len(PALETTE)], method)
     if dense is not None and np.isfinite(dense):
         ax.axhline(dense, color="black", ls="--", lw=1, label="dense")
     ax.set_xlabel(xlabel)
@@ -108,8 +125,13 @@ def cluster_strip_svg(labels: Sequence[int], cell: int = 16) -> str:
     return f'<svg class="cluster-strip" width="{n * cell}" height="{cell + 14}">{cells}</svg>'
 
 
-def layer_map_svg(n_blocks: int, pruned: Sequence[int], label: str, cell: int = 14) -> str:
-    """Fig. 4: which blocks a (method, budget) removed, coloured cells on the depth axis."""
+def layer_map_svg(
+    n_blocks: int, pruned: Sequence[int], label: str, degraded: bool = False, cell: int = 14
+) -> str:
+    """Fig. 4: which blocks a (method, budget) removed, coloured cells on the depth axis.
+
+    A degraded variant (failed the quality gate) gets a dashed outline and data-degraded.
+    """
     drop = set(pruned)
     cells = "".join(
         f'<rect x="{i * cell}" y="0" width="{cell - 1}" height="{cell}" '
@@ -117,7 +139,13 @@ def layer_map_svg(n_blocks: int, pruned: Sequence[int], label: str, cell: int = 
         f"{' (pruned)' if i in drop else ''}</title></rect>"
         for i in range(n_blocks)
     )
+    if degraded:
+        cells += (
+            f'<rect x="0.5" y="0.5" width="{n_blocks * cell - 2}" height="{cell - 1}" '
+            'fill="none" stroke="#b3263a" stroke-dasharray="3 2"><title>degraded</title></rect>'
+        )
     return (
         f'<svg class="layer-map" data-label="{html.escape(label)}" data-pruned="{len(drop)}" '
-        f'width="{n_blocks * cell}" height="{cell}">{cells}</svg>'
+        f'data-degraded="{str(degraded).lower()}" width="{n_blocks * cell}" height="{cell}">'
+        f"{cells}</svg>"
     )

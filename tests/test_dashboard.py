@@ -1,4 +1,9 @@
-"""The dashboard built from a real demo-sized catalog, opened in headless Chromium."""
+"""The dashboard built from a real demo-sized catalog, opened in headless Chromium.
+
+The catalog comes from the real pipeline; `with_gate_and_accuracy` then marks some
+variants degraded and adds zero-shot columns (the tiny job runs no zero-shot tasks), so
+the badges, intervals and the "all degraded" overview cell are exercised on real rows.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import pytest
 import ray
 from tiny_models import save_tiny_ptb
 
-from dashboards.site import build_site
+from dashboards.site import build_site, legacy_tracking
 from pipeline.catalog import read_catalog
 from pipeline.run import run_job
 from pipeline.spec import parse_spec
@@ -40,7 +45,7 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
             "shards": 2,
             "batch_size": 4,
         },
-        "evaluation": {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed_repeats": 1},
+        "evaluation": {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed_repeats": 5},
         "save_checkpoints": False,
     }
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
@@ -51,25 +56,52 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
     return read_catalog(root / "run" / "catalog.parquet"), root
 
 
+def with_gate_and_accuracy(rows: list[dict]) -> list[dict]:
+    """Every tiny-qwen3 variant at budget 2 degraded; arc_easy on 60 items (under 100),
+    boolq on 3270 (comparable) for every row."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        r["degraded"] = r["model"] == "tiny-qwen3" and r["budget"] == 2
+        r.update(acc_arc_easy=40.0, n_arc_easy=60.0, acc_boolq=62.0, n_boolq=3270.0)
+        out.append(r)
+    return out
+
+
+def _site(catalog, out: Path) -> Path:  # type: ignore[no-untyped-def]
+    rows, root = catalog
+    rows = with_gate_and_accuracy(rows)
+    # As `lorp dashboard` does: the rows' own tracking columns, else the run's sqlite store.
+    return build_site(rows, out, fallback_tracking=legacy_tracking(root / "run", rows))
+
+
 def test_site_files_and_content(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    rows, _ = catalog
-    index = build_site(rows, tmp_path / "site")
+    index = _site(catalog, tmp_path / "site")
     pages = sorted(p.name for p in (tmp_path / "site").iterdir())
     assert pages == ["index.html", "model-tiny-llama.html", "model-tiny-qwen3.html"]
     text = index.read_text()
     # Nothing fetched at view time: no external src/href (MLflow links point at loopback).
     assert not re.findall(r'(?:src|href)="https?://(?!127\.0\.0\.1)', text)
     assert "<script src" not in text and "<link" not in text and "@import" not in text
+    # Run links and the command that serves them come from the run's own records.
+    assert len(re.findall(r'href="http://127\.0\.0\.1:5000/#/experiments/\w+/runs/\w+"', text)) == 2
+    assert "mlflow ui --host 127.0.0.1 --backend-store-uri " in text
+    if catalog[0][0].get("tracking_uri"):  # catalogs that record their store name it
+        assert f"--backend-store-uri {catalog[0][0]['tracking_uri']}<" in text
     page = (tmp_path / "site" / "model-tiny-qwen3.html").read_text()
     assert page.count('class="layer-map"') == 6  # 3 methods x 2 budgets
-    assert "Table 2 layout" in page and "<figcaption>" in page
+    assert page.count('data-degraded="true"') == 3  # the three budget-2 variants
+    assert page.count('class="cluster-strip"') == 1
+    assert "Table 2 layout" in page and "Table 3 layout" in page and "<figcaption>" in page
+    # arc_easy: 40% of 60 items -> +- 1.96 * sqrt(0.4 * 0.6 / 60) = 12.40, marked.
+    assert "40.00 \u00b1 12.40" in page and "62.00 \u00b1 1.66" in page
+    assert "bound N/(N-k)" in page
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed")
 def test_pages_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     playwright = pytest.importorskip("playwright.sync_api")
-    rows, _ = catalog
-    index = build_site(rows, tmp_path / "site")
+    index = _site(catalog, tmp_path / "site")
     ARTIFACTS.mkdir(exist_ok=True)
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(
@@ -82,19 +114,45 @@ def test_pages_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: i
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(index.as_uri())
-        assert page.locator("#overview tbody tr").count() == 2  # one row per model
-        # Filtering by family hides the other model; sorting by N puts the 6-block one first.
-        page.select_option('select[data-filter="family"]', "Qwen3")
-        assert page.locator("#overview tbody tr:visible").count() == 1
-        page.select_option('select[data-filter="family"]', "")
-        page.locator("#overview th", has_text="N").first.click()
-        assert page.locator("#overview tbody tr").first.inner_text().startswith("tiny-llama")
+        check_overview(page)
         page.screenshot(path=str(ARTIFACTS / "dashboard-overview.png"), full_page=True)
 
         page.click("text=tiny-qwen3")
-        assert page.locator("svg.layer-map").count() == 6
-        assert page.locator("figure").count() >= 4
+        check_model_page(page)
         page.screenshot(path=str(ARTIFACTS / "dashboard-model.png"), full_page=True)
         browser.close()
     assert errors == []
     assert (ARTIFACTS / "dashboard-overview.png").stat().st_size > 10_000
+
+
+def check_overview(page) -> None:  # type: ignore[no-untyped-def]
+    rows = page.locator("#overview tbody tr")
+    assert rows.count() == 2  # one row per model
+    # Best per budget skips degraded variants; every budget-2 variant of qwen3 is degraded.
+    qwen = page.locator("#overview tbody tr", has_text="tiny-qwen3")
+    assert "none (all degraded)" in qwen.inner_text()
+    assert "none (all degraded)" not in rows.filter(has_text="tiny-llama").inner_text()
+    # Filtering by family hides the other model; sorting by N puts the 6-block one first.
+    page.select_option('select[data-filter="family"]', "Qwen3")
+    assert page.locator("#overview tbody tr:visible").count() == 1
+    page.select_option('select[data-filter="family"]', "")
+    page.locator("#overview th", has_text="N").first.click()
+    assert rows.first.inner_text().startswith("tiny-llama")
+    assert page.locator("table.jobs code", has_text="--backend-store-uri").count() == 1
+
+
+def check_model_page(page) -> None:  # type: ignore[no-untyped-def]
+    assert page.locator("svg.layer-map").count() == 6
+    assert page.locator("svg.cluster-strip").count() == 1
+    assert page.locator("figure").count() >= 4
+    # Degraded variants: a visible badge in the maps and in every table, rows tinted.
+    badges = page.locator(".maps .badge.degraded")
+    assert badges.count() == 3 and badges.first.is_visible()
+    assert page.locator("table.sortable tr.degraded").count() == 3 * 3  # ppl, acc, speed
+    # Intervals: the small task carries a visible dagger, the large one none.
+    acc = page.locator("table.sortable", has=page.locator("th", has_text="acc_arc_easy"))
+    assert acc.locator("td[data-flag=small] .mark.small").first.is_visible()
+    assert "\u00b1 12.40" in acc.inner_text() and "\u00b1 1.66" in acc.inner_text()
+    # Sorting a later table sorts by its own column (the header index is per table).
+    acc.locator("th", has_text="acc_boolq").click()
+    assert acc.locator("tbody tr").count() == 7

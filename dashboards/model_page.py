@@ -1,0 +1,239 @@
+"""One model's page: S (Fig. 1), decay (Fig. 2), clusters, pruned-block maps (Fig. 4),
+Tables 2-3 with the dense row, size and speed (Appendix A), the quality/cost trade-off."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from dashboards.components import (
+    PM,
+    SMALL_MARK,
+    UNKNOWN_MARK,
+    budget_td,
+    degraded_badge,
+    figure,
+    interval_td,
+    jobs_section,
+    link,
+    page,
+    row_class,
+    sortable,
+    speed_tds,
+    td,
+    th,
+    value_td,
+    variant_td,
+    version_link,
+)
+from dashboards.figures import (
+    cluster_strip_svg,
+    distance_svg,
+    heatmap_svg,
+    layer_map_svg,
+    tradeoff_svg,
+)
+from dashboards.markup import Markup, el, frag
+from dashboards.shapes import View
+from dashboards.views import MIN_COMPARABLE_ITEMS
+
+
+def header(mv: View) -> Markup:
+    return frag(
+        el("p", el("a", "\u2190 fleet", href="index.html")),
+        el("h1", mv["model"]),
+        el(
+            "p",
+            f"{mv['family']}, N = {mv['n_blocks']} blocks, RLS = ",
+            "-" if mv["rls"] is None else f"{mv['rls']:.3f}",
+            f", K = {mv['k'] or '-'}; fingerprint ",
+            el("code", mv["fingerprint"]),
+        ),
+    )
+
+
+S_CAPTION = (
+    "Inter-layer similarity S of {model} (the paper's Fig. 1): mean per-token cosine "
+    "similarity between the residual-stream states entering blocks i and j, over the "
+    "calibration set."
+)
+DECAY_CAPTION = (
+    "Mean similarity against normalised layer distance (Fig. 2); this model in bold, the "
+    "rest of the fleet faint."
+)
+
+
+def s_figures(model: str, S: np.ndarray | None, profiles: Mapping[str, np.ndarray]) -> Markup:
+    if S is None:
+        return el("p", "No cached S for this model: no similarity figures.", class_="muted")
+    return frag(
+        figure(heatmap_svg(S, model), S_CAPTION.format(model=model)),
+        figure(distance_svg(profiles, highlight=model), DECAY_CAPTION),
+    )
+
+
+def clusters(mv: View) -> Markup | None:
+    labels = mv["labels"]
+    if not labels:
+        return None
+    source = (
+        "from the catalog"
+        if mv["labels_source"] == "catalog"
+        else "recomputed from S (the catalog has no labels)"
+    )
+    caption = (
+        f"Spectral clustering of the {mv['n_blocks']} blocks on A = (S + 1) / 2 with "
+        f"K = {max(labels) + 1}, labels numbered by first occurrence in depth, {source}; "
+        "colour = cluster."
+    )
+    return frag(el("h2", "Clusters along depth"), figure(cluster_strip_svg(labels), caption))
+
+
+def layer_maps(mv: View) -> Markup:
+    n = mv["n_blocks"]
+    rows = [
+        el(
+            "tr",
+            variant_td(v),
+            td(v["budget"]),
+            td(Markup(layer_map_svg(n, v["pruned"], f"{v['label']}@{v['budget']}", v["degraded"]))),
+            td(", ".join(map(str, v["pruned"])), left=True),
+            class_=row_class(v),
+        )
+        for v in mv["variants"]
+    ]
+    head = [
+        th("method", left=True),
+        th("budget"),
+        th(f"blocks 0..{n - 1} (red = removed)", left=True),
+        th("pruned", left=True),
+    ]
+    table = el("table", el("thead", el("tr", head)), el("tbody", rows), class_="maps")
+    note = "Each row is one grid point: the blocks its method removed at that budget."
+    if any(v["degraded"] for v in mv["variants"]):
+        note += " Degraded = failed the quality gate (dashed outline)."
+    return frag(el("h2", "Pruned blocks (Fig. 4)"), table, el("p", note, class_="muted"))
+
+
+def _variant_table(
+    title: str,
+    t: View,
+    cells: Callable[[View], list[Markup]],
+    extra_head: Sequence[Markup],
+    caption: str,
+) -> Markup:
+    """One row per variant (dense first): method, L_p/L_t, then `cells` of that row."""
+    head = [th("method", left=True), th("L", el("sub", "p"), "/L", el("sub", "t")), *extra_head]
+    rows = [el("tr", variant_td(r), budget_td(r), cells(r), class_=row_class(r)) for r in t["rows"]]
+    return frag(el("h2", title), sortable(head, rows), el("p", caption, class_="muted"))
+
+
+def perplexity_table(t: View) -> Markup | None:
+    if not t["ppl_cols"]:
+        return None
+    head = [th(c) for c in t["ppl_cols"]] + ([th("ratio to dense")] if t["ppl_ratio"] else [])
+
+    def cells(r: View) -> list[Markup]:
+        ratio = [value_td(r["ppl_ratio"], 3)] if t["ppl_ratio"] else []
+        return [value_td(x) for x in r["ppl"]] + ratio
+
+    caption = (
+        "Perplexity (lower is better) on each corpus's test split, non-overlapping windows; "
+        "the dense row is the unpruned model."
+    )
+    if t["ppl_ratio"]:
+        caption += " Ratio = variant / dense perplexity on the first corpus."
+    if any(r["degraded"] for r in t["rows"]):
+        caption += " Rows marked degraded failed the quality gate."
+    return _variant_table("Perplexity (Table 2 layout)", t, cells, head, caption)
+
+
+def accuracy_table(t: View) -> Markup | None:
+    if not t["acc_cols"]:
+        return None
+    head = [th(f"acc_{c}") for c in t["acc_cols"]]
+    caption = (
+        f"Accuracy (%) through lm-evaluation-harness (acc_norm where the task defines it, "
+        f"else acc), {PM} 1.96 binomial standard errors, SE = sqrt(p (1 - p) / n); acc_avg "
+        f"combines the tasks' errors as independent. {SMALL_MARK} under "
+        f"{MIN_COMPARABLE_ITEMS} items: not comparable to the paper. {UNKNOWN_MARK} items "
+        "unknown (no n_<task> in the catalog): no interval. The dense row is the unpruned model."
+    )
+
+    def cells(r: View) -> list[Markup]:
+        return [interval_td(iv) for iv in r["acc"]]
+
+    return _variant_table("Zero-shot accuracy (Table 3 layout)", t, cells, head, caption)
+
+
+def speed_table(t: View) -> Markup | None:
+    if not t["size_cols"] and not t["speed"]:
+        return None
+    head = [th(c) for c in t["size_cols"]]
+    if t["speed"]:
+        head += [th(f"speedup {PM} std"), th("bound N/(N-k)")]
+
+    def cells(r: View) -> list[Markup]:
+        return [value_td(x) for x in r["size"]] + (speed_tds(r["speed"]) if t["speed"] else [])
+
+    caption = (
+        "Parameters; prefill latency at batch 1 with the cache off (mean of timed runs after "
+        "warm-ups); speed-up against the dense model, interleaved back to back in one process, "
+        f"{PM} the spread of those timings; bound = N/(N-k), the most that removing k of N "
+        "equal blocks can give (embedding and head make the real bound lower). A speed-up "
+        "more than 5% above it is flagged \u2018above bound\u2019: timing noise or a fault, not a "
+        "result. Peak memory: CUDA peak, or process peak RSS on CPU."
+    )
+    return _variant_table("Size and speed (Appendix A)", t, cells, head, caption)
+
+
+def tradeoff_figures(mv: View) -> Markup | None:
+    figs = []
+    for f in mv["tradeoffs"]:
+        pts = [p for line in f["lines"].values() for p in line]
+        caption = (
+            f"Quality/cost trade-off: {f['quality']} against {f['xlabel']}, one line per "
+            "method over its budgets; dashed = dense model."
+        )
+        if any(p[2] is not None for p in pts):
+            caption += " Error bars: 95% intervals."
+        if any(p[3] for p in pts):
+            caption += " Crossed = degraded (failed the quality gate)."
+        svg = tradeoff_svg(f["lines"], f["xlabel"], f["ylabel"], f["dense"])
+        figs.append(figure(svg, caption))
+    return frag(el("h2", "Trade-off"), figs) if figs else None
+
+
+def runs(mv: View) -> Markup:
+    items = [
+        el(
+            "li",
+            f"{v['label']} @ {v['budget']}: ",
+            link(v["run_url"], "run"),
+            version_link(v),
+            " ",
+            el("code", v["checkpoint"]),
+            degraded_badge(v),
+        )
+        for v in mv["variants"]
+    ]
+    return frag(el("h2", "Runs and checkpoints"), el("ul", items))
+
+
+def model_page(mv: View, S: np.ndarray | None, profiles: Mapping[str, np.ndarray]) -> str:
+    """The whole page of one model from `views.model_view` and its S."""
+    t = mv["tables"]
+    return page(
+        mv["model"],
+        header(mv),
+        s_figures(mv["model"], S, profiles),
+        clusters(mv),
+        layer_maps(mv),
+        perplexity_table(t),
+        accuracy_table(t),
+        speed_table(t),
+        tradeoff_figures(mv),
+        runs(mv),
+        jobs_section(mv["jobs"]),
+    )

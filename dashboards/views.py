@@ -1,0 +1,385 @@
+"""What the dashboard shows, as plain data: catalog rows (and each model's S) in, dicts out.
+
+Pure functions, no HTML and no file IO; `overview.py` and `model_page.py` render what
+they return. The honesty rules live here:
+
+- zero-shot accuracy carries a 95% binomial interval, +-1.96 * sqrt(p (1 - p) / n) in
+  percent, from the `n_<task>` item count; fewer than 100 items is flagged as not
+  comparable to the paper, an unknown count is flagged and gets no interval;
+- a variant marked `degraded` by the quality gate is never a "best" variant;
+- a speed-up is shown with its spread and the physical bound N / (N - k) (k of N equal
+  blocks removed), and one above the bound by more than 5% is flagged, not hidden.
+
+Missing columns (older catalogs) degrade gracefully: no `degraded` = not degraded, no
+`n_<task>` = items unknown, no `speedup_std` = no spread, no `labels` = recomputed from S,
+no `tracking_uri`/`experiment_id` = the caller's fallback (`links.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dashboards.links import NO_TRACKING, model_version_url, run_url, tracking_view
+from dashboards.shapes import Row, View
+
+Z95 = 1.96
+MIN_COMPARABLE_ITEMS = 100
+BOUND_TOLERANCE = 0.05
+SMALL = "small"  # fewer than MIN_COMPARABLE_ITEMS items
+UNKNOWN = "unknown"  # no item count in the catalog
+
+
+def finite(x: Any) -> float | None:
+    """x as a float, or None when it is missing, not a number or not finite."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def group_by_model(rows: Iterable[Row]) -> dict[str, list[Row]]:
+    """model -> its rows, models in name order."""
+    out: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        out[r["model"]].append(r)
+    return dict(sorted(out.items()))
+
+
+def split_dense(rows: Iterable[Row]) -> tuple[Row | None, list[Row]]:
+    """(the dense row or None, the pruned variants by method label then budget)."""
+    rows = list(rows)
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    points = sorted(
+        (r for r in rows if r["method"] != "dense"), key=lambda r: (r["method_label"], r["budget"])
+    )
+    return dense, points
+
+
+def ppl_metric(rows: Iterable[Row]) -> str | None:
+    """The first perplexity column (by name) that has a value: what "best" ranks by."""
+    names = sorted({k for r in rows for k in r if k.startswith("ppl_") and r[k] is not None})
+    names = [n for n in names if n != "ppl_ratio"]
+    return names[0] if names else None
+
+
+def is_degraded(row: Row) -> bool:
+    """The quality gate's verdict; a catalog without the column has no degraded rows."""
+    return bool(row.get("degraded") or False)
+
+
+# -- zero-shot intervals -----------------------------------------------------------------
+
+
+def accuracy_tasks(rows: Iterable[Row]) -> list[str]:
+    """Task names with an `acc_<task>` column (not the average)."""
+    return sorted({k[4:] for r in rows for k in r if k.startswith("acc_") and k != "acc_avg"})
+
+
+def _flag(counts: Sequence[float | None]) -> str | None:
+    if any(n is None or n <= 0 for n in counts):
+        return UNKNOWN
+    return SMALL if any(n < MIN_COMPARABLE_ITEMS for n in counts) else None
+
+
+def _interval(value: float | None, se: float | None, n: float | None, flag: str | None) -> View:
+    half = None if value is None or se is None else Z95 * se
+    return {
+        "value": value,
+        "half": half,
+        "lo": None if half is None else max(0.0, value - half),
+        "hi": None if half is None else min(100.0, value + half),
+        "n": n,
+        "flag": flag if value is not None else None,
+    }
+
+
+def standard_error(acc_percent: float, n: float) -> float:
+    """Binomial SE of an accuracy in percent: 100 * sqrt(p (1 - p) / n)."""
+    p = min(max(acc_percent / 100.0, 0.0), 1.0)
+    return 100.0 * math.sqrt(p * (1.0 - p) / n)
+
+
+def accuracy_interval(acc_percent: Any, n: Any) -> View:
+    """{value, half, lo, hi, n, flag} for one accuracy; half = 1.96 SE, flag small/unknown."""
+    value, count = finite(acc_percent), finite(n)
+    flag = _flag([count])
+    se = standard_error(value, count) if value is not None and flag != UNKNOWN else None
+    return _interval(value, se, count, flag)
+
+
+def average_interval(row: Row, tasks: Sequence[str]) -> View:
+    """acc_avg with the tasks' SEs combined as independent: sqrt(sum SE_t^2) / T."""
+    value = finite(row.get("acc_avg"))
+    present = [t for t in tasks if finite(row.get(f"acc_{t}")) is not None]
+    counts = [finite(row.get(f"n_{t}")) for t in present]
+    flag = _flag(counts) if present else UNKNOWN
+    se = None
+    if value is not None and flag != UNKNOWN:
+        ses = [standard_error(float(row[f"acc_{t}"]), float(row[f"n_{t}"])) for t in present]
+        se = math.sqrt(sum(s * s for s in ses)) / len(ses)
+    n = sum(counts) if flag != UNKNOWN else None  # type: ignore[arg-type]
+    return _interval(value, se, n, flag)
+
+
+# -- speed -------------------------------------------------------------------------------
+
+
+def speed_bound(n_blocks: Any, budget: Any) -> float | None:
+    """N / (N - k): the most that removing k of N equal blocks can speed a forward up."""
+    n, k = finite(n_blocks), finite(budget) or 0.0
+    if n is None or n - k <= 0:
+        return None
+    return n / (n - k)
+
+
+def speed_view(row: Row) -> View:
+    """{speedup, std, bound, exceeds}: exceeds = speed-up above the bound by more than 5%."""
+    speedup, bound = finite(row.get("speedup")), speed_bound(row.get("n_blocks"), row["budget"])
+    exceeds = speedup is not None and bound is not None and speedup > bound * (1 + BOUND_TOLERANCE)
+    return {
+        "speedup": speedup,
+        "std": finite(row.get("speedup_std")),
+        "bound": bound,
+        "exceeds": exceeds,
+    }
+
+
+# -- clusters ----------------------------------------------------------------------------
+
+
+def catalog_labels(rows: Iterable[Row]) -> list[int] | None:
+    """The `labels` column (the same on every row of a model), or None when absent/null."""
+    for r in rows:
+        if r.get("labels") is not None:
+            return [int(x) for x in r["labels"]]
+    return None
+
+
+def cluster_labels(rows: Sequence[Row], S: np.ndarray | None) -> list[int] | None:
+    """The model's clusters at its RLS-chosen K: the catalog's `labels` when a row has
+    them, else spectral clustering of S at the row's K (older catalogs)."""
+    labels = catalog_labels(rows)
+    if labels is not None:
+        return labels
+    k = rows[0].get("k") if rows else None
+    if S is None or not k:
+        return None
+    from lorp import cluster_layers
+
+    return [int(x) for x in cluster_layers(S, int(k))]
+
+
+# -- overview ----------------------------------------------------------------------------
+
+
+def _rank(value: Any) -> float:
+    v = finite(value)
+    return math.inf if v is None else v
+
+
+def best_per_budget(rows: Sequence[Row], metric: str | None, budget: int) -> View:
+    """The lowest-`metric` variant at `budget` that the quality gate passed.
+
+    status: "ok" (label, value), "all-degraded" (every variant failed the gate), or
+    "none" (no variant at that budget, or no metric); `skipped` counts degraded variants.
+    """
+    cands = [r for r in rows if r["budget"] == budget and r["method"] != "dense"]
+    passed = [r for r in cands if not is_degraded(r)]
+    view: View = {
+        "budget": budget,
+        "status": "none",
+        "label": None,
+        "value": None,
+        "skipped": len(cands) - len(passed),
+    }
+    if cands and not passed:
+        view["status"] = "all-degraded"
+    elif passed and metric:
+        best = min(passed, key=lambda r: _rank(r.get(metric)))
+        view.update(status="ok", label=best["method_label"], value=finite(best.get(metric)))
+    return view
+
+
+def overview_row(
+    model: str, rows: Sequence[Row], metric: str | None, budgets: Sequence[int], links: View
+) -> View:
+    """One model's line of the overview table (links: tracking and mlflow_ui)."""
+    first = rows[0]
+    dense, _ = split_dense(rows)
+    return {
+        "model": model,
+        "page": f"model-{slug(model)}.html",
+        "family": first["family"],
+        "n_blocks": first["n_blocks"],
+        "rls": finite(first.get("rls")),
+        "k": first.get("k"),
+        "dense_value": finite(dense.get(metric)) if dense and metric else None,
+        "best": [best_per_budget(rows, metric, b) for b in budgets],
+        "methods": sorted({r["method_label"] for r in rows}),
+        "budgets": sorted({r["budget"] for r in rows}),
+        "degraded": sum(is_degraded(r) for r in rows),
+        "run_url": run_url(dense or first, links["tracking"], links["mlflow_ui"]),
+    }
+
+
+def overview(
+    by_model: Mapping[str, Sequence[Row]], tracking: Mapping[str, View], mlflow_ui: str
+) -> View:
+    """Everything the fleet page shows, by model."""
+    all_rows = [r for rs in by_model.values() for r in rs]
+    metric = ppl_metric(all_rows)
+    budgets = sorted({r["budget"] for r in all_rows if r["budget"]})
+    links = {"tracking": tracking, "mlflow_ui": mlflow_ui}
+    return {
+        "metric": metric,
+        "budgets": budgets,
+        "families": sorted({r["family"] for r in all_rows}),
+        "methods": sorted({r["method_label"] for r in all_rows if r["method"] != "dense"}),
+        "n_points": sum(1 for r in all_rows if r["method"] != "dense"),
+        "n_degraded": sum(is_degraded(r) for r in all_rows),
+        "rows": [overview_row(m, rs, metric, budgets, links) for m, rs in by_model.items()],
+        "jobs": tracking_view(tracking, mlflow_ui),
+    }
+
+
+# -- model page --------------------------------------------------------------------------
+
+
+def variant_view(row: Row, tracking: Mapping[str, View], mlflow_ui: str) -> View:
+    """What every table says about one row besides its metrics."""
+    return {
+        "label": row["method_label"],
+        "dense": row["method"] == "dense",
+        "budget": row["budget"],
+        "n_blocks": row["n_blocks"],
+        "pruned": [int(x) for x in row.get("pruned_layers") or []],
+        "degraded": is_degraded(row),
+        "ppl_ratio": finite(row.get("ppl_ratio")),
+        "run_url": run_url(row, tracking, mlflow_ui),
+        "model_url": model_version_url(row, tracking, mlflow_ui),
+        "model_uri": row.get("model_uri") or "",
+        "checkpoint": row.get("checkpoint") or "",
+    }
+
+
+def _present(rows: Sequence[Row], cols: Iterable[str]) -> list[str]:
+    return [c for c in cols if any(finite(r.get(c)) is not None for r in rows)]
+
+
+def metric_tables(rows: Sequence[Row], tracking: Mapping[str, View], mlflow_ui: str) -> View:
+    """Tables 2-3 and Appendix A, dense row first: plain values, intervals, speed views."""
+    ppl = sorted(k for k in {k for r in rows for k in r} if k.startswith("ppl_"))
+    ppl = _present(rows, [c for c in ppl if c != "ppl_ratio"])
+    tasks = [t for t in accuracy_tasks(rows) if _present(rows, [f"acc_{t}"])]
+    with_avg = bool(_present(rows, ["acc_avg"]))
+    out: View = {
+        "ppl_cols": ppl,
+        "ppl_ratio": bool(_present(rows, ["ppl_ratio"])),
+        "acc_cols": tasks + (["avg"] if with_avg else []),
+        "size_cols": _present(rows, ["params", "latency_ms", "peak_mem_gib"]),
+        "speed": bool(_present(rows, ["speedup"])),
+        "rows": [],
+    }
+    for r in rows:
+        acc = [accuracy_interval(r.get(f"acc_{t}"), r.get(f"n_{t}")) for t in tasks]
+        if with_avg:
+            acc.append(average_interval(r, tasks))
+        out["rows"].append(
+            {
+                **variant_view(r, tracking, mlflow_ui),
+                "ppl": [finite(r.get(c)) for c in ppl],
+                "acc": acc,
+                "size": [finite(r.get(c)) for c in out["size_cols"]],
+                "speed": speed_view(r),
+            }
+        )
+    return out
+
+
+def _quality_error(row: Row, quality: str, tasks: Sequence[str]) -> float | None:
+    if quality == "acc_avg":
+        return average_interval(row, tasks)["half"]
+    if quality.startswith("acc_"):
+        return accuracy_interval(row.get(quality), row.get(f"n_{quality[4:]}"))["half"]
+    return None
+
+
+def tradeoff_lines(points: Sequence[Row], quality: str, cost: str) -> dict[str, list[tuple]]:
+    """method -> [(cost, quality, error half-width or None, degraded)], one figure's lines."""
+    tasks = accuracy_tasks(points)
+    lines: dict[str, list[tuple]] = defaultdict(list)
+    for r in points:
+        x, y = finite(r.get(cost)), finite(r.get(quality))
+        if x is not None and y is not None:
+            lines[r["method_label"]].append(
+                (x, y, _quality_error(r, quality, tasks), is_degraded(r))
+            )
+    return dict(lines)
+
+
+COSTS = (("params", "parameters"), ("latency_ms", "prefill latency (ms)"))
+
+
+def tradeoffs(dense: Row | None, points: Sequence[Row]) -> list[View]:
+    """Quality/cost figures: PTB perplexity and mean accuracy (else the first perplexity)
+    against parameters and against latency, one line per method over its budgets."""
+    qualities = _present(points, ["ppl_ptb", "acc_avg"]) or [
+        q for q in [ppl_metric(points)] if q is not None
+    ]
+    out = []
+    for quality in qualities:
+        kind = "perplexity" if quality.startswith("ppl") else "accuracy %"
+        for cost, xlabel in COSTS:
+            lines = tradeoff_lines(points, quality, cost)
+            if lines:
+                out.append(
+                    {
+                        "quality": quality,
+                        "cost": cost,
+                        "xlabel": xlabel,
+                        "ylabel": f"{kind} ({quality})",
+                        "lines": lines,
+                        "dense": finite(dense.get(quality)) if dense else None,
+                    }
+                )
+    return out
+
+
+def model_view(
+    model: str,
+    rows: Sequence[Row],
+    S: np.ndarray | None,
+    tracking: Mapping[str, View],
+    mlflow_ui: str,
+) -> View:
+    """Everything one model's page shows except the S figures."""
+    first = rows[0]
+    dense, points = split_dense(rows)
+    ordered = ([dense] if dense else []) + points
+    jobs = sorted({r["job"] for r in rows})
+    return {
+        "model": model,
+        "family": first["family"],
+        "n_blocks": int(first["n_blocks"]),
+        "rls": finite(first.get("rls")),
+        "k": first.get("k"),
+        "fingerprint": first.get("fingerprint") or "",
+        "labels": cluster_labels(rows, S),
+        "labels_source": "catalog" if catalog_labels(rows) is not None else "S",
+        "variants": [variant_view(r, tracking, mlflow_ui) for r in points],
+        "tables": metric_tables(ordered, tracking, mlflow_ui),
+        "tradeoffs": tradeoffs(dense, points),
+        "jobs": tracking_view({j: tracking.get(j, NO_TRACKING) for j in jobs}, mlflow_ui),
+    }

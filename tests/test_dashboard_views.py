@@ -1,0 +1,288 @@
+"""The dashboard's data shaping (views, links) and a whole site from a hand-made catalog:
+no Ray, no browser. Numbers are checked against values worked out by hand."""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_states
+
+from dashboards import views
+from dashboards.links import job_tracking, mlflow_command, run_url, tracking_view
+from dashboards.markup import Markup, el
+from dashboards.site import build_site, legacy_tracking
+
+DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+UI = "http://127.0.0.1:5000"
+
+
+def row(model: str = "m", method: str = "lorp", budget: int = 1, **extra: Any) -> dict:
+    """One catalog row with the core columns the dashboard reads."""
+    return {
+        "grid_key": f"{model}-{method}-{budget}",
+        "job": "job-a",
+        "model": model,
+        "family": "Llama",
+        "fingerprint": "f" * 8,
+        "n_blocks": 8,
+        "method": method,
+        "method_label": method,
+        "budget": budget,
+        "pruned_layers": list(range(1, 1 + budget)),
+        "rls": 0.9,
+        "k": 3,
+        "stats_file": None,
+        "checkpoint": f"/ckpt/{method}-{budget}",
+        "mlflow_run_id": f"run-{method}-{budget}",
+        **extra,
+    }
+
+
+# -- zero-shot intervals -----------------------------------------------------------------
+
+
+def test_accuracy_interval_numbers() -> None:
+    # p = 0.40 over 50 items: SE = 100 sqrt(0.4 * 0.6 / 50) = 6.9282, half = 1.96 SE.
+    small = views.accuracy_interval(40.0, 50.0)
+    assert small["half"] == pytest.approx(13.579278, abs=1e-6)
+    assert (small["lo"], small["hi"]) == pytest.approx((26.420722, 53.579278), abs=1e-6)
+    assert small["flag"] == views.SMALL  # under 100 items: not comparable to the paper
+    # p = 0.62 over 3270 items (BoolQ's validation split).
+    large = views.accuracy_interval(62.0, 3270.0)
+    assert large["half"] == pytest.approx(1.663680, abs=1e-6)
+    assert large["flag"] is None
+    # Exactly 100 items is comparable; p = 0.5 gives half = 1.96 * 5 = 9.8.
+    assert views.accuracy_interval(50.0, 100.0)["half"] == pytest.approx(9.8)
+    assert views.accuracy_interval(50.0, 100.0)["flag"] is None
+    # Item count absent or NaN: value kept, no interval, flagged unknown.
+    for n in (None, math.nan):
+        unknown = views.accuracy_interval(55.0, n)
+        assert unknown["value"] == 55.0 and unknown["half"] is None
+        assert unknown["flag"] == views.UNKNOWN
+    # Interval clipped to [0, 100] at the extremes.
+    assert views.accuracy_interval(98.0, 20.0)["hi"] == 100.0
+
+
+def test_average_interval_combines_task_errors() -> None:
+    r = row(acc_arc_easy=40.0, n_arc_easy=50.0, acc_boolq=62.0, n_boolq=3270.0, acc_avg=51.0)
+    avg = views.average_interval(r, ["arc_easy", "boolq"])
+    # 1.96 * sqrt(6.9282^2 + 0.84882^2) / 2
+    assert avg["half"] == pytest.approx(6.840406, abs=1e-6)
+    assert avg["flag"] == views.SMALL and avg["n"] == 3320.0
+    r.pop("n_boolq")
+    assert views.average_interval(r, ["arc_easy", "boolq"])["flag"] == views.UNKNOWN
+    assert views.average_interval(r, ["arc_easy", "boolq"])["half"] is None
+
+
+def test_metric_tables_carry_intervals_for_every_task() -> None:
+    rows = [row(method="dense", budget=0, acc_copa=60.0), row(acc_copa=55.0, n_copa=100.0)]
+    t = views.metric_tables(rows, {}, UI)
+    assert t["acc_cols"] == ["copa"]
+    dense, lorp = (r["acc"][0] for r in t["rows"])
+    assert dense["flag"] == views.UNKNOWN and dense["half"] is None
+    assert lorp["half"] == pytest.approx(1.96 * 100 * math.sqrt(0.55 * 0.45 / 100))
+
+
+# -- quality gate --------------------------------------------------------------------------
+
+
+def test_best_per_budget_skips_degraded_rows() -> None:
+    rows = [
+        row(method="dense", budget=0, ppl_ptb=10.0),
+        row(method="lorp", budget=1, ppl_ptb=11.0),
+        row(method="shortgpt", budget=1, ppl_ptb=10.5, degraded=True),  # lowest, but failed
+        row(method="streamline", budget=1, ppl_ptb=12.0, degraded=False),
+        row(method="lorp", budget=2, ppl_ptb=30.0, degraded=True),
+        row(method="shortgpt", budget=2, ppl_ptb=40.0, degraded=True),
+    ]
+    b1 = views.best_per_budget(rows, "ppl_ptb", 1)
+    assert (b1["status"], b1["label"], b1["value"], b1["skipped"]) == ("ok", "lorp", 11.0, 1)
+    b2 = views.best_per_budget(rows, "ppl_ptb", 2)
+    assert b2["status"] == "all-degraded" and b2["label"] is None and b2["skipped"] == 2
+    assert views.best_per_budget(rows, "ppl_ptb", 3)["status"] == "none"
+    ov = views.overview(views.group_by_model(rows), job_tracking(rows), UI)
+    assert [b["status"] for b in ov["rows"][0]["best"]] == ["ok", "all-degraded"]
+    assert ov["n_degraded"] == 3
+
+
+def test_missing_degraded_column_means_not_degraded() -> None:
+    rows = [row(budget=1, ppl_ptb=11.0), row(method="x", budget=1, ppl_ptb=9.0, degraded=None)]
+    assert not any(views.is_degraded(r) for r in rows)
+    assert views.best_per_budget(rows, "ppl_ptb", 1)["label"] == "x"
+
+
+# -- speed -------------------------------------------------------------------------------
+
+
+def test_speed_bound_and_flag() -> None:
+    assert views.speed_bound(8, 2) == pytest.approx(8 / 6)
+    assert views.speed_bound(6, 0) == 1.0
+    ok = views.speed_view(row(n_blocks=6, budget=1, speedup=1.25, speedup_std=0.02))
+    assert ok["bound"] == pytest.approx(1.2) and not ok["exceeds"]  # 4% above: noise
+    assert ok["std"] == 0.02
+    over = views.speed_view(row(n_blocks=6, budget=1, speedup=1.27))
+    assert over["exceeds"] and over["std"] is None  # 5.8% above the bound: flagged
+    assert not views.speed_view(row(n_blocks=6, budget=1))["exceeds"]  # no speed measured
+
+
+# -- clusters ----------------------------------------------------------------------------
+
+
+def test_labels_from_the_column_else_from_S() -> None:
+    from lorp import cluster_layers
+
+    S = _stats(8).matrix()
+    stored = [0, 0, 0, 1, 1, 1, 1, 1]  # not what clustering S at K = 3 gives
+    rows = [row(labels=stored), row(method="shortgpt", labels=stored)]
+    assert views.cluster_labels(rows, S) == stored
+    assert views.cluster_labels(rows, None) == stored  # no S needed
+    recomputed = cluster_layers(S, 3).tolist()
+    assert recomputed != stored
+    assert views.cluster_labels([row(labels=None)], S) == recomputed
+    assert views.cluster_labels([row()], S) == recomputed  # column missing (old catalog)
+    assert views.cluster_labels([row(labels=None, k=None)], S) is None  # RLS undefined
+
+
+# -- MLflow links ------------------------------------------------------------------------
+
+
+def test_links_from_tracking_columns() -> None:
+    uri = "sqlite:////runs/a/mlflow.db"
+    r = row(tracking_uri=uri, experiment_id="7", mlflow_run_id="abc")
+    tracking = job_tracking([r])
+    assert tracking == {"job-a": {"tracking_uri": uri, "experiment_id": "7"}}
+    assert run_url(r, tracking, UI) == f"{UI}/#/experiments/7/runs/abc"
+    (job,) = tracking_view(tracking, UI)
+    assert job["command"] == f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}"
+    assert not job["redacted"]
+    # A redacted database URI is shown as recorded, with a note.
+    db = "postgresql://***@db:5432/ml"
+    assert tracking_view(job_tracking([row(tracking_uri=db)]), UI)[0]["redacted"]
+    # A tracking server serves its own run pages; the redacted user part is dropped.
+    server = row(tracking_uri="https://***@mlflow.example.org/", experiment_id="3")
+    assert run_url(server, job_tracking([server]), UI) == (
+        "https://mlflow.example.org/#/experiments/3/runs/run-lorp-1"
+    )
+    assert mlflow_command("https://mlflow.example.org") is None
+
+
+def test_fallback_only_fills_what_rows_lack() -> None:
+    fallback = {"job-a": {"tracking_uri": "sqlite:///old.db", "experiment_id": "1"}}
+    old = row()  # an older catalog: no tracking columns
+    assert job_tracking([old], fallback)["job-a"] == fallback["job-a"]
+    assert (
+        run_url(old, job_tracking([old], fallback), UI) == f"{UI}/#/experiments/1/runs/run-lorp-1"
+    )
+    new = row(tracking_uri="sqlite:///new.db", experiment_id="9")
+    assert job_tracking([new], fallback)["job-a"]["experiment_id"] == "9"
+    assert run_url(old, job_tracking([old]), UI) is None  # nothing known: no link
+    assert legacy_tracking("/nonexistent", [new]) == {}  # rows name their store: no query
+
+
+# -- markup ------------------------------------------------------------------------------
+
+
+def test_markup_escapes_text_and_attributes() -> None:
+    html = el("td", "<b>&", Markup("<i>ok</i>"), class_="l", data_v='"x"', hidden=True)
+    assert html == '<td class="l" data-v="&quot;x&quot;" hidden>&lt;b&gt;&amp;<i>ok</i></td>'
+
+
+# -- a whole site, without Ray -----------------------------------------------------------
+
+
+def _stats(n_blocks: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    from lorp import SimilarityStats
+
+    states = make_states(n_states=n_blocks + 1, tokens=40, d=32, seed=seed)
+    stats = SimilarityStats(n_blocks=n_blocks, model_fingerprint="m", calibration_fingerprint="c")
+    stats.update(torch.tensor(states[:, None]))  # [L, batch 1, tokens, d]
+    return stats
+
+
+def _catalog(stats_file: Path) -> list[dict]:
+    """Two models; the new columns on one of them, an older catalog's columns on the other."""
+    new: dict[str, Any] = dict(
+        stats_file=str(stats_file),
+        tracking_uri="sqlite:////r/mlflow.db",
+        experiment_id="5",
+        labels=[0, 0, 1, 1, 1, 1, 2, 2],
+    )
+    rows = [row("new<m>", "dense", 0, ppl_ptb=10.0, speedup=1.0, ppl_ratio=1.0, **new)]
+    acc = dict(acc_copa=55.0, n_copa=60.0, acc_boolq=62.0, n_boolq=3270.0, speedup_std=0.01)
+    for method, budget, ppl, speed, bad in [
+        ("lorp", 1, 11.0, 1.1, False),
+        ("shortgpt", 1, 10.5, 1.6, True),  # over the 8/7 bound, and degraded
+        ("lorp", 2, 30.0, 1.2, True),
+        ("shortgpt", 2, 40.0, 1.3, True),
+    ]:
+        measured = dict(ppl_ptb=ppl, ppl_ratio=ppl / 10, speedup=speed, degraded=bad)
+        rows.append(row("new<m>", method, budget, **measured, **acc, **new))
+    rows += [
+        row("old", m, b, ppl_ptb=20.0 + b, acc_copa=50.0) for m, b in [("dense", 0), ("lorp", 1)]
+    ]
+    return rows
+
+
+def test_site_from_hand_made_catalog(tmp_path: Path) -> None:
+    stats_file = _stats(8).to_file(tmp_path / "s.npz")
+    index = build_site(_catalog(stats_file), tmp_path / "site")
+    assert sorted(p.name for p in index.parent.iterdir()) == [
+        "index.html",
+        "model-new_m_.html",
+        "model-old.html",
+    ]
+    text = index.read_text()
+    assert "new&lt;m&gt;" in text and "<m>" not in text  # names are escaped
+    assert "none (all degraded)" in text  # budget 2 of new<m>
+    assert "lorp: " in text and "shortgpt: 10.50" not in text  # degraded never best
+    assert "mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:////r/mlflow.db" in text
+    assert f'href="{UI}/#/experiments/5/runs/run-dense-0"' in text
+    assert not re.findall(r'(?:src|href)="https?://(?!127\.0\.0\.1)', text)
+    page = (tmp_path / "site" / "model-new_m_.html").read_text()
+    # Three degraded variants: a badge in the layer maps, the three tables and the run list.
+    assert page.count('class="badge degraded"') == 3 * 5
+    assert page.count('<tr class="degraded">') == 3 * 4
+    assert page.count('data-degraded="true"') == 3
+    assert '55.00 \u00b1 12.59<span class="mark small">\u2020</span>' in page
+    assert "62.00 \u00b1 1.66</td>" in page  # 3270 items: no mark
+    assert page.count("above bound</span>") == 1 and "1.60 \u00b1 0.01" in page
+    assert "from the catalog" in page and "<svg" in page
+    old = (tmp_path / "site" / "model-old.html").read_text()
+    assert '50.00<span class="mark unknown">\u2021</span>' in old
+    assert "degraded</span>" not in old and "No cached S" in old
+
+
+def test_no_dashboard_function_over_50_lines() -> None:
+    long = []
+    for path in sorted(DASHBOARDS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= 50:
+                long.append(f"{path.name}:{node.name}")
+    assert long == []
+
+
+def test_empty_catalog_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        build_site([], tmp_path)
+
+
+@pytest.mark.integration
+def test_legacy_catalog_links_from_the_run_sqlite_store(tmp_path: Path) -> None:
+    """A catalog from before the tracking columns: the experiment comes from RUN_DIR's store."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("job-a", artifact_location=str(tmp_path / "art"))
+    run = client.create_run(exp).info.run_id
+    old = row(mlflow_run_id=run)
+    fallback = legacy_tracking(tmp_path, [old])
+    assert fallback == {"job-a": {"tracking_uri": uri, "experiment_id": exp}}
+    assert run_url(old, job_tracking([old], fallback), UI) == f"{UI}/#/experiments/{exp}/runs/{run}"
+    assert legacy_tracking(tmp_path / "elsewhere", [old]) == {}  # no store there: no links
