@@ -118,6 +118,10 @@ def _missing(row: dict[str, Any], column: str) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _str(path: Any) -> str | None:
+    return str(path) if path else None
+
+
 def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
     """One task per model whose finished variants lack speed figures."""
     ev, rows = job.spec.evaluation, job.catalog.by_key()
@@ -133,7 +137,7 @@ def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
             str(ps[0].model.path),
             ps[0].model.fingerprint,
             ps[0].model.spec.dtype,
-            tuple((p.key, p.layers) for p in ps),
+            tuple((p.key, p.layers, _str(job.checkpoint(p))) for p in ps),
             ev.seq_len,
             ev.speed_repeats,
             resources,
@@ -150,11 +154,21 @@ def run_speed(job: JobRun, points: list[GridPoint]) -> None:
         return
     job.progress.note(f"speed: {len(tasks)} model(s), each on a whole node")
 
+    left = [len(tasks)]
+
     def done(task: SpeedTask, figures: dict[str, dict[str, float]]) -> None:
+        model = ""
         for key, values in figures.items():
             row = job.catalog.update(key, values)
             job.tracker.log(row["mlflow_run_id"], metrics=values)
-        job.events("speed", model=task.model_path, variants=len(figures))
+            model = row["model"]
+        left[0] -= 1
+        job.events("speed", model=model, variants=len(figures))
+        best = max(v["speedup"] for v in figures.values())
+        job.progress.note(
+            f"speed {model}: {len(figures)} variants timed (top speed-up "
+            f"{best:.2f}x); {left[0]} model(s) left"
+        )
 
     def failed(task: SpeedTask, exc: BaseException) -> None:
         job.events("speed_failed", model=task.model_path, cause=first_line(exc))

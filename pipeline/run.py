@@ -63,11 +63,14 @@ def init_ray(spec: JobSpec) -> None:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
         return
-    # Embedded local Ray; its dashboard (when installed) binds to loopback only.
+    # Embedded local Ray; its dashboard (when installed) binds to loopback only. Worker
+    # output (library warnings, progress bars) stays in Ray's session logs unless lorp
+    # runs verbose: the driver's own lines are the job's voice, errors come back raised.
     ray.init(
         address="local",
         num_cpus=spec.ray.num_cpus,
         include_dashboard=False,
         dashboard_host="127.0.0.1",
         logging_level=logging.WARNING,
+        log_to_driver=logging.getLogger().isEnabledFor(logging.INFO),
     )

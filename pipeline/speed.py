@@ -1,13 +1,16 @@
 """Speed and memory of a model, after the paper's Appendix A, measured so that a figure
 can be trusted.
 
-- Prefill latency: one forward at batch 1 over `seq_len` tokens with the KV cache off.
+- Prefill latency: one forward at batch 1 over `seq_len` tokens with the KV cache off and
+  logits for the last position only (`logits_to_keep=1`), as a generation prefill does; a
+  full-sequence LM head (Gemma 3's has 262k rows) would time the head, not the blocks.
 - `interleaved_speedup` times the dense and the pruned model alternately in one process
-  (warm-ups, then ABAB... pairs) and reports medians and the spread of the per-pair
+  (warm-ups, then pairs in ABBA... order) and reports medians and the spread of the per-pair
   ratio, so drift in machine load hits both sides alike. The pipeline runs it in a
   dedicated pass after the grid, one model at a time on a whole node.
-- Peak memory of a variant is measured in a fresh process (`peak_memory_fresh`): load,
-  drop the blocks, free them, reset the high-water mark (CUDA: `reset_peak_memory_stats`;
+- Peak memory of a variant is measured in a fresh process (`peak_memory_fresh`): load
+  its saved checkpoint (or the dense model, then drop and free the blocks), reset the
+  high-water mark (CUDA: `reset_peak_memory_stats`;
   Linux CPU: `/proc/self/clear_refs`), one prefill, read the peak. A reused worker's
   `ru_maxrss` only grows, so it cannot show what pruning saves.
 
@@ -45,7 +48,7 @@ def _ids(model: Any, seq_len: int, seed: int = 0) -> torch.Tensor:
 def _time_ms(model: Any, ids: torch.Tensor) -> float:
     _sync(ids.device)
     start = time.perf_counter()
-    model(input_ids=ids, use_cache=False)
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
     _sync(ids.device)
     return (time.perf_counter() - start) * 1000.0
 
@@ -79,11 +82,19 @@ def interleaved_speedup(
             for _ in range(warmup):
                 for m in models:
                     _time_ms(m, ids)
-            runs = [[_time_ms(m, ids) for m in models] for _ in range(max(pairs, 1))]
+            runs = [_pair(models, ids, flip=i % 2 == 1) for i in range(max(pairs, 1))]
     finally:
         if was_enabled:
             gc.enable()
     return _summarise(runs)
+
+
+def _pair(models: list[Any], ids: torch.Tensor, flip: bool) -> list[float]:
+    """One timing of each model, [dense, pruned]; every other pair runs pruned first, so
+    a drift in machine speed does not favour either side (ABBA...)."""
+    order = models[::-1] if flip else models
+    times = [_time_ms(m, ids) for m in order]
+    return times[::-1] if flip else times
 
 
 def _summarise(runs: list[list[float]]) -> dict[str, float]:
@@ -165,7 +176,7 @@ def _peak_memory_here(model_path: str, layers: list[int], dtype: str, device: st
     dev = torch.device(device)
     reset_peak_memory(dev)
     with torch.inference_mode():
-        lm.model(input_ids=_ids(lm.model, n), use_cache=False)
+        lm.model(input_ids=_ids(lm.model, n), use_cache=False, logits_to_keep=1)
     return peak_memory_gib(dev)
 
 

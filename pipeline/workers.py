@@ -257,8 +257,8 @@ class SpeedTask:
     model_path: str
     fingerprint: str
     dtype: str
-    variants: tuple[tuple[str, tuple[int, ...]], ...]
-    """(grid key, pruned blocks); () is the dense model."""
+    variants: tuple[tuple[str, tuple[int, ...], str | None], ...]
+    """(grid key, pruned blocks, saved checkpoint or None); () is the dense model."""
     seq_len: int
     pairs: int = 5
     resources: Resources = field(default_factory=Resources)
@@ -277,15 +277,21 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     device = _device(task.resources)
     trust = task.trust_remote_code
     lm = load_checked(task.model_path, task.fingerprint, task.dtype, device, trust)
+    # Both sides of a timing are private copies: weights read from a memory-mapped file
+    # run measurably slower than a copy's, which would flatter every pruned variant.
+    dense = copy.deepcopy(lm.model)
+    del lm
     out = {}
-    for key, layers in task.variants:
+    for key, layers, checkpoint in task.variants:
         pruned = None
         if layers:  # a pruned copy shares nothing with the dense model it is timed against
-            pruned = copy.deepcopy(lm.model)
+            pruned = copy.deepcopy(dense)
             drop_layers(pruned, layers)
-        timing = interleaved_speedup(lm.model, pruned, task.seq_len, pairs=task.pairs)
+        timing = interleaved_speedup(dense, pruned, task.seq_len, pairs=task.pairs)
         del pruned
-        mem = peak_memory_fresh(task.model_path, layers, task.dtype, device, task.seq_len)
+        # A saved checkpoint loads only the kept weights; otherwise load dense and drop.
+        source, drop = (checkpoint, ()) if checkpoint else (task.model_path, layers)
+        mem = peak_memory_fresh(source, drop, task.dtype, device, task.seq_len)
         out[key] = timing | mem
     return out
 
