@@ -178,12 +178,13 @@ def speed_table(t: View) -> Markup | None:
         return [value_td(x) for x in r["size"]] + (speed_tds(r["speed"]) if t["speed"] else [])
 
     caption = (
-        "Parameters; prefill latency at batch 1 with the cache off (mean of timed runs after "
-        "warm-ups); speed-up against the dense model, interleaved back to back in one process, "
-        f"{PM} the spread of those timings; bound = N/(N-k), the most that removing k of N "
-        "equal blocks can give (embedding and head make the real bound lower). A speed-up "
-        "more than 5% above it is flagged \u2018above bound\u2019: timing noise or a fault, not a "
-        "result. Peak memory: CUDA peak, or process peak RSS on CPU."
+        "Parameters; prefill latency at batch 1 with the cache off (median over dense/pruned "
+        "pairs timed interleaved in one process on a whole node, after the grid); speed-up = "
+        f"the median per-pair ratio, {PM} its spread; bound = N/(N-k), the most that removing "
+        "k of N equal blocks can give (embedding and head make the real bound lower). A "
+        "speed-up more than 5% above it is flagged \u2018above bound\u2019: timing noise or a "
+        "fault, not a result. Peak memory: the variant's own peak, measured in a fresh "
+        "process (CUDA peak on GPU, resident high-water mark on CPU)."
     )
     return _variant_table("Size and speed (Appendix A)", t, cells, head, caption)
 
