@@ -51,7 +51,7 @@ def test_good_spec_defaults() -> None:
         ({"methods": [{"name": "lorpp"}]}, "methods[0].name: unknown method 'lorpp'"),
         (
             {"methods": [{"name": "shortgpt", "options": {"k": 2}}]},
-            "methods[0].options: unknown option 'k'",
+            "methods[0].options: method 'shortgpt' has no option 'k'",
         ),
         ({"methods": [{"name": "lorp"}, {"name": "lorp"}]}, "methods: 'lorp' appears twice"),
         ({"models": [{"ref": "x", "dtype": "fp8"}]}, "models[0].dtype: must be one of float32"),
@@ -112,7 +112,9 @@ def test_seq_len_above_model_maximum(tmp_path: Path, capsys: pytest.CaptureFixtu
     code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
     assert (
         code == 2
-        and "calibration.seq_len: 100000 exceeds smollm2-135m's max_position_embeddings" in err
+        and "calibration.seq_len: 100000 (+1 BOS unless bos: never) exceeds smollm2-135m's "
+        "max_position_embeddings 8192"
+        in err
     )
     assert not (tmp_path / "run").exists()
 
