@@ -124,13 +124,9 @@ def render(catalog: Path) -> str:
 
 
 def write_readme(path: Path, text: str) -> None:
-    doc = path.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END) :]
-    else:
-        doc += f"\n## Quality report\n\n{block}\n"
-    path.write_text(doc)
+    from benchmarks.run import replace_section
+
+    replace_section(path, BEGIN, END, text, "Quality report")
 
 
 def bos_check() -> None:

@@ -412,17 +412,22 @@ def render_table(f: dict[str, Any]) -> str:
 
 def write_readme(path: Path, table: str, args: argparse.Namespace) -> None:
     begin, end = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
-    text = path.read_text()
     cmd = (
         "python benchmarks/run.py"
         + (" --quick" if args.quick else "")
         + " --json bench.json --readme README.md"
     )
-    block = f"{begin}\nReproduce: `{cmd}`\n\n{table}\n{end}"
+    replace_section(path, begin, end, f"Reproduce: `{cmd}`\n\n{table}", "Benchmarks")
+
+
+def replace_section(path: Path, begin: str, end: str, body: str, heading: str) -> None:
+    """Put `body` between the `begin`/`end` markers of `path`, or append it under `heading`."""
+    text = path.read_text()
+    block = f"{begin}\n{body}\n{end}"
     if begin in text:
         text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
-        text += f"\n## Benchmarks\n\n{block}\n"
+        text += f"\n## {heading}\n\n{block}\n"
     path.write_text(text)
 
 
