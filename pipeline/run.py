@@ -10,17 +10,14 @@ start repairs exactly.
 
 Where things live: planning and keys in `plan`, the run's context in `job`, S in
 `statistics`, the grid stages in `grid`, Ray queues in `scheduler`, rows and provenance
-in `records`, log lines in `progress`.
+in `records`, log lines in `progress`, joining or starting Ray in `connect`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
 
-import ray
-
+from pipeline.connect import init_ray
 from pipeline.grid import run_grid, run_quality_gate, run_speed
 from pipeline.job import JobRun
 from pipeline.model_registry import register_variants
@@ -54,23 +51,4 @@ def run_job(spec: JobSpec, *, force: bool = False, progress: Progress | None = N
     return s
 
 
-def init_ray(spec: JobSpec) -> None:
-    """Join the cluster named by RAY_ADDRESS or the spec; otherwise start a fresh local Ray
-    (`address="local"`), whatever other cluster this machine knows of."""
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS") or spec.ray.address
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return
-    # Embedded local Ray; its dashboard (when installed) binds to loopback only. Worker
-    # output (library warnings, progress bars) stays in Ray's session logs unless lorp
-    # runs verbose: the driver's own lines are the job's voice, errors come back raised.
-    ray.init(
-        address="local",
-        num_cpus=spec.ray.num_cpus,
-        include_dashboard=False,
-        dashboard_host="127.0.0.1",
-        logging_level=logging.WARNING,
-        log_to_driver=logging.getLogger().isEnabledFor(logging.INFO),
-    )
+__all__ = ["init_ray", "run_job"]
