@@ -28,6 +28,7 @@ from lorp.data import (
     resolve_bos,
     tokenize_documents,
 )
+from pipeline.corpora import hub_corpus
 from pipeline.spec import CalibrationSpec
 
 
@@ -41,18 +42,21 @@ class CalibrationShards:
 
 
 def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
-    """A local file or packaged alias (lorp.data), else a hub dataset through `datasets`."""
+    """A local file or packaged alias (lorp.data), else a hub dataset through `datasets`:
+    a short name from `pipeline.corpora` (c4, wikitext2) or any hub id as it is."""
     if name in CORPUS_ALIASES or Path(name).expanduser().exists():
         return load_corpus(name, split)
-    if "/" not in name and name not in {"c4", "wikitext", "allenai/c4"}:
+    hub = hub_corpus(name)
+    if hub is None and "/" not in name:
         return load_corpus(name, split)  # the one-line "unknown corpus" error
     try:
+        args = hub.load_args(split) if hub else {"path": name, "split": split}
         import datasets
 
-        config = "wikitext-2-raw-v1" if name == "wikitext" else None
-        ds = datasets.load_dataset(name, config, split=split)
+        ds = datasets.load_dataset(**args)
     except Exception as exc:  # offline or unknown: one line, the library's reason
-        raise ValueError(f"dataset {name!r} ({split}) cannot be loaded: {exc}") from None
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ValueError(f"dataset {name!r} ({split}) cannot be loaded: {reason}") from None
     if text_field not in ds.column_names:
         raise ValueError(f"dataset {name!r} has no column {text_field!r} ({ds.column_names})")
     docs = tuple(t for t in ds[text_field] if t and t.strip())

@@ -16,9 +16,11 @@ import torch
 
 from lorp.data import eval_windows, prepend_bos, resolve_bos, tokenize_documents
 from pipeline.calibration import load_any_corpus
+from pipeline.corpora import HUB_CORPORA
 from pipeline.spec import EvaluationSpec
 
-EVAL_SPLITS = {"ptb": "test", "wikitext2": "test", "wikitext": "test", "c4": "validation"}
+# The split perplexity reads, per corpus name; anything else (ptb, local files): "test".
+EVAL_SPLITS = {"ptb": "test"} | {name: c.eval_split for name, c in HUB_CORPORA.items()}
 
 
 def metric_name(corpus: str) -> str:
@@ -28,8 +30,7 @@ def metric_name(corpus: str) -> str:
 
 def corpus_windows(tokenizer: Any, corpus: str, spec: EvaluationSpec) -> torch.Tensor:
     """The corpus's evaluation windows [n, seq_len (+1 with BOS)]."""
-    name = "wikitext" if corpus == "wikitext2" else corpus
-    docs = load_any_corpus(name, EVAL_SPLITS.get(corpus, "test"))
+    docs = load_any_corpus(corpus, EVAL_SPLITS.get(corpus, "test"))
     ids = tokenize_documents(tokenizer, docs)
     joined = [t for d in ids for t in d.tolist()]
     windows = eval_windows(joined, spec.seq_len, spec.max_windows)

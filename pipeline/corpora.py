@@ -1,0 +1,65 @@
+"""Hub corpora by short name: the repository, config and files each split reads.
+
+The pruning literature does not read all of C4 (~300 GB in `en` alone): SparseGPT, Wanda
+and ShortGPT take calibration text from the first `en` train shard and C4 perplexity from
+the first `en` validation shard, through `datasets.load_dataset("allenai/c4",
+data_files={split: file}, split=split)`. WikiText-2 is the raw v1 config, perplexity on
+its test split. A split with no pinned file is refused rather than fetched whole.
+
+Perplexity reads each corpus's `eval_split` (`pipeline.evaluation.EVAL_SPLITS`);
+calibration reads the split its spec names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HubCorpus:
+    repo: str
+    """Dataset repository on the Hugging Face hub."""
+    config: str | None = None
+    """Config (subset) name; None when `data_files` pins the files instead."""
+    data_files: Mapping[str, str] = field(default_factory=dict)
+    """split -> file in the repository. When set, only these splits exist."""
+    eval_split: str = "test"
+    """The split perplexity is measured on."""
+
+    def load_args(self, split: str) -> dict[str, Any]:
+        """Keyword arguments of `datasets.load_dataset` for `split`."""
+        args: dict[str, Any] = {"path": self.repo, "split": split}
+        if self.config is not None:
+            args["name"] = self.config
+        if self.data_files:
+            if split not in self.data_files:
+                known = ", ".join(self.data_files)
+                raise ValueError(f"{self.repo} has no split {split!r} here (splits: {known})")
+            args["data_files"] = {split: self.data_files[split]}
+        return args
+
+
+C4 = HubCorpus(
+    "allenai/c4",
+    data_files={
+        "train": "en/c4-train.00000-of-01024.json.gz",
+        "validation": "en/c4-validation.00000-of-00008.json.gz",
+    },
+    eval_split="validation",
+)
+WIKITEXT2 = HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1")
+
+# Every name a job spec may use for a hub corpus; other hub ids load as they are.
+HUB_CORPORA: dict[str, HubCorpus] = {
+    "c4": C4,
+    "allenai/c4": C4,
+    "wikitext2": WIKITEXT2,
+    "wikitext": WIKITEXT2,
+}
+
+
+def hub_corpus(name: str) -> HubCorpus | None:
+    """The table entry for a short name or hub id, None for anything else."""
+    return HUB_CORPORA.get(name)
