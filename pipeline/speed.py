@@ -8,7 +8,8 @@ can be trusted.
   (warm-ups, then pairs in ABBA... order) and reports medians and the spread of the per-pair
   ratio, so drift in machine load hits both sides alike. The pipeline runs it in a
   dedicated pass after the grid, one model at a time on a whole node.
-- Peak memory of a variant is measured in a fresh process (`peak_memory_fresh`): load
+- Peak memory of a variant is measured in a fresh process (`peak_memory_fresh`, forked
+  from a server that has imported torch once): load
   its saved checkpoint (or the dense model, then drop and free the blocks), reset the
   high-water mark (CUDA: `reset_peak_memory_stats`;
   Linux CPU: `/proc/self/clear_refs`), one prefill, read the peak. A reused worker's
@@ -20,14 +21,16 @@ Removing k of N blocks cannot speed a prefill up by more than N / (N - k)
 
 from __future__ import annotations
 
+import functools
 import gc
-import json
+import multiprocessing
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -145,22 +148,29 @@ def peak_memory_gib(device: torch.device) -> float:
 def peak_memory_fresh(
     model_path: str, layers: Sequence[int], dtype: str, device: str, seq_len: int
 ) -> dict[str, float]:
-    """`peak_mem_gib` of a variant, measured in a fresh Python process."""
-    args = [
-        sys.executable,
-        "-m",
-        "pipeline.speed",
-        model_path,
-        json.dumps(list(layers)),
-        dtype,
-        device,
-        str(seq_len),
-    ]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        tail = out.stderr.strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"peak-memory process failed: {tail[0]}")
-    return {"peak_mem_gib": float(json.loads(out.stdout.strip().splitlines()[-1]))}
+    """`peak_mem_gib` of a variant, measured in a fresh process.
+
+    The process is forked from a server that imported torch and transformers once
+    (multiprocessing's forkserver), so each variant costs a fork, not an interpreter start
+    and those imports (seconds per variant on a small machine). It starts as a fresh
+    interpreter with the same imports would: no model, no CUDA context, no allocator
+    history, and it ends after one measurement."""
+    ctx = _fresh_processes()
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
+        job = pool.submit(_peak_memory_here, model_path, list(layers), dtype, device, seq_len)
+        try:
+            peak = job.result(timeout=1800)
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            raise RuntimeError(f"peak-memory process failed: {reason[0]}") from None
+    return {"peak_mem_gib": float(peak)}
+
+
+@functools.cache
+def _fresh_processes() -> BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "lorp.sources", "pipeline.speed"])
+    return ctx
 
 
 def _peak_memory_here(model_path: str, layers: list[int], dtype: str, device: str, n: int) -> float:
@@ -188,12 +198,3 @@ def count_params(model: Any) -> int:
             seen.add(p.data_ptr())
             total += p.numel()
     return total
-
-
-if __name__ == "__main__":  # the fresh process of `peak_memory_fresh`
-    path, layers_json, dtype_arg, device_arg, seq = sys.argv[1:6]
-    print(
-        json.dumps(
-            _peak_memory_here(path, json.loads(layers_json), dtype_arg, device_arg, int(seq))
-        )
-    )
