@@ -148,26 +148,23 @@ def peak_rss_kib(samples: int, seq_len: int) -> int:
 def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[str, float]:
     import ray
 
-    from pipeline.calibration import _write_parquet
+    from pipeline.model_source import ModelSource
     from pipeline.spec import Resources
     from pipeline.workers import CaptureTask, CaptureWorker, tree_reduce
 
-    tmp = Path(tempfile.mkdtemp(prefix="lorp-bench-"))
-    shards = []
-    for i, part in enumerate(np.array_split(windows.numpy(), 2)):
-        path = tmp / f"shard-{i}.parquet"
-        _write_parquet(path, part)
-        shards.append(str(path))
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         start = time.perf_counter()
-        task = CaptureTask(model_path, "", "float32", "cal", Resources(num_cpus=1), batch_size=4)
+        model = ModelSource(model_path, "dir")
+        task = CaptureTask(model, "cal", Resources(num_cpus=1), batch_size=4)
         workers = [CaptureWorker.options(num_cpus=1).remote(task) for _ in range(2)]
-        ray.get([w.__ray_ready__.remote() for w in workers])
+        ray.get([w.ready.remote() for w in workers])
         load_s = time.perf_counter() - start
+        shards = [ray.put(part) for part in np.array_split(windows.numpy(), 2)]
 
         def run() -> None:
-            tree_reduce([w.capture.remote(s) for w, s in zip(workers, shards, strict=True)])
+            pairs = zip(workers, shards, strict=True)
+            tree_reduce([w.capture.remote(s, f"shard-{i}") for i, (w, s) in enumerate(pairs)])
 
         t_ray = median_time(run, repeats)
     finally:

@@ -12,27 +12,52 @@ def add_dashboard(sub: argparse._SubParsersAction) -> None:
         help="write the fleet dashboard (static HTML) for a run directory",
         description="Reads RUN_DIR/catalog.parquet (or --catalog files) and the cached S files.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory or a job's storage URI")
     p.add_argument("--catalog", nargs="*", default=None, help="catalogs to show instead")
-    p.add_argument("--out", default=None, help="default: RUN_DIR/dashboard")
+    p.add_argument(
+        "--out", default=None, help="a directory or storage URI (default: RUN_DIR/dashboard)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dashboards.site import build_site, legacy_tracking
-    from pipeline.catalog import merge_catalogs
+    from pipeline.storage import is_remote
 
-    run_dir = Path(args.run_dir)
-    catalogs = args.catalog or [str(run_dir / "catalog.parquet")]
-    rows = merge_catalogs(catalogs)
-    # Rows name their own store and experiment; only older catalogs need RUN_DIR's store.
-    index = build_site(
-        rows,
-        Path(args.out) if args.out else run_dir / "dashboard",
-        fallback_tracking=legacy_tracking(run_dir, rows),
-    )
+    if is_remote(args.run_dir) or (args.out and is_remote(args.out)):
+        return run_remote(args)
+    index = write(args, Path(args.run_dir), Path(args.out or Path(args.run_dir) / "dashboard"))
     print(f"dashboard    {index.resolve()}")
     print(
         f"             preview: python -m http.server --bind 127.0.0.1 --directory {index.parent}"
     )
+    return 0
+
+
+def write(args: argparse.Namespace, run_dir: Path, out: Path) -> Path:
+    from dashboards.site import build_site, legacy_tracking
+    from pipeline.catalog import merge_catalogs
+
+    catalogs = args.catalog or [str(run_dir / "catalog.parquet")]
+    rows = merge_catalogs(catalogs)
+    # Rows name their own store and experiment; only older catalogs need RUN_DIR's store.
+    return build_site(rows, out, fallback_tracking=legacy_tracking(run_dir, rows))
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    """RUN_DIR or --out in a job's storage: the catalog comes from there, and the site is
+    built locally, then uploaded with its completion marker."""
+    import tempfile
+
+    from pipeline.storage import Storage, is_remote
+
+    with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
+        run_dir = Path(args.run_dir)
+        if is_remote(args.run_dir):
+            run_dir, store = Path(tmp) / "run", Storage(args.run_dir)
+            if not store.get_file("catalog.parquet", run_dir / "catalog.parquet"):
+                raise FileNotFoundError(f"no catalog.parquet in {store.uri()}")
+        index = write(args, run_dir, Path(tmp) / "site")
+        out = Storage(args.out) if args.out else Storage(args.run_dir).sub("dashboard")
+        uri = out.put_dir(index.parent)
+    print(f"dashboard    {uri}")
     return 0

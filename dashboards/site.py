@@ -33,16 +33,26 @@ log = logging.getLogger(__name__)
 
 
 def load_S(row: Row) -> np.ndarray | None:
-    """The S matrix of the row's cached statistics (`stats_file`), or None when the file
-    is absent or unreadable (e.g. written by another lorp version): no S figures then."""
+    """The S matrix of the row's cached statistics (`stats_file`: a path, or a file in a
+    job's remote storage), or None when the file is absent or unreadable (e.g. written by
+    another lorp version): no S figures then."""
+    import tempfile
+
     from lorp import SimilarityStats
+    from pipeline.storage import is_remote, split_location
 
     path = row.get("stats_file")
-    if not path or not Path(path).is_file():
+    if not path or not (is_remote(path) or Path(path).is_file()):
         return None
     try:
-        return SimilarityStats.from_file(path).matrix()
-    except ValueError as exc:
+        if not is_remote(path):
+            return SimilarityStats.from_file(path).matrix()
+        store, name = split_location(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            if not store.get_file(name, Path(tmp) / name):
+                return None
+            return SimilarityStats.from_file(Path(tmp) / name).matrix()
+    except (ValueError, OSError) as exc:
         log.warning("%s: no S figures for %s", exc, row.get("model"))
         return None
 

@@ -76,8 +76,12 @@ def parse_model_ref(ref: str) -> ModelRef:
     )
 
 
-def materialize(ref: str | ModelRef, *, allow_pickle: bool = False) -> Path:
-    """A local HF directory with safetensors for `ref`, converting GGUF once."""
+def materialize(
+    ref: str | ModelRef, *, allow_pickle: bool = False, revision: str | None = None
+) -> Path:
+    """A local HF directory with safetensors for `ref`, converting GGUF once. `revision`
+    pins a hub id to one commit (`hub_revision` of a directory this returned), so every
+    node of a cluster downloads the same weights the driver planned with."""
     mref = ref if isinstance(ref, ModelRef) else parse_model_ref(ref)
     if mref.kind == "dir":
         path = Path(mref.ref)
@@ -94,11 +98,19 @@ def materialize(ref: str | ModelRef, *, allow_pickle: bool = False) -> Path:
         if allow_pickle:
             patterns.append("*.bin")
         try:
-            return Path(snapshot_download(mref.ref, allow_patterns=patterns))
+            path = snapshot_download(mref.ref, revision=revision, allow_patterns=patterns)
         except Exception as exc:  # offline, unknown repo, gated: one line, the hub's reason
-            raise ValueError(f"hub model {mref.ref!r} is not reachable or cached ({exc})") from None
+            name = f"{mref.ref!r}" + (f" at {revision}" if revision else "")
+            raise ValueError(f"hub model {name} is not reachable or cached ({exc})") from None
+        return Path(path)
     gguf = packaged_gguf(mref.ref) if mref.kind == "alias" else Path(mref.ref)
     return convert_gguf(gguf, name=mref.ref if mref.kind == "alias" else None)
+
+
+def hub_revision(path: Path) -> str:
+    """The commit a hub snapshot directory holds: the hub cache names each snapshot
+    directory after its commit hash (`.../snapshots/<commit>`)."""
+    return Path(path).name
 
 
 def convert_gguf(gguf: Path, name: str | None = None) -> Path:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lorp.atomic import atomic_file
+
+if TYPE_CHECKING:
+    from pipeline.storage import Storage
 
 CORE_SCHEMA = pa.schema(
     [
@@ -97,24 +100,37 @@ def upsert(rows: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str,
 
 
 class Catalog:
-    """A job's catalog file and its rows in memory; every change is written at once."""
+    """A job's catalog file and its rows in memory; every change is written at once.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    With a `mirror` (the job's storage, when it is not the run directory) the local file
+    is a working copy: the storage's catalog replaces it at the start, so a job resumes
+    from storage on any machine, and every write is copied back to storage."""
+
+    NAME = "catalog.parquet"
+
+    def __init__(self, path: Path, mirror: Storage | None = None) -> None:
+        self.path, self.mirror = path, mirror
+        if mirror is not None:
+            mirror.get_file(self.NAME, path)
         self.rows = read_catalog(path)
+
+    def _write(self) -> None:
+        write_catalog(self.path, self.rows)
+        if self.mirror is not None:
+            self.mirror.put_file(self.path, self.NAME)
 
     def by_key(self) -> dict[str, dict[str, Any]]:
         return {r["grid_key"]: r for r in self.rows}
 
     def put(self, row: Mapping[str, Any]) -> None:
         self.rows = upsert(self.rows, row)
-        write_catalog(self.path, self.rows)
+        self._write()
 
     def update(self, grid_key: str, values: Mapping[str, Any]) -> dict[str, Any]:
         """Add or replace columns of one row (figures measured after the point)."""
         row = self.by_key()[grid_key]
         row.update(values)
-        write_catalog(self.path, self.rows)
+        self._write()
         return row
 
 

@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"catalog      {summary.catalog.resolve()}")
     print(f"mlflow       {uri}")
     print(f"             browse: mlflow ui --host 127.0.0.1 --backend-store-uri {uri}")
-    print(f"checkpoints  {summary.checkpoints.resolve()}")
+    print(f"checkpoints  {summary.checkpoints}")
+    if summary.storage:
+        print(f"storage      {summary.storage} (the catalog above is its working copy)")
     print(
         f"grid points  {summary.done} done, {summary.skipped} already done, "
         f"{len(summary.failed)} failed; S captured {summary.captured}, from cache {summary.cached}"

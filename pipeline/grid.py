@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from pipeline.evaluation import metric_name
+from pipeline.model_source import model_source
 from pipeline.plan import GridPoint
 from pipeline.records import PointResult, RowContext, catalog_row, headline, point_params
 from pipeline.records import provenance as point_provenance
@@ -25,19 +26,16 @@ SPEED_COLUMNS = ("latency_ms", "latency_dense_ms", "speedup", "speedup_std", "pe
 
 
 def point_task(job: JobRun, point: GridPoint, backend: str) -> PointTask:
-    ckpt = job.checkpoint(point)
-    plan = point.model
+    """What the point's Ray task receives: the model's reference and storage locations."""
     return PointTask(
         grid_key=point.key,
-        model_path=str(plan.path),
-        fingerprint=plan.fingerprint,
-        dtype=plan.spec.dtype,
+        model=model_source(point.model),
         layers=point.layers,
-        checkpoint_dir=str(ckpt) if ckpt else None,
+        storage=job.storage.location,
+        checkpoint=job.checkpoint(point),
         provenance=point_provenance(job.spec, point),
         evaluation=job.spec.evaluation,
         resources=job.spec.resources.grid,
-        trust_remote_code=plan.spec.trust_remote_code,
         backend=backend,
     )
 
@@ -67,14 +65,8 @@ def run_grid(job: JobRun, todo: list[GridPoint], backend: str) -> None:
 
 def record_point(job: JobRun, point: GridPoint, result: PointResult, backend: str) -> None:
     run_id = job.run_ids[point.key]
-    ckpt = job.checkpoint(point)
-    ctx = RowContext(
-        job.tracker.display_uri,
-        job.tracker.experiment_id,
-        run_id,
-        str(ckpt) if ckpt else None,
-        backend,
-    )
+    ckpt = job.checkpoint_uri(point)
+    ctx = RowContext(job.tracker.display_uri, job.tracker.experiment_id, run_id, ckpt, backend)
     row = catalog_row(job.spec, point, job.facts[point.model.label], result, ctx)
     job.catalog.put(row)  # before FINISHED: see the module docstring
     metrics = {
@@ -118,8 +110,17 @@ def _missing(row: dict[str, Any], column: str) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _str(path: Any) -> str | None:
-    return str(path) if path else None
+def speed_task(job: JobRun, points: list[GridPoint]) -> SpeedTask:
+    """What the speed task of one model's `points` receives."""
+    ev, plan = job.spec.evaluation, points[0].model
+    return SpeedTask(
+        model=model_source(plan),
+        storage=job.storage.location,
+        variants=tuple((p.key, p.layers, job.checkpoint(p)) for p in points),
+        seq_len=ev.seq_len,
+        pairs=ev.speed_repeats,
+        resources=whole_node(job.spec.resources.speed, job.spec.resources.grid.num_gpus),
+    )
 
 
 def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
@@ -131,20 +132,7 @@ def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
     for p in points:
         if p.key in rows and _missing(rows[p.key], "speedup"):
             pending[p.model.label].append(p)
-    resources = whole_node(job.spec.resources.speed, job.spec.resources.grid.num_gpus)
-    return [
-        SpeedTask(
-            str(ps[0].model.path),
-            ps[0].model.fingerprint,
-            ps[0].model.spec.dtype,
-            tuple((p.key, p.layers, _str(job.checkpoint(p))) for p in ps),
-            ev.seq_len,
-            ev.speed_repeats,
-            resources,
-            ps[0].model.spec.trust_remote_code,
-        )
-        for ps in pending.values()
-    ]
+    return [speed_task(job, ps) for ps in pending.values()]
 
 
 def run_speed(job: JobRun, points: list[GridPoint]) -> None:
@@ -171,8 +159,8 @@ def run_speed(job: JobRun, points: list[GridPoint]) -> None:
         )
 
     def failed(task: SpeedTask, exc: BaseException) -> None:
-        job.events("speed_failed", model=task.model_path, cause=first_line(exc))
-        job.progress.note(f"speed failed for {task.model_path}: {first_line(exc)}")
+        job.events("speed_failed", model=task.model.ref, cause=first_line(exc))
+        job.progress.note(f"speed failed for {task.model.ref}: {first_line(exc)}")
 
     run_speed_pass(tasks, done, failed)
 

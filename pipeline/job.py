@@ -1,22 +1,35 @@
 """`JobRun`: one execution of a job spec, the context every stage of the driver shares:
-the spec, the run directory, the MLflow tracker, the event log, the catalog, progress, and
-what the stages learn on the way (model facts, parent runs, point runs)."""
+the spec, the run directory, the storage, the MLflow tracker, the event log, the catalog,
+progress, and what the stages learn on the way (model facts, parent runs, point runs).
+
+The storage (`pipeline.storage`) is where results live for every node: by default the run
+directory itself; with `storage:` set, the run directory is the driver's working copy,
+whose catalog and events come from storage at the start and go back after every point.
+MLflow's tracking store stays where `tracking` says (sqlite in the run directory by
+default): a job resumed on another machine wants a shared tracking server too."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import socket
-from pathlib import Path
 
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
 from pipeline.catalog import Catalog, slot
 from pipeline.losses import LossSelector
-from pipeline.plan import GridPoint, ModelPlan, checkpoint_dir, plan_points, similarity_selector
+from pipeline.plan import (
+    CHECKPOINTS,
+    GridPoint,
+    ModelPlan,
+    checkpoint_rel,
+    plan_points,
+    similarity_selector,
+)
 from pipeline.progress import Progress
 from pipeline.records import EventLog, ModelFacts, RunSummary
 from pipeline.spec import JobSpec, MethodSpec
+from pipeline.storage import Storage
 from pipeline.tracking import Tracker, default_tracking_uri
 
 
@@ -29,12 +42,15 @@ class JobRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or spec.tracking.mlflow_uri
         uri = uri or default_tracking_uri(self.run_dir)
-        self.ckpt_root = self.run_dir / "checkpoints"
-        self.catalog = Catalog(self.run_dir / "catalog.parquet")
-        self.summary = RunSummary(self.run_dir, self.catalog.path, uri, self.ckpt_root)
-        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.storage = Storage(spec.storage or self.run_dir)
+        here = self.storage.local_path() == self.run_dir.resolve()
+        mirror = None if here else self.storage
+        self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror)
+        self.events = EventLog(self.run_dir / EventLog.NAME, mirror)
+        ckpts, elsewhere = self.storage.uri(CHECKPOINTS), None if here else self.storage.uri()
+        self.summary = RunSummary(self.run_dir, self.catalog.path, uri, ckpts, storage=elsewhere)
         experiment = spec.tracking.experiment or spec.name
-        self.tracker = Tracker(uri, experiment, self.run_dir / "mlartifacts")
+        self.tracker = Tracker(uri, experiment, self.storage.mlflow_uri("mlartifacts"))
         self.facts: dict[str, ModelFacts] = {}
         self.parents: dict[str, str] = {}
         self.run_ids: dict[str, str] = {}
@@ -43,8 +59,9 @@ class JobRun:
         """Repair what a killed predecessor left: stale MLflow runs, partial checkpoints."""
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
         closed = self.tracker.close_stale_runs(self.spec.name, completed)
-        if self.ckpt_root.is_dir():
-            for partial in self.ckpt_root.glob("*/.*.partial"):
+        ckpt_root = self.storage.local_path(CHECKPOINTS)  # remote: unmarked, ignored
+        if ckpt_root is not None and ckpt_root.is_dir():
+            for partial in ckpt_root.glob("*/.*.partial"):
                 shutil.rmtree(partial, ignore_errors=True)
         self.events(
             "start",
@@ -69,7 +86,7 @@ class JobRun:
         parent = self.tracker.model_run(self.spec.name, key, plan.label)
         self.tracker.record_model(parent, self.spec, plan, ms, prof)
         self.facts[plan.label] = ModelFacts(
-            prof.rls, prof.k, list(prof.labels) if prof.labels is not None else None, str(ms.file)
+            prof.rls, prof.k, list(prof.labels) if prof.labels is not None else None, ms.location
         )
         self.parents[plan.label] = parent
         loss_guided = LossSelector(self, plan, ms.stats, ms.file.stem, prof)
@@ -99,7 +116,13 @@ class JobRun:
             todo.append(p)
         return todo
 
-    def checkpoint(self, point: GridPoint) -> Path | None:
+    def checkpoint(self, point: GridPoint) -> str | None:
+        """The point's checkpoint below the storage; None when it is not saved."""
         if not (self.spec.save_checkpoints and point.layers):
             return None
-        return checkpoint_dir(self.ckpt_root, point).resolve()
+        return checkpoint_rel(point)
+
+    def checkpoint_uri(self, point: GridPoint) -> str | None:
+        """Where the point's checkpoint lives (the catalog's `checkpoint`)."""
+        rel = self.checkpoint(point)
+        return self.storage.uri(rel) if rel else None

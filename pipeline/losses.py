@@ -19,28 +19,31 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
 from lorp import Selection
-from lorp.atomic import atomic_file
 from lorp.methods.registry import jsonable
+from pipeline.model_source import ModelSource, load_checked, model_source
 from pipeline.spec import Resources
+from pipeline.storage import Storage
 
 
 @dataclass(frozen=True)
 class LossTask:
-    model_path: str
-    fingerprint: str
-    dtype: str
+    model: ModelSource
     windows: np.ndarray
-    """Held-out calibration windows [n, T] (BOS first where the policy adds one)."""
+    """Held-out calibration windows [n, T] (BOS first where the policy adds one): data,
+    shipped with the task, never a file of the driver."""
     batch_size: int = 4
     resources: Resources = field(default_factory=Resources)
-    trust_remote_code: bool = False
+
+
+def loss_task(spec: Any, plan: Any, windows: np.ndarray) -> LossTask:
+    """What every loss worker of `plan`'s model receives."""
+    return LossTask(model_source(plan), windows, spec.evaluation.batch_size, spec.resources.grid)
 
 
 @ray.remote
@@ -51,13 +54,10 @@ class LossWorker:
         import torch
 
         from lorp.loss import LossEvaluator
-        from pipeline.workers import load_checked
 
         torch.set_num_threads(max(1, int(task.resources.num_cpus)))
         device = "cuda" if task.resources.num_gpus > 0 else "cpu"
-        lm = load_checked(
-            task.model_path, task.fingerprint, task.dtype, device, task.trust_remote_code
-        )
+        lm = load_checked(task.model, device)
         windows = torch.from_numpy(task.windows.astype(np.int64))
         self.evaluator = LossEvaluator(lm.model, windows, batch_size=task.batch_size)
 
@@ -100,14 +100,14 @@ class RayLosses:
 class SelectionCache:
     """Selections of loss-guided methods as JSON files, by content key."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, store: Storage) -> None:
+        self.store = store
 
     def get(self, key: str) -> tuple[Selection, float] | None:
-        path = self.root / f"{key}.json"
-        if not path.is_file():
+        data = self.store.read_bytes(f"{key}.json")
+        if data is None:
             return None
-        d = json.loads(path.read_text())
+        d = json.loads(data)
         sel = Selection(
             layers=tuple(d["pruned"]),
             method=d["method"],
@@ -120,8 +120,7 @@ class SelectionCache:
 
     def put(self, key: str, selection: Selection, seconds: float) -> None:
         record = selection.to_dict() | {"select_s": seconds}
-        with atomic_file(self.root / f"{key}.json") as tmp:
-            Path(tmp).write_text(json.dumps(jsonable(record), sort_keys=True))
+        self.store.write_bytes(f"{key}.json", json.dumps(jsonable(record), sort_keys=True).encode())
 
 
 class LossSelector:
@@ -129,11 +128,11 @@ class LossSelector:
     `RayLosses` actors that start on first use and stop with `close()`."""
 
     def __init__(self, job: Any, plan: Any, stats: Any, stats_key: str, profile: Any) -> None:
-        from pipeline.statistics import stats_cache_dir
+        from pipeline.statistics import stats_store
 
         self.job, self.plan, self.stats, self.profile = job, plan, stats, profile
         self.stats_key = stats_key
-        self.cache = SelectionCache(stats_cache_dir(job.spec) / "selections")
+        self.cache = SelectionCache(stats_store(job.spec).sub("selections"))
         self.heldout: tuple[np.ndarray, str] | None = None
         self.losses: RayLosses | None = None
 
@@ -177,16 +176,8 @@ class LossSelector:
 
     def _losses(self, windows: np.ndarray) -> RayLosses:
         if self.losses is None:
-            spec, plan = self.job.spec, self.plan
-            task = LossTask(
-                str(plan.path),
-                plan.fingerprint,
-                plan.spec.dtype,
-                windows,
-                spec.evaluation.batch_size,
-                spec.resources.grid,
-                plan.spec.trust_remote_code,
-            )
+            spec = self.job.spec
+            task = loss_task(spec, self.plan, windows)
             self.losses = RayLosses(task, spec.resources.max_concurrent_points, self.job.events)
         return self.losses
 

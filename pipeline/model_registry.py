@@ -2,12 +2,13 @@
 
 One registered model per base model, named `lorp-<label>` (the catalog's `model` label with
 every character MLflow or a URI would trip on turned into '-'). Each saved checkpoint is a
-model version whose `source` is the checkpoint directory's file:// URI and whose run is
-the point's MLflow run, so multi-GB weights are never copied: a sqlite or file store takes
-any local source as it is. (A tracking server accepts a local source only inside the run's
-artifact directory; then the checkpoint's files are hard-linked there, which copies bytes
-only across filesystems, or uploaded when the artifact store is remote.) The dense model
-is a version too, pointing at the model's local directory.
+model version whose `source` is where the checkpoint lives (its directory's file:// URI,
+or its URI in the job's remote storage) and whose run is the point's MLflow run, so
+multi-GB weights are never copied: a sqlite or file store takes any source as it is. (A
+tracking server accepts a local source only inside the run's artifact directory; then the
+checkpoint's files are hard-linked there, which copies bytes only across filesystems, or
+uploaded when the artifact store is remote.) The dense model is a version too, pointing
+at the model's local directory.
 
 Version tags repeat the catalog row (method, options, budget, blocks, RLS, K, stats file,
 perplexities, accuracy, speed-up, `degraded`), plus `lorp.grid_key`, which together with the
@@ -20,8 +21,9 @@ Aliases move when a job ends: `best-<budget>` to the non-degraded variant with t
 first perplexity (`ppl_<first corpus>`; with no perplexity, the highest `acc_avg`), `dense`
 to the base model. The catalog's `model_uri` column names each row's version.
 
-`load_variant` and `pull` read a version back; they live here, not in `lorp/`, because
-`lorp/` never imports MLflow.
+`load_variant` and `pull` read a version back (a checkpoint in remote storage is fetched
+to a local directory first, and refused without its completion marker); they live here,
+not in `lorp/`, because `lorp/` never imports MLflow.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from mlflow.tracking import MlflowClient
 
 from lorp.atomic import atomic_dir
 from lorp.surgery import PROVENANCE_FILE
+from pipeline.storage import Storage, is_remote
 from pipeline.tracking import GRID_KEY, redact
 
 if TYPE_CHECKING:
@@ -94,7 +97,8 @@ class Entry:
 
     key: str
     run_id: str
-    source: Path
+    source: Path | str
+    """A local directory, or a checkpoint's location in remote storage."""
     tags: dict[str, str]
     budget: int
     label: str
@@ -124,14 +128,20 @@ def rank(row: Mapping[str, Any], ppl_column: str | None) -> tuple[int, float] | 
     return (1, -acc) if acc is not None else None
 
 
+def source_uri(source: Path | str) -> str:
+    """A version's source: a local directory as a file:// URI, a storage URI as it is."""
+    text = str(source)
+    return text if is_remote(text) else Path(text).resolve().as_uri()
+
+
 def variant_entry(point: GridPoint, row: Mapping[str, Any], ppl: str | None) -> Entry | None:
-    """A pruned row's version, when its checkpoint is on disk (save_checkpoints)."""
+    """A pruned row's version, when its checkpoint was saved completely (save_checkpoints)."""
     ckpt = row.get("checkpoint")
-    if not ckpt or not Path(ckpt).is_dir() or not row.get("mlflow_run_id"):
+    if not ckpt or not Storage(ckpt).complete() or not row.get("mlflow_run_id"):
         return None
     tags = version_tags(row, point.key)
     return Entry(
-        point.key, row["mlflow_run_id"], Path(ckpt), tags, point.budget, point.label, rank(row, ppl)
+        point.key, row["mlflow_run_id"], ckpt, tags, point.budget, point.label, rank(row, ppl)
     )
 
 
@@ -256,7 +266,7 @@ def retire_superseded(
     directory, so the old version would name files that are no longer its own, and its
     run is already deleted."""
     for (key, run_id), mv in list(existing.items()):
-        same_place = mv.source == e.source.as_uri() or key == e.key
+        same_place = mv.source == source_uri(e.source) or key == e.key
         if same_place and mv.tags.get("job") == e.tags.get("job") and run_id != e.run_id:
             client.delete_model_version(mv.name, str(mv.version))
             del existing[(key, run_id)]
@@ -268,12 +278,13 @@ def create_version(client: MlflowClient, name: str, e: Entry) -> ModelVersion:
     description = f"{e.label} at budget {e.budget}" if e.budget else "the dense base model"
     try:
         return client.create_model_version(
-            name, e.source.as_uri(), e.run_id, tags=e.tags, description=description
+            name, source_uri(e.source), e.run_id, tags=e.tags, description=description
         )
     except MlflowException as exc:
         if "Invalid model version source" not in str(exc):
             raise
-    source = publish_checkpoint(client, e.run_id, e.source)
+    with Storage(str(e.source)).fetched() as path:
+        source = publish_checkpoint(client, e.run_id, path)
     return client.create_model_version(name, source, e.run_id, tags=e.tags, description=description)
 
 
@@ -368,7 +379,8 @@ def resolve_version(client: MlflowClient, uri: str, store: str) -> ModelVersion:
 @contextmanager
 def version_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterator[Path]:
     """The directory holding a version's files: the checkpoint itself for a local source
-    (nothing copied), else a temporary download, removed on exit."""
+    (nothing copied), else a temporary copy (from the job's storage, or MLflow's artifact
+    store), removed on exit."""
     from mlflow.artifacts import download_artifacts
     from mlflow.utils.file_utils import local_file_uri_to_path
 
@@ -378,6 +390,10 @@ def version_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterato
         if not path.is_dir():
             raise FileNotFoundError(f"version {mv.name}/{mv.version}: {str(path)!r} is gone")
         yield path
+        return
+    if is_remote(source) and Storage(source).complete():  # a checkpoint lorp stored
+        with Storage(source).fetched() as path:
+            yield path
         return
     with tempfile.TemporaryDirectory(prefix="lorp-pull-") as tmp:
         got = download_artifacts(source, dst_path=tmp, tracking_uri=store)

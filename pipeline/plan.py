@@ -21,7 +21,7 @@ from lorp import Selection, select_layers
 from lorp.architectures import architecture_for
 from lorp.methods import resolve_budget, validate_options
 from lorp.similarity import FORMAT_VERSION, SimilarityStats
-from lorp.sources import materialize, parse_model_ref, read_config
+from lorp.sources import Kind, materialize, parse_model_ref, read_config
 from pipeline.spec import EvaluationSpec, JobSpec, MethodSpec, ModelSpec, SpecError
 
 BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
@@ -35,14 +35,19 @@ def content_key(*parts: Any) -> str:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """One model of the job, resolved to a local directory and checked."""
+    """One model of the job, resolved to a local directory of the driver and checked.
+    Workers get its reference (`pipeline.model_source`), never `path`."""
 
     spec: ModelSpec
     path: Path
+    """The driver's materialised directory (its HF cache or GGUF conversion)."""
     fingerprint: str
     n_blocks: int
     family: str
     budgets: tuple[int, ...]
+    ref: str
+    """The reference as parsed (a local path expanded), what every worker resolves."""
+    kind: Kind
 
     @property
     def label(self) -> str:
@@ -106,8 +111,12 @@ def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
-def checkpoint_dir(root: Path, point: GridPoint) -> Path:
-    return root / safe_name(point.model.label) / safe_name(point.name)
+CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_rel(point: GridPoint) -> str:
+    """A point's checkpoint below the job's storage: `checkpoints/<model>/<point>`."""
+    return f"{CHECKPOINTS}/{safe_name(point.model.label)}/{safe_name(point.name)}"
 
 
 def evaluation_key(spec: EvaluationSpec, backend: str) -> dict[str, Any]:
@@ -139,7 +148,8 @@ def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
     from lorp.fingerprint import fingerprint_checkpoint
 
     try:
-        path = materialize(m.ref, allow_pickle=m.allow_pickle)
+        mref = parse_model_ref(m.ref)
+        path = materialize(mref, allow_pickle=m.allow_pickle)
         config = read_config(path)
         family = architecture_for(str(config.get("model_type"))).family
     except ValueError as exc:
@@ -158,7 +168,8 @@ def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         except ValueError as exc:
             raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
     fingerprint = fingerprint_checkpoint(path)
-    return ModelPlan(m, path, fingerprint, n, family, tuple(sorted(set(budgets))))
+    resolved = tuple(sorted(set(budgets)))
+    return ModelPlan(m, path, fingerprint, n, family, resolved, mref.ref, mref.kind)
 
 
 def _check_context(spec: JobSpec, m: ModelSpec, max_pos: int | None) -> None:

@@ -12,13 +12,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lorp
 from lorp.provenance import provenance as lorp_provenance
 from lorp.surgery import kept_layers
 from pipeline.plan import GridPoint
 from pipeline.spec import JobSpec
+
+if TYPE_CHECKING:
+    from pipeline.storage import Storage
 
 
 def now() -> str:
@@ -43,27 +46,42 @@ class PointResult:
 class RunSummary:
     run_dir: Path
     catalog: Path
+    """The catalog in the run directory (a working copy when `storage` is set)."""
     tracking_uri: str
-    checkpoints: Path
+    checkpoints: str
+    """Where the checkpoints are: an absolute path, or a storage URI."""
     captured: int = 0
     cached: int = 0
     done: int = 0
     skipped: int = 0
     failed: list[str] = field(default_factory=list)
     degraded: list[str] = field(default_factory=list)
+    storage: str | None = None
+    """The job's storage when it is not the run directory."""
 
 
 class EventLog:
-    """Append-only JSON lines in the run directory: what this job did, and when."""
+    """Append-only JSON lines in the run directory: what this job did, and when.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    With a `mirror` (the job's storage, when it is not the run directory) the storage's
+    log replaces the local one at the start and the whole file is copied back after each
+    event, except the frequent `losses` batches, which travel with the next one."""
+
+    NAME = "events.jsonl"
+    UNSYNCED = frozenset({"losses"})
+
+    def __init__(self, path: Path, mirror: Storage | None = None) -> None:
+        self.path, self.mirror = path, mirror
         path.parent.mkdir(parents=True, exist_ok=True)
+        if mirror is not None:
+            mirror.get_file(self.NAME, path)
 
     def __call__(self, event: str, **data: Any) -> None:
         record = {"time": now(), "event": event, **data}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
+        if self.mirror is not None and event not in self.UNSYNCED:
+            self.mirror.put_file(self.path, self.NAME)
 
     def read(self) -> list[dict[str, Any]]:
         return read_events(self.path)

@@ -137,8 +137,10 @@ class ResourcesSpec:
     max_concurrent_points: int = 2
     """Grid points in flight at once (each holds one model copy)."""
     capture_workers: int | None = None
-    """Capture workers per model (spread across nodes); default: as many as the cluster fits
-    at the start (set it on autoscaling clusters, whose workers start at 0)."""
+    """Capture workers per model (spread across nodes); default: one per calibration shard
+    (`calibration.shards`). Fixed by the spec, not by what the cluster holds at the start,
+    so an autoscaler brings up nodes for them; shards go to workers as they start, so a
+    worker that never gets a node only goes unused."""
     speed: Resources | None = None
     """Per speed-pass task (one per model, after the grid); default: a whole node."""
 
@@ -240,10 +242,19 @@ class JobSpec:
     """Calibration data for S."""
     output_dir: str = "runs/job"
     """Run directory: catalog.parquet, mlflow.db, checkpoints/, events.jsonl."""
+    storage: str | None = None
+    """Where the results live for every node: a local or shared directory, or a URI that
+    pyarrow.fs opens (file://, s3://bucket/prefix, gs://, hdfs://; query parameters set
+    the filesystem's options, e.g. ?endpoint_override=host:9000&scheme=http; credentials
+    come from the environment). Checkpoints (uploaded by the node that made them), the
+    catalog, events, MLflow artifacts and, unless cache_dir is set, the cached S files go
+    there; output_dir is the driver's working copy, synced after every point, and a rerun
+    resumes from the catalog in storage. Default: output_dir itself."""
     save_checkpoints: bool = True
-    """Write each pruned checkpoint (safetensors) under output_dir/checkpoints."""
+    """Write each pruned checkpoint (safetensors) under <storage>/checkpoints."""
     cache_dir: str | None = None
-    """Where merged S files are cached by content key (default: $LORP_CACHE/stats)."""
+    """Where merged S files are cached by content key (default: <storage>/stats when
+    storage is set, else $LORP_CACHE/stats)."""
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     """Ray resource requests."""
     ray: RaySpec = field(default_factory=RaySpec)
@@ -269,6 +280,8 @@ class JobSpec:
                 raise SpecError(f"budgets[{i}]: a block count must be >= 1, got {b}")
             if isinstance(b, float) and not 0.0 < b < 1.0:
                 raise SpecError(f"budgets[{i}]: a fraction must be in (0, 1), got {b}")
+        if self.storage is not None:
+            _check_storage(self.storage)
         _unique("models", [m.label for m in self.models])
         _unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
         _unique("budgets", list(self.budgets))
@@ -289,6 +302,16 @@ class JobSpec:
 def _positive(name: str, value: int, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_storage(location: str) -> None:
+    """Opens the filesystem (pyarrow resolves the scheme and its options) before any work."""
+    from pipeline.storage import Storage
+
+    try:
+        Storage(location)
+    except ValueError as exc:
+        raise SpecError(f"storage: {exc}") from None
 
 
 def _check_bos(value: str) -> None:

@@ -1,9 +1,15 @@
-"""A model's similarity statistics S: calibration shards, the content-keyed cache, and
+"""A model's similarity statistics S: calibration windows, the content-keyed cache, and
 the distributed capture when the cache misses. Once per model, whatever the grid.
 
 The cache key covers the weights (fingerprint), the calibration set (corpus content,
 sampling, BOS policy), the capture dtype and the statistics format, so the same checkpoint
-under two names shares one S and any change that would alter S captures anew.
+under two names shares one S and any change that would alter S captures anew. The cache
+is `cache_dir`, else the job's storage (`stats/`) when the job sets one, else
+`$LORP_CACHE/stats`.
+
+The windows are cut once on the driver and written as parquet shards into the run
+directory (provenance: what S was computed on); capture workers get the windows
+themselves through Ray's object store, never a path of the driver.
 """
 
 from __future__ import annotations
@@ -13,55 +19,74 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lorp.cache import cache_root
 from lorp.similarity import SimilarityStats
-from pipeline.calibration import CalibrationShards, write_shards
+from pipeline.calibration import CalibrationShards, read_shard, write_shards
+from pipeline.model_source import model_source
 from pipeline.plan import ModelPlan
 from pipeline.spec import JobSpec
-from pipeline.workers import CaptureTask, distributed_capture
+from pipeline.storage import Storage
+from pipeline.workers import CaptureTask, Shard, distributed_capture
 
 
 @dataclass(frozen=True)
 class ModelStats:
     stats: SimilarityStats
     file: Path
-    """The cached .npz (the catalog's `stats_file`)."""
+    """The local copy of the cached .npz."""
     source: str
     """"cache" or "computed"."""
     seconds: float
+    location: str = ""
+    """Where the cache keeps it (the catalog's `stats_file`): a path or a storage URI."""
 
 
-def stats_cache_dir(spec: JobSpec) -> Path:
-    return Path(spec.cache_dir) if spec.cache_dir else cache_root() / "stats"
+def stats_store(spec: JobSpec) -> Storage:
+    """Where S files (and loss-guided selections) are cached."""
+    if spec.cache_dir:
+        return Storage(spec.cache_dir)
+    if spec.storage:
+        return Storage(spec.storage).sub("stats")
+    return Storage(cache_root() / "stats")
 
 
 def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool) -> ModelStats:
     """S of `plan`'s model on the job's calibration set: from the cache, else captured."""
-    shards = _shards(spec, plan, run_dir)
-    cache_file = stats_cache_dir(spec) / f"{plan.stats_key(shards.fingerprint)}.npz"
-    if cache_file.is_file() and not force:
-        return ModelStats(_cached(cache_file, plan), cache_file.resolve(), "cache", 0.0)
+    shards = calibration_shards(spec, plan, run_dir)
+    store, name = stats_store(spec), f"{plan.stats_key(shards.fingerprint)}.npz"
+    local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
+    if not force and store.get_file(name, local):
+        return ModelStats(_cached(local, plan), local, "cache", 0.0, store.uri(name))
     start = time.perf_counter()
-    task = CaptureTask(
-        model_path=str(plan.path),
-        fingerprint=plan.fingerprint,
-        dtype=plan.spec.dtype,
+    task = capture_task(spec, plan, shards)
+    stats = distributed_capture(task, load_shards(shards), spec.resources.capture_workers)
+    seconds = time.perf_counter() - start
+    stats.extra.update({"capture_seconds": seconds, "dtype": plan.spec.dtype})
+    stats.to_file(local)
+    store.put_file(local, name)
+    return ModelStats(stats, local, "computed", seconds, store.uri(name))
+
+
+def capture_task(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> CaptureTask:
+    """What every capture worker of `plan`'s model receives."""
+    return CaptureTask(
+        model=model_source(plan),
         calibration=shards.fingerprint,
         resources=spec.resources.capture,
-        trust_remote_code=plan.spec.trust_remote_code,
         batch_size=spec.calibration.batch_size,
         skip_prefix=int(shards.bos is not None),
     )
-    stats = distributed_capture(
-        task, [str(p) for p in shards.paths], spec.resources.capture_workers
-    )
-    seconds = time.perf_counter() - start
-    stats.extra.update({"capture_seconds": seconds, "dtype": plan.spec.dtype})
-    stats.to_file(cache_file)
-    return ModelStats(stats, cache_file.resolve(), "computed", seconds)
 
 
-def _shards(spec: JobSpec, plan: ModelPlan, run_dir: Path) -> CalibrationShards:
+def load_shards(shards: CalibrationShards) -> list[Shard]:
+    """The shards' windows as arrays, named after their files."""
+    return [Shard(p.name, read_shard(p).numpy().astype(np.int32)) for p in shards.paths]
+
+
+def calibration_shards(spec: JobSpec, plan: ModelPlan, run_dir: Path) -> CalibrationShards:
+    """The calibration windows, cut once and written as parquet shards in the run directory."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -84,7 +109,7 @@ def describe(ms: ModelStats) -> dict[str, Any]:
     """The capture event's fields."""
     return {
         "source": ms.source,
-        "file": str(ms.file),
+        "file": ms.location or str(ms.file),
         "seconds": round(ms.seconds, 3),
         "tokens": ms.stats.tokens,
     }

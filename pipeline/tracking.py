@@ -74,14 +74,19 @@ def default_tracking_uri(run_dir: Path) -> str:
 class Tracker:
     """Thin wrapper over MlflowClient for one job's experiment."""
 
-    def __init__(self, uri: str, experiment: str, artifact_dir: Path) -> None:
+    def __init__(self, uri: str, experiment: str, artifact_location: str) -> None:
+        """`artifact_location` (a file:// URI or the job's remote storage) is where a new
+        experiment keeps its artifacts; an existing experiment keeps its own."""
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
-            artifact_dir.mkdir(parents=True, exist_ok=True)
+            if artifact_location.startswith("file:"):
+                from mlflow.utils.file_utils import local_file_uri_to_path
+
+                Path(local_file_uri_to_path(artifact_location)).mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(
-                experiment, artifact_location=artifact_dir.resolve().as_uri()
+                experiment, artifact_location=artifact_location
             )
         else:
             self.experiment_id = exp.experiment_id

@@ -1,31 +1,45 @@
 """Ray workers: distributed capture of S and its tree reduction, grid-point execution, and
 the speed pass.
 
-Everything crossing a Ray boundary is plain data (paths, tuples, frozen dataclasses,
-numpy-backed `SimilarityStats`, `PointResult`). Pitfalls, where they bite:
+Everything crossing a Ray boundary is plain data (frozen dataclasses, numpy arrays,
+numpy-backed `SimilarityStats`, `PointResult`), and none of it is a path of the driver: a
+model travels as its reference (`ModelSource`, resolved on the node that loads it),
+calibration windows as arrays in the object store, checkpoints as locations in the job's
+storage. Pitfalls, where they bite:
 
 - A capture worker is an actor so the model loads once and serves many shards; each shard
   returns its own partial statistics (nothing accumulates in the actor), so when Ray
   restarts a dead actor and retries a shard, that shard still contributes exactly once.
+- Shards go to capture workers as they start, not round-robin up front: a worker still
+  waiting for a node (an autoscaler bringing one up, or a cluster too small for the
+  spec's count) takes no shard, so nothing waits on it; once every shard is handed out,
+  idle and unstarted workers are killed, so a worker Ray restarts after a crash gets
+  their resources back instead of waiting behind them.
 - torch in a Ray worker would use every core of the node; each worker pins its thread
   count to the CPUs the spec gave it.
 - Partials merge pairwise in a tree of small tasks, so the driver never holds all of them.
-- Every worker loads through `lorp.sources.load_model` and refuses a model whose content
-  fingerprint is not the one the driver planned with.
+- A grid point writes its checkpoint from the node that made it: straight into a
+  filesystem storage (atomic rename), else into node-local scratch, uploaded with its
+  completion marker, then evaluated from that local copy.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 
 from lorp.similarity import SimilarityStats
 from pipeline.faults import maybe_fail
+from pipeline.model_source import ModelSource, load_checked
 from pipeline.records import PointResult
 from pipeline.spec import EvaluationSpec, Resources
+from pipeline.storage import Storage, scratch_dir
 
 
 def _pin_threads(num_cpus: float) -> None:
@@ -38,35 +52,29 @@ def _device(resources: Resources) -> str:
     return "cuda" if resources.num_gpus > 0 else "cpu"
 
 
-def load_checked(path: str, fingerprint: str, dtype: str, device: str, trust: bool) -> Any:
-    """`load_model`, refusing weights other than the ones the driver planned with."""
-    from lorp.sources import load_model
-
-    lm = load_model(path, dtype=dtype, device=device, trust_remote_code=trust)
-    if fingerprint and lm.fingerprint != fingerprint:
-        raise ValueError(
-            f"model {path!r} on this node has fingerprint {lm.fingerprint}, "
-            f"the driver planned with {fingerprint}"
-        )
-    return lm
-
-
 # -- capture -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class CaptureTask:
-    """One model's capture: where it is, how to run it, what to call the result."""
+    """One model's capture: which model, how to run it, what to call the result."""
 
-    model_path: str
-    fingerprint: str
-    dtype: str
+    model: ModelSource
     calibration: str
+    """The calibration fingerprint every partial carries."""
     resources: Resources = field(default_factory=Resources)
-    trust_remote_code: bool = False
     batch_size: int = 1
     skip_prefix: int = 0
     """Leading positions of every window left out of S (1 when windows start with BOS)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One calibration shard as data: its name (logs, fault tests) and its windows."""
+
+    name: str
+    windows: np.ndarray
+    """Token ids [n, T], BOS first where the policy adds one."""
 
 
 @ray.remote
@@ -75,24 +83,26 @@ class CaptureWorker:
 
     def __init__(self, task: CaptureTask) -> None:
         _pin_threads(task.resources.num_cpus)
-        device = _device(task.resources)
-        lm = load_checked(
-            task.model_path, task.fingerprint, task.dtype, device, task.trust_remote_code
-        )
-        self.model, self.task = lm.model, task
+        self.model = load_checked(task.model, _device(task.resources)).model
+        self.task = task
 
-    def capture(self, shard_path: str) -> SimilarityStats:
+    def ready(self) -> bool:
+        """Answers once the model is loaded: the worker can take shards."""
+        return True
+
+    def capture(self, windows: np.ndarray, name: str) -> SimilarityStats:
+        import torch
+
         from lorp.capture import capture_stats
-        from pipeline.calibration import read_shard
 
-        maybe_fail("capture", shard_path)
-        windows = read_shard(shard_path)
+        maybe_fail("capture", name)
+        ids = torch.from_numpy(np.asarray(windows, dtype=np.int64))
         size = self.task.batch_size
-        batches = [windows[i : i + size] for i in range(0, len(windows), size)]
+        batches = [ids[i : i + size] for i in range(0, len(ids), size)]
         return capture_stats(
             self.model,
             batches,
-            model_fingerprint=self.task.fingerprint,
+            model_fingerprint=self.task.model.fingerprint,
             calibration_fingerprint=self.task.calibration,
             skip_prefix=self.task.skip_prefix,
             progress=False,
@@ -114,22 +124,17 @@ def tree_reduce(refs: list[Any]) -> SimilarityStats:
     return ray.get(refs[0])
 
 
-def capture_workers(task: CaptureTask, n_shards: int, workers: int | None) -> int:
-    """How many capture workers: the spec's count, else what the cluster fits now."""
-    if workers:
-        return max(1, min(n_shards, workers))
-    res, available = task.resources, ray.cluster_resources()
-    fits = int(available.get("CPU", 1) // max(res.num_cpus, 1e-9))
-    if res.num_gpus > 0:
-        fits = min(fits, int(available.get("GPU", 0) // res.num_gpus))
-    return max(1, min(n_shards, fits))
+def capture_workers(n_shards: int, workers: int | None) -> int:
+    """How many capture workers: the spec's count, else one per shard; never more than
+    shards. Decided from the spec alone, so an autoscaler sees the demand."""
+    return max(1, min(n_shards, workers or n_shards))
 
 
 def distributed_capture(
-    task: CaptureTask, shard_paths: list[str], workers: int | None = None
+    task: CaptureTask, shards: list[Shard], workers: int | None = None
 ) -> SimilarityStats:
     """S over all shards, spread over capture workers (SPREAD: across nodes where it can)."""
-    n = capture_workers(task, len(shard_paths), workers)
+    n = capture_workers(len(shards), workers)
     actors = [
         CaptureWorker.options(
             num_cpus=task.resources.num_cpus,
@@ -141,11 +146,37 @@ def distributed_capture(
         for _ in range(n)
     ]
     try:
-        partials = [actors[i % n].capture.remote(path) for i, path in enumerate(shard_paths)]
-        return tree_reduce(partials)
+        return tree_reduce(_dispatch(actors, shards))
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def _dispatch(actors: list[Any], shards: list[Shard]) -> list[Any]:
+    """Each shard to the next free worker that has started; the partials' refs. Once all
+    shards are handed out, each worker that falls idle goes at once, and so do those
+    still starting: their CPUs let a restarted worker (retrying the shard it died on)
+    come back, and an autoscaler stops asking for nodes nobody needs."""
+    queue = deque((ray.put(s.windows), s.name) for s in shards)
+    starting = {actor.ready.remote(): actor for actor in actors}
+    busy: dict[Any, Any] = {}
+    partials: list[Any] = []
+    while queue or busy:
+        ref = ray.wait([*starting, *busy], num_returns=1)[0][0]
+        if ref in starting:
+            actor = starting.pop(ref)
+            ray.get(ref)  # a worker that cannot load the model fails the capture here
+        else:
+            actor = busy.pop(ref)
+            partials.append(ref)
+        if queue:
+            windows, name = queue.popleft()
+            busy[actor.capture.remote(windows, name)] = actor
+            continue
+        for idle in [actor, *starting.values()]:
+            ray.kill(idle)  # its partial stays in the object store: the driver owns it
+        starting.clear()
+    return partials
 
 
 # -- grid points -------------------------------------------------------------------------
@@ -156,46 +187,57 @@ class PointTask:
     """One grid point's surgery, saving and evaluation, as plain data."""
 
     grid_key: str
-    model_path: str
-    fingerprint: str
-    dtype: str
+    model: ModelSource
     layers: tuple[int, ...]
-    checkpoint_dir: str | None
+    storage: str
+    """The job's storage location (`Storage.location`)."""
+    checkpoint: str | None
+    """Where the pruned checkpoint goes below `storage`; None: not saved."""
     provenance: dict[str, Any] = field(default_factory=dict)
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     resources: Resources = field(default_factory=Resources)
-    trust_remote_code: bool = False
     backend: str = "transformers"
     """none, transformers (the model in memory) or vllm (an engine over the checkpoint)."""
 
 
 def execute_point(task: PointTask) -> PointResult:
-    """Drop the blocks, save the checkpoint atomically, evaluate; `layers=()` is dense."""
-    from lorp.surgery import drop_layers, save_pruned
+    """Drop the blocks, save the checkpoint, evaluate; `layers=()` is the dense model."""
+    from lorp.surgery import drop_layers
     from pipeline.speed import count_params
 
     _pin_threads(task.resources.num_cpus)
     start = time.perf_counter()
-    lm = load_checked(
-        task.model_path,
-        task.fingerprint,
-        task.dtype,
-        _device(task.resources),
-        task.trust_remote_code,
-    )
+    lm = load_checked(task.model, _device(task.resources))
     params_dense = count_params(lm.model)
     kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
     params = count_params(lm.model)
-    if task.checkpoint_dir and task.layers:
-        maybe_fail("point", task.checkpoint_dir)  # dies mid-checkpoint in tests
-        save_pruned(lm.model, lm.tokenizer, task.checkpoint_dir, task.provenance, overwrite=True)
-    metrics = _evaluate(task, lm)
+    with scratch_dir() as scratch:
+        saved = _save_checkpoint(task, lm, scratch)
+        metrics = _evaluate(task, lm, saved or lm.path)
     seconds = time.perf_counter() - start
     info = _zero_shot_info(task.evaluation, metrics)
     return PointResult(task.grid_key, kept, int(params), int(params_dense), metrics, seconds, info)
 
 
-def _evaluate(task: PointTask, lm: Any) -> dict[str, float]:
+def _save_checkpoint(task: PointTask, lm: Any, scratch: Path) -> Path | None:
+    """The saved checkpoint's local directory: in a filesystem storage itself (written
+    atomically), else in this node's scratch, uploaded (marker last) before evaluation."""
+    if not (task.checkpoint and task.layers):
+        return None
+    from lorp.surgery import save_pruned
+
+    maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
+    storage = Storage(task.storage)
+    local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
+    save_pruned(lm.model, lm.tokenizer, local, task.provenance, overwrite=True)
+    if storage.remote:
+        storage.put_dir(local, task.checkpoint)
+    return local
+
+
+def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, float]:
+    """The point's figures: from the model in memory (transformers), or from `model_dir`,
+    the local checkpoint (or the dense model's directory on this node) for vLLM."""
     from pipeline.backends import TransformersBackend, VLLMBackend, evaluate, open_backend
 
     ev = task.evaluation
@@ -204,14 +246,13 @@ def _evaluate(task: PointTask, lm: Any) -> dict[str, float]:
     if task.backend == "transformers":
         with open_backend(TransformersBackend(lm.model, lm.tokenizer, ev.batch_size)) as be:
             return evaluate(be, lm.tokenizer, ev)
-    model_dir = task.checkpoint_dir if task.layers else task.model_path
     tokenizer = lm.tokenizer
     lm.model = None  # the transformers copy goes before the engine comes
     from pipeline.vllm_engine import free_memory
 
     free_memory()
     max_len = ev.seq_len + 8
-    engine = VLLMBackend(str(model_dir), task.dtype, max_len, ev.tensor_parallel_size)
+    engine = VLLMBackend(str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size)
     with open_backend(engine) as be:
         return evaluate(be, tokenizer, ev)
 
@@ -254,15 +295,14 @@ class PointEvaluator:
 class SpeedTask:
     """Every variant of one model, timed against the dense model in one process."""
 
-    model_path: str
-    fingerprint: str
-    dtype: str
+    model: ModelSource
+    storage: str
+    """The job's storage location, where saved checkpoints are."""
     variants: tuple[tuple[str, tuple[int, ...], str | None], ...]
-    """(grid key, pruned blocks, saved checkpoint or None); () is the dense model."""
+    """(grid key, pruned blocks, saved checkpoint below `storage` or None); () is dense."""
     seq_len: int
     pairs: int = 5
     resources: Resources = field(default_factory=Resources)
-    trust_remote_code: bool = False
 
 
 def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
@@ -271,15 +311,13 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     import copy
 
     from lorp.surgery import drop_layers
-    from pipeline.speed import interleaved_speedup, peak_memory_fresh
+    from pipeline.speed import interleaved_speedup
 
     _pin_threads(task.resources.num_cpus)
-    device = _device(task.resources)
-    trust = task.trust_remote_code
-    lm = load_checked(task.model_path, task.fingerprint, task.dtype, device, trust)
+    lm = load_checked(task.model, _device(task.resources))
     # Both sides of a timing are private copies: weights read from a memory-mapped file
     # run measurably slower than a copy's, which would flatter every pruned variant.
-    dense = copy.deepcopy(lm.model)
+    dense, dense_dir = copy.deepcopy(lm.model), lm.path
     del lm
     out = {}
     for key, layers, checkpoint in task.variants:
@@ -289,11 +327,22 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
             drop_layers(pruned, layers)
         timing = interleaved_speedup(dense, pruned, task.seq_len, pairs=task.pairs)
         del pruned
-        # A saved checkpoint loads only the kept weights; otherwise load dense and drop.
-        source, drop = (checkpoint, ()) if checkpoint else (task.model_path, layers)
-        mem = peak_memory_fresh(source, drop, task.dtype, device, task.seq_len)
-        out[key] = timing | mem
+        out[key] = timing | _peak_memory(task, dense_dir, layers, checkpoint)
     return out
+
+
+def _peak_memory(
+    task: SpeedTask, dense_dir: Path, layers: tuple[int, ...], checkpoint: str | None
+) -> dict[str, float]:
+    """A saved checkpoint (fetched to this node when storage is remote) loads only the
+    kept weights; without one, the dense model loads and drops the blocks."""
+    from pipeline.speed import peak_memory_fresh
+
+    device, dtype = _device(task.resources), task.model.dtype
+    if not checkpoint:
+        return peak_memory_fresh(str(dense_dir), layers, dtype, device, task.seq_len)
+    with Storage(task.storage).fetched(checkpoint) as local:
+        return peak_memory_fresh(str(local), (), dtype, device, task.seq_len)
 
 
 @ray.remote(max_retries=1)

@@ -23,9 +23,11 @@ from tiny_models import save_tiny_ptb
 from lorp import SimilarityStats
 from pipeline.calibration import read_shard, write_shards
 from pipeline.catalog import read_catalog
+from pipeline.model_source import ModelSource
 from pipeline.records import EventLog
 from pipeline.run import run_job
 from pipeline.spec import CalibrationSpec, parse_spec
+from pipeline.statistics import load_shards
 from pipeline.workers import CaptureTask, distributed_capture
 
 pytestmark = [pytest.mark.integration]
@@ -69,8 +71,8 @@ def test_one_shard_equals_three_shards_through_ray(local_ray, models, tmp_path: 
         cal = CalibrationSpec(samples=12, seq_len=48, shards=shards, batch_size=2)
         sh = write_shards(tok, cal, tmp_path / f"s{shards}")
         assert len(sh.paths) == shards
-        task = CaptureTask(str(models["llama"]), "", "float32", sh.fingerprint, batch_size=2)
-        stats = distributed_capture(task, [str(p) for p in sh.paths])
+        task = CaptureTask(ModelSource(str(models["llama"]), "dir"), sh.fingerprint, batch_size=2)
+        stats = distributed_capture(task, load_shards(sh))
         results.append(stats)
     one, three = results
     assert one.tokens == three.tokens == 12 * 48
@@ -159,7 +161,11 @@ def test_lorp_run_cli_with_evaluation_and_catalog_merge(models, tmp_path: Path) 
             {"name": "lorp"},
             {"name": "lorp", "label": "lorp-rel", "options": {"variant": "released"}},
         ]
-        spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 4}
+        # The speed pass (a fresh process per variant) runs for job-a only: it is what
+        # the latency columns below check; job-b is there for the merge.
+        speed = name == "job-a"
+        spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 4,
+                              "speed": speed}  # fmt: skip
         spec["ray"] = {"num_cpus": 2}
         path = write_job(tmp_path, spec)
         specs.append(spec)
@@ -173,7 +179,8 @@ def test_lorp_run_cli_with_evaluation_and_catalog_merge(models, tmp_path: Path) 
         assert np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1
     dense = next(r for r in a if r["method"] == "dense")
     assert dense["budget"] == 0 and dense["params"] == dense["params_dense"]
-    assert dense["speedup"] == 1.0 and all(r["latency_ms"] > 0 for r in a + b)
+    assert dense["speedup"] == 1.0 and all(r["latency_ms"] > 0 for r in a)
+    assert all(r.get("latency_ms") is None for r in b)  # speed off: no figure, not 0
     # The same figures in both records.
     by_id = {r.info.run_id: r for r in mlflow_runs(tmp_path / "job-a" / "run", "job-a")}
     for row in a:

@@ -1,0 +1,303 @@
+"""Where a job's results live for every node of the cluster: a local or shared directory,
+or a URI that `pyarrow.fs` opens (`file://`, `s3://bucket/prefix`, `gs://`, `hdfs://`).
+Query parameters configure the filesystem
+(`s3://bucket/prefix?endpoint_override=127.0.0.1:9000&scheme=http`); credentials come from
+the environment (AWS_ACCESS_KEY_ID, ...), which Ray workers inherit from the node.
+
+What goes there: pruned checkpoints (uploaded by the node that made them), the catalog and
+the events (the driver's run directory is a working copy, synced after every point), the
+cached S files and loss-guided selections (when the job sets `storage` and not
+`cache_dir`), MLflow artifacts, and the dashboard when `lorp dashboard --out` names it.
+
+How a write becomes visible, so that no reader ever takes half of one:
+- a directory on a filesystem (a local or shared path, `file://`) is written under a
+  temporary dot-name and renamed into place (`lorp.atomic`): it exists only complete;
+- a directory anywhere else (object stores, HDFS) gets every file first and the marker
+  `_LORP_COMPLETE` (its file list) LAST; a rewrite deletes the marker first. Readers
+  ignore (`complete`, `list`) or refuse (`get_dir`) a prefix without its marker: its
+  writer died, or is still writing;
+- a single file goes to a temporary dot-name and is then moved over the target (on S3 and
+  GCS a server-side copy, which lands whole): readers see the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import IO
+from urllib.parse import urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+from lorp.atomic import atomic_dir, atomic_file
+
+MARKER = "_LORP_COMPLETE"
+SCRATCH_ENV = "LORP_SCRATCH"
+
+
+def is_remote(location: str) -> bool:
+    """A URI that is not a plain local path or `file://`."""
+    return "://" in location and urlsplit(location).scheme not in ("", "file")
+
+
+@functools.lru_cache(maxsize=32)
+def _filesystem(location: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for `location`, opened once per process: opening an S3 URI
+    without `region=` asks the bucket's region over the network."""
+    return pafs.FileSystem.from_uri(location)
+
+
+@contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """A node-local temporary directory (under $LORP_SCRATCH when set), removed on exit."""
+    root = os.environ.get(SCRATCH_ENV)
+    if root:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lorp-", dir=root) as tmp:
+        yield Path(tmp)
+
+
+class Storage:
+    """One storage location; `rel` paths below it use '/' whatever the backend."""
+
+    def __init__(self, location: str | os.PathLike[str]) -> None:
+        text = str(location)
+        if not text.strip():
+            raise ValueError("a storage location must be a non-empty path or URI")
+        self.remote = is_remote(text)
+        try:
+            fs, root = _filesystem(text) if "://" in text else (None, text)
+        except (OSError, ValueError) as exc:  # ArrowInvalid is a ValueError
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{text!r} cannot be opened: {reason}") from None
+        # `location` is what workers get: the absolute path, or the URI with every parameter.
+        if self.remote:
+            self.fs, self.root, self._parts = fs, root.rstrip("/"), urlsplit(text)
+            self.location = text
+        else:
+            self.root_path = Path(root).expanduser().resolve()
+            self.location = str(self.root_path)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.uri()!r})"
+
+    # -- names ---------------------------------------------------------------------------
+
+    def uri(self, rel: str = "") -> str:
+        """Where `rel` lives, for records: the absolute path on a filesystem, else the URI
+        with its filesystem parameters but without credentials (`user:secret@`)."""
+        return self._location(rel, secrets=False)
+
+    def mlflow_uri(self, rel: str = "") -> str:
+        """`rel` as MLflow's artifact stores name it: a file:// URI, or the URI without
+        parameters or credentials (MLflow appends paths to it and reads its own settings
+        from the environment: MLFLOW_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+        if not self.remote:
+            return self._local(rel).as_uri()
+        p = self._parts
+        netloc = p.netloc.rpartition("@")[2]
+        return urlunsplit((p.scheme, netloc, _join(p.path, rel, absolute=True), "", ""))
+
+    def sub(self, rel: str) -> Storage:
+        """The storage rooted at `rel` below this one."""
+        return Storage(self._location(rel, secrets=True))
+
+    def local_path(self, rel: str = "") -> Path | None:
+        """The local path of `rel` on a filesystem storage; None for remote storage."""
+        return None if self.remote else self._local(rel)
+
+    def _location(self, rel: str, secrets: bool) -> str:
+        if not self.remote:
+            return str(self._local(rel))
+        p = self._parts
+        netloc = p.netloc if secrets else p.netloc.rpartition("@")[2]  # user:secret@bucket
+        return urlunsplit((p.scheme, netloc, _join(p.path, rel, absolute=True), p.query, ""))
+
+    def _local(self, rel: str) -> Path:
+        return self.root_path / rel if rel else self.root_path
+
+    def _path(self, rel: str) -> str:
+        return _join(self.root, rel, absolute=self.root.startswith("/"))
+
+    # -- directories ---------------------------------------------------------------------
+
+    def complete(self, rel: str = "") -> bool:
+        """Whether the directory `rel` was written completely (see the module docstring)."""
+        if not self.remote:
+            return self._local(rel).exists()
+        return self._read(f"{self._path(rel)}/{MARKER}") is not None
+
+    def put_dir(self, src: str | os.PathLike[str], rel: str = "") -> str:
+        """Copy the local directory `src` to `rel`, replacing what is there; its URI."""
+        src = Path(src)
+        if not self.remote:
+            with atomic_dir(self._local(rel), overwrite=True) as tmp:
+                shutil.copytree(src, tmp, dirs_exist_ok=True)
+            return self.uri(rel)
+        target = self._path(rel)
+        self._delete(f"{target}/{MARKER}")  # a rewrite: incomplete from here on
+        self.fs.delete_dir_contents(target, missing_dir_ok=True)
+        files: dict[str, int] = {}
+        for path in sorted(p for p in src.rglob("*") if p.is_file()):
+            name = path.relative_to(src).as_posix()
+            with path.open("rb") as fh:
+                self._write(f"{target}/{name}", fh)
+            files[name] = path.stat().st_size
+        self._write_marker(target, files)
+        return self.uri(rel)
+
+    def _write_marker(self, target: str, files: dict[str, int]) -> None:
+        """The marker, written after every file: from here on the prefix is complete."""
+        self._write(f"{target}/{MARKER}", json.dumps({"files": files}, sort_keys=True).encode())
+
+    def get_dir(self, rel: str, dest: str | os.PathLike[str]) -> Path:
+        """Copy the complete directory `rel` to the local `dest` (replaced atomically)."""
+        dest = Path(dest)
+        if not self.remote:
+            if not self._local(rel).is_dir():
+                raise FileNotFoundError(f"{self.uri(rel)!r} does not exist")
+            with atomic_dir(dest, overwrite=True) as tmp:
+                shutil.copytree(self._local(rel), tmp, dirs_exist_ok=True)
+            return dest
+        target, files = self._path(rel), self._listing(rel)
+        with atomic_dir(dest, overwrite=True) as tmp:
+            for name, size in files.items():
+                out = tmp / name
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with self.fs.open_input_stream(f"{target}/{name}") as src, out.open("wb") as fh:
+                    shutil.copyfileobj(src, fh, 1 << 23)
+                if out.stat().st_size != size:
+                    raise OSError(f"{self.uri(rel)!r}: {name} changed while it was read")
+        return dest
+
+    def _listing(self, rel: str) -> dict[str, int]:
+        marker = self._read(f"{self._path(rel)}/{MARKER}")
+        if marker is None:
+            raise FileNotFoundError(
+                f"{self.uri(rel)!r} is missing or incomplete (no {MARKER}: its writer died "
+                "or is still writing)"
+            )
+        return dict(json.loads(marker)["files"])
+
+    @contextmanager
+    def fetched(self, rel: str = "") -> Iterator[Path]:
+        """A local directory holding `rel`: the directory itself on a filesystem, else a
+        node-local copy (under $LORP_SCRATCH) removed on exit."""
+        if not self.remote:
+            if not self._local(rel).exists():
+                raise FileNotFoundError(f"{self.uri(rel)!r} does not exist")
+            yield self._local(rel)
+            return
+        with scratch_dir() as tmp:
+            yield self.get_dir(rel, tmp / "copy")
+
+    def list(self, rel: str = "") -> list[str]:
+        """Names directly under `rel`, temporaries left out. On remote storage a prefix
+        is listed only with its marker (a directory `put_dir` finished), so parent
+        prefixes such as `checkpoints/` are not; on a filesystem every directory is."""
+        if not self.remote:
+            d = self._local(rel)
+            return sorted(p.name for p in d.iterdir() if p.name[0] != ".") if d.is_dir() else []
+        selector = pafs.FileSelector(self._path(rel), allow_not_found=True)
+        names = []
+        for info in self.fs.get_file_info(selector):
+            name = info.base_name
+            if name.startswith(".") or name == MARKER:
+                continue
+            if info.type == pafs.FileType.Directory and not self.complete(_join(rel, name)):
+                continue
+            names.append(name)
+        return sorted(names)
+
+    # -- single files --------------------------------------------------------------------
+
+    @contextmanager
+    def writer(self, rel: str) -> Iterator[IO[bytes]]:
+        """A binary stream whose bytes replace the file `rel` when the block ends without
+        an error; on an error the old file stays as it was."""
+        if not self.remote:
+            with atomic_file(self._local(rel)) as tmp, tmp.open("wb") as fh:
+                yield fh
+            return
+        target = self._path(rel)
+        parent, _, name = target.rpartition("/")
+        tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with self.fs.open_output_stream(tmp) as fh:
+                yield fh
+            self.fs.move(tmp, target)
+        except BaseException:
+            self._delete(tmp)
+            raise
+
+    def put_file(self, src: str | os.PathLike[str], rel: str) -> str:
+        """Copy the local file `src` to `rel` atomically; its URI."""
+        if Path(src).resolve() != self.local_path(rel):
+            with open(src, "rb") as fh, self.writer(rel) as out:
+                shutil.copyfileobj(fh, out, 1 << 23)
+        return self.uri(rel)
+
+    def get_file(self, rel: str, dest: str | os.PathLike[str]) -> bool:
+        """Copy the file `rel` to the local `dest` atomically; False when there is none."""
+        if self.local_path(rel) == Path(dest).resolve():
+            return Path(dest).is_file()
+        data = self.read_bytes(rel)
+        if data is None:
+            return False
+        with atomic_file(dest) as tmp:
+            tmp.write_bytes(data)
+        return True
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        """The bytes of the small file `rel`, or None when there is none."""
+        if not self.remote:
+            path = self._local(rel)
+            return path.read_bytes() if path.is_file() else None
+        return self._read(self._path(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        with self.writer(rel) as fh:
+            fh.write(data)
+        return self.uri(rel)
+
+    # -- the remote filesystem -----------------------------------------------------------
+
+    def _read(self, path: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(path) as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    def _write(self, path: str, data: bytes | IO[bytes]) -> None:
+        with self.fs.open_output_stream(path) as out:
+            if isinstance(data, bytes):
+                out.write(data)
+            else:
+                shutil.copyfileobj(data, out, 1 << 23)
+
+    def _delete(self, path: str) -> None:
+        with suppress(FileNotFoundError):
+            self.fs.delete_file(path)
+
+
+def split_location(location: str) -> tuple[Storage, str]:
+    """(the storage holding the file at `location`, its name): for a record's file."""
+    if not is_remote(location):
+        path = Path(urlsplit(location).path if location.startswith("file:") else location)
+        return Storage(path.parent), path.name
+    p = urlsplit(location)
+    parent, _, name = p.path.rstrip("/").rpartition("/")
+    return Storage(urlunsplit((p.scheme, p.netloc, parent, p.query, ""))), name
+
+
+def _join(*parts: str, absolute: bool = False) -> str:
+    text = "/".join(s.strip("/") for s in parts if s.strip("/"))
+    return "/" + text if absolute else text

@@ -1,0 +1,358 @@
+"""The job's storage (`pipeline.storage`) on a local directory, a file:// URI and a real
+S3-compatible server (moto in server mode on 127.0.0.1), and a job whose results live in
+S3: what Ray tasks receive, what lands where, and a rerun that resumes from storage."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+from job_specs import tiny_job
+from tiny_models import save_tiny_ptb
+
+from pipeline.spec import SpecError, parse_spec
+from pipeline.storage import MARKER, Storage
+from pipeline.workers import capture_workers
+
+BUCKET = "lorp"
+EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+CALIBRATION = {"dataset": "ptb", "samples": 8, "seq_len": 48, "shards": 2, "batch_size": 4}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory) -> Any:  # type: ignore[no-untyped-def]
+    """A moto S3 server on a free loopback port, a bucket, and dummy credentials in the
+    environment (Ray workers started later inherit them). Yields the URI of the bucket."""
+    pytest.importorskip("moto")
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail(f"moto server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",  # MLflow's artifacts (boto3)
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        options = {"endpoint_override": f"127.0.0.1:{port}", "scheme": "http"}
+        pafs.S3FileSystem(**options, allow_bucket_creation=True).create_dir(BUCKET)
+        yield f"s3://{BUCKET}/{{prefix}}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    server.terminate()
+    server.wait(timeout=30)
+
+
+@pytest.fixture(params=["local", "file", "s3"])
+def store(request, tmp_path: Path) -> Storage:  # type: ignore[no-untyped-def]
+    if request.param == "local":
+        return Storage(tmp_path / "store")
+    if request.param == "file":
+        return Storage((tmp_path / "store").as_uri())
+    uri = request.getfixturevalue("s3")
+    return Storage(uri.format(prefix=f"unit/{tmp_path.name}"))
+
+
+def make_tree(root: Path, tag: str) -> dict[str, bytes]:
+    files = {"config.json": b'{"a": 1}', "model.safetensors": tag.encode() * 1000}
+    files["sub/deep.txt"] = f"deep {tag}".encode()
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+# -- Storage, on every backend -----------------------------------------------------------
+
+
+def test_put_and_get_a_directory(store: Storage, tmp_path: Path) -> None:
+    files = make_tree(tmp_path / "src", "one")
+    uri = store.put_dir(tmp_path / "src", "checkpoints/m/a")
+    assert uri == store.uri("checkpoints/m/a") and store.complete("checkpoints/m/a")
+    assert store.list("checkpoints/m") == ["a"] and store.list("nothing") == []
+    assert read_tree(store.get_dir("checkpoints/m/a", tmp_path / "back")) == files
+    with store.fetched("checkpoints/m/a") as local:
+        assert read_tree(local) == files  # a local copy, or the directory itself
+    # A rewrite replaces the directory whole: no file of the old one is left.
+    (tmp_path / "src" / "sub" / "deep.txt").unlink()
+    store.put_dir(tmp_path / "src", "checkpoints/m/a")
+    again = read_tree(store.get_dir("checkpoints/m/a", tmp_path / "back"))
+    assert again == {k: v for k, v in files.items() if k != "sub/deep.txt"}
+
+
+def test_single_files_are_replaced_whole(store: Storage, tmp_path: Path) -> None:
+    assert store.read_bytes("catalog.parquet") is None
+    assert not store.get_file("catalog.parquet", tmp_path / "x")
+    store.write_bytes("catalog.parquet", b"old")
+    with pytest.raises(RuntimeError), store.writer("catalog.parquet") as fh:
+        fh.write(b"half of the new")
+        raise RuntimeError("the writer dies")
+    assert store.read_bytes("catalog.parquet") == b"old"  # untouched by the failed write
+    (tmp_path / "new").write_bytes(b"new")
+    store.put_file(tmp_path / "new", "catalog.parquet")
+    assert store.get_file("catalog.parquet", tmp_path / "got")
+    assert (tmp_path / "got").read_bytes() == b"new"
+    assert store.list() == ["catalog.parquet"]  # no temporary left behind
+
+
+def test_locations_for_records_and_workers(s3: str, tmp_path: Path) -> None:
+    local = Storage(tmp_path / "a" / ".." / "b")
+    assert local.uri("x/y") == str((tmp_path / "b" / "x" / "y").resolve())
+    assert local.location == str((tmp_path / "b").resolve())
+    assert Storage((tmp_path / "b").as_uri()).uri("x") == local.uri("x")
+    remote = Storage(s3.format(prefix="p").replace("s3://", "s3://testing:testing@"))
+    uri = remote.uri("checkpoints/m")
+    assert uri.startswith(f"s3://{BUCKET}/p/checkpoints/m?endpoint_override=")
+    assert "testing" not in uri  # records carry no credentials
+    assert "testing:testing@" in remote.location  # workers get every parameter
+    assert remote.mlflow_uri("mlartifacts") == f"s3://{BUCKET}/p/mlartifacts"
+    assert remote.sub("stats").uri("k.npz") == remote.uri("stats/k.npz")
+    assert Storage(uri).uri() == uri
+
+
+def test_a_bad_storage_fails_at_the_spec(tmp_path: Path) -> None:
+    spec = tiny_job(tmp_path, tmp_path / "model")
+    with pytest.raises(SpecError, match=r"^storage: 'xx://a' cannot be opened: .*xx://a"):
+        parse_spec(spec | {"storage": "xx://a"})
+    assert parse_spec(spec | {"storage": str(tmp_path / "shared")}).storage
+
+
+# -- the marker, on S3 -------------------------------------------------------------------
+
+
+class Recording(Storage):
+    """Records every object written, in order; `fail_at` makes the n-th write fail, as a
+    node dying mid-upload would."""
+
+    def __init__(self, location: str, fail_at: int | None = None) -> None:
+        super().__init__(location)
+        self.written: list[str] = []
+        self.fail_at = fail_at
+
+    def _write(self, path: str, data: Any) -> None:
+        if self.fail_at is not None and len(self.written) == self.fail_at:
+            raise OSError("the node died mid-upload")
+        super()._write(path, data)
+        self.written.append(path.rsplit("/", 1)[1])
+
+
+def test_the_marker_is_written_last_and_guards_readers(s3: str, tmp_path: Path) -> None:
+    files = make_tree(tmp_path / "src", "x")
+    uri = s3.format(prefix=f"marker/{tmp_path.name}")
+    rec = Recording(uri)
+    rec.put_dir(tmp_path / "src", "ckpt")
+    assert rec.written[-1] == MARKER and sorted(rec.written[:-1]) == sorted(
+        n.rsplit("/", 1)[-1] for n in files
+    )
+    # A rewrite that dies midway: the old marker went first, so readers see nothing.
+    dying = Recording(uri, fail_at=1)
+    with pytest.raises(OSError, match="mid-upload"):
+        dying.put_dir(tmp_path / "src", "ckpt")
+    store = Storage(uri)
+    assert dying.written and not store.complete("ckpt")
+    assert store.list() == []  # ignored by listings
+    with pytest.raises(FileNotFoundError, match=MARKER):
+        store.get_dir("ckpt", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    # Files written without any marker (a writer still at work) are not a directory yet.
+    with store.writer("other/model.safetensors") as fh:
+        fh.write(b"partial")
+    assert not store.complete("other") and store.list() == []
+    store.put_dir(tmp_path / "src", "ckpt")
+    assert store.list() == ["ckpt"]
+
+
+# -- capture workers ---------------------------------------------------------------------
+
+
+def test_capture_workers_come_from_the_spec() -> None:
+    assert capture_workers(3, None) == 3  # one per shard, whatever the cluster holds now
+    assert capture_workers(3, 8) == 3 and capture_workers(3, 2) == 2
+
+
+# -- jobs on a real local Ray ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_s3(s3: str):  # type: ignore[no-untyped-def]
+    """A local Ray started after the S3 environment is set, so its workers have it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield s3
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_ptb("llama", tmp_path_factory.mktemp("model") / "llama")
+
+
+def strings(value: Any) -> list[str]:
+    """Every string inside a task (dataclasses, tuples, dicts); a Path anywhere fails."""
+    assert not isinstance(value, os.PathLike), f"a path crosses Ray: {value!r}"
+    if dataclasses.is_dataclass(value):
+        return [s for f in dataclasses.fields(value) for s in strings(getattr(value, f.name))]
+    if isinstance(value, dict):
+        return [s for kv in value.items() for item in kv for s in strings(item)]
+    if isinstance(value, list | tuple):
+        return [s for item in value for s in strings(item)]
+    return [value] if isinstance(value, str) else []
+
+
+def under(text: str, root: Path) -> bool:
+    return os.path.isabs(text) and Path(text).resolve().is_relative_to(root.resolve())
+
+
+@pytest.mark.integration
+def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -> None:
+    """Every argument of every capture, loss, point and speed call of a job: the model
+    as its reference, windows as arrays, checkpoints as storage locations; nothing under
+    the driver's run directory or caches. A point task really runs from it."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from lorp.cache import cache_root
+    from pipeline.calibration import heldout_windows
+    from pipeline.grid import point_task, speed_task
+    from pipeline.job import JobRun
+    from pipeline.losses import loss_task
+    from pipeline.model_source import model_source
+    from pipeline.plan import plan_models
+    from pipeline.progress import Progress
+    from pipeline.statistics import calibration_shards, capture_task, load_shards
+    from pipeline.workers import run_point
+
+    methods = [{"name": "sleb"}]
+    spec = tiny_job(tmp_path, model, "paths", budgets=[1], methods=methods, evaluation=EVALUATION)
+    spec = parse_spec(spec | {"storage": str(tmp_path / "shared"), "calibration": CALIBRATION})
+    (plan,) = plan_models(spec)
+    job = JobRun(spec, False, Progress(bar=False))
+    job.open()
+    points = job.prepare_model(plan, "transformers")  # capture and sleb on Ray actors
+    shards = load_shards(calibration_shards(spec, plan, job.run_dir))
+    tok = AutoTokenizer.from_pretrained(plan.path)
+    calls = [
+        capture_task(spec, plan, calibration_shards(spec, plan, job.run_dir)),
+        *shards,
+        loss_task(spec, plan, heldout_windows(tok, spec.calibration)[0]),
+        *[point_task(job, p, "transformers") for p in points],
+        speed_task(job, points),
+    ]
+    assert all(isinstance(s.windows, np.ndarray) for s in shards)
+    forbidden = [job.run_dir, cache_root(), Path.home() / ".cache"]
+    for call in calls:
+        for text in strings(call):
+            bad = [str(r) for r in forbidden if under(text, r)]
+            assert not bad, f"{type(call).__name__} carries {text!r}, under {bad}"
+    source = model_source(plan)
+    assert source.ref == str(model) and source.kind == "dir" and source.revision is None
+    assert {c.model for c in calls if hasattr(c, "model")} == {source}
+
+    pruned = next(p for p in points if p.method_name == "sleb")
+    result = ray.get(run_point.remote(point_task(job, pruned, "transformers")))
+    saved = tmp_path / "shared" / "checkpoints" / "tiny" / "sleb-b1"
+    assert (saved / "model.safetensors").is_file() and np.isfinite(result.metrics["ppl_ptb"])
+    assert not (job.run_dir / "checkpoints").exists()
+
+    elsewhere = dataclasses.replace(source, ref=str(tmp_path / "gone"))
+    gone = dataclasses.replace(point_task(job, pruned, "transformers"), model=elsewhere)
+    with pytest.raises(Exception, match=r"model '.*gone' is not on node \S+"):
+        ray.get(run_point.remote(gone))
+
+
+def s3_fs(uri: str) -> tuple[Any, str]:
+    return pafs.FileSystem.from_uri(uri)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_job_with_s3_storage_matches_a_local_one_and_resumes(
+    ray_s3, model: Path, tmp_path: Path
+) -> None:
+    from pipeline.catalog import read_catalog
+    from pipeline.run import run_job
+
+    methods = [{"name": "lorp"}, {"name": "shortgpt"}]
+    base = tiny_job(tmp_path, model, "s3job", budgets=[1, 2], methods=methods)
+    base |= {"evaluation": EVALUATION, "calibration": CALIBRATION}
+    base["output_dir"] = str(tmp_path / "local")
+    local = run_job(parse_spec(base))
+    assert local.done == 5 and not local.failed
+
+    uri = ray_s3.format(prefix="jobs/s3job")
+    remote_spec = base | {"output_dir": str(tmp_path / "driver"), "storage": uri}
+    remote_spec.pop("cache_dir")  # S is cached in storage too
+    summary = run_job(parse_spec(remote_spec))
+    assert summary.done == 5 and not summary.failed and summary.captured == 1
+    assert summary.storage == Storage(uri).uri() and summary.checkpoints.startswith("s3://")
+
+    store = Storage(uri)
+    assert store.get_file("catalog.parquet", tmp_path / "from-s3.parquet")
+    rows = {(r["method_label"], r["budget"]): r for r in read_catalog(tmp_path / "from-s3.parquet")}
+    want = {(r["method_label"], r["budget"]): r for r in read_catalog(local.catalog)}
+    assert set(rows) == set(want) and len(rows) == 5
+    for slot, row in rows.items():
+        assert row["pruned_layers"] == want[slot]["pruned_layers"]
+        assert row["ppl_ptb"] == pytest.approx(want[slot]["ppl_ptb"], rel=1e-6)
+        assert row["stats_file"].startswith(f"s3://{BUCKET}/jobs/s3job/stats/")
+        if slot[1]:
+            fs, path = s3_fs(row["checkpoint"])
+            assert row["checkpoint"].startswith(f"s3://{BUCKET}/jobs/s3job/checkpoints/")
+            assert fs.get_file_info(f"{path}/{MARKER}").type.name == "File"
+            assert Storage(row["checkpoint"]).complete()
+    assert not (tmp_path / "driver" / "checkpoints").exists()  # nothing saved by the driver
+    events = store.read_bytes("events.jsonl").decode()
+    assert events.count('"event": "point"') == 5 and '"event": "end"' in events
+    artifacts = pafs.FileSelector(f"{store.root}/mlartifacts", recursive=True)
+    found = store.fs.get_file_info(artifacts)
+    assert {"S.npy", "S.png"} <= {f.base_name for f in found}  # MLflow's artifacts in S3
+
+    # A fresh driver directory resumes from storage: every point skipped, S from storage.
+    again = remote_spec | {"output_dir": str(tmp_path / "driver2")}
+    again["tracking"] = {"mlflow_uri": summary.tracking_uri}  # a shared tracking store
+    resumed = run_job(parse_spec(again))
+    assert (resumed.done, resumed.skipped, resumed.captured, resumed.cached) == (0, 5, 0, 1)
+    assert not resumed.failed
+
+    from pipeline.model_registry import pull
+
+    out, mv = pull(
+        "models:/lorp-tiny@best-2", tmp_path / "pulled", tracking_uri=summary.tracking_uri
+    )
+    assert mv.source.startswith("s3://") and (out / "model.safetensors").is_file()
+    assert not (out / MARKER).exists()
