@@ -63,7 +63,8 @@ def test_capture_worker_killed_mid_shard_is_retried(model: Path, tmp_path: Path)
 
 
 def test_driver_sigkill_mid_grid_then_rerun(model: Path, tmp_path: Path) -> None:
-    job = write_job(tmp_path, model, "killed")
+    methods = [{"name": "lorp"}, {"name": "shortgpt"}]
+    job = write_job(tmp_path, model, "killed", budgets=[1, 2], methods=methods)
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(
         [LORP, "run", str(job)],
@@ -84,12 +85,12 @@ def test_driver_sigkill_mid_grid_then_rerun(model: Path, tmp_path: Path) -> None
     # The killed driver's embedded Ray outlives it; stop it as an operator would.
     subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
     before = read_catalog(run_dir / "catalog.parquet")
-    assert 2 <= len(before) < 10
+    assert 2 <= len(before) < 5
 
     out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_catalog(run_dir / "catalog.parquet")
-    assert len(rows) == 10 and len({r["grid_key"] for r in rows}) == 10  # 9 points + dense
+    assert len(rows) == 5 and len({r["grid_key"] for r in rows}) == 5  # 4 points + dense
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("killed")
     runs = client.search_runs([exp.experiment_id], max_results=1000)
@@ -136,8 +137,8 @@ def test_grid_worker_killed_mid_checkpoint_is_retried(model: Path, tmp_path: Pat
     assert (Path(lorp_row["checkpoint"]) / "model.safetensors").is_file()
 
 
-def test_load_forty_points_catalog_and_mlflow_agree(tmp_path: Path) -> None:
-    """2 models x 5 budgets x 4 methods through the full pipeline, points in flight at once."""
+def test_load_twenty_four_points_catalog_and_mlflow_agree(tmp_path: Path) -> None:
+    """2 models x 3 budgets x 4 methods through the full pipeline, points in flight at once."""
     root = tmp_path / "models"
     a = save_tiny_ptb("llama", root / "a", n_blocks=8)
     b = save_tiny_ptb("qwen3", root / "b", n_blocks=8)
@@ -145,7 +146,7 @@ def test_load_forty_points_catalog_and_mlflow_agree(tmp_path: Path) -> None:
     job = write_job(
         tmp_path, a, "load",
         models=[{"ref": str(a), "name": "a"}, {"ref": str(b), "name": "b"}],
-        budgets=[1, 2, 3, 4, 5],
+        budgets=[1, 3, 5],
         methods=methods,
         evaluation={"enabled": False}, save_checkpoints=False,
         resources={"max_concurrent_points": 4, "grid": {"num_cpus": 0.5}},
@@ -153,12 +154,12 @@ def test_load_forty_points_catalog_and_mlflow_agree(tmp_path: Path) -> None:
     out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_catalog(tmp_path / "load" / "catalog.parquet")
-    assert len(rows) == 40 and len({r["grid_key"] for r in rows}) == 40
+    assert len(rows) == 24 and len({r["grid_key"] for r in rows}) == 24
     client = MlflowClient(f"sqlite:///{tmp_path / 'load' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("load")
     runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id], max_results=1000)
             if r.data.tags["lorp.kind"] == "point"}  # fmt: skip
-    assert len(runs) == 40 and {r.info.status for r in runs.values()} == {"FINISHED"}
+    assert len(runs) == 24 and {r.info.status for r in runs.values()} == {"FINISHED"}
     for row in rows:  # row for row: the same point, the same layers, the same size
         run = runs[row["mlflow_run_id"]]
         assert run.data.tags["lorp.grid_key"] == row["grid_key"]
