@@ -2,9 +2,10 @@
 `maybe_fail(site, name)`, which does nothing unless a test set the site's variable.
 
 A test names the unit of work to kill (`LORP_FAULT_CAPTURE_SHARD=shard-0001.parquet`,
-`LORP_FAULT_POINT_SUFFIX=lorp-b2`) and a marker file (`LORP_FAULT_MARKER`). The first
-worker that reaches that unit writes the marker and exits hard, as a lost node would look;
-the retry finds the marker and goes on, so each fault happens exactly once.
+`LORP_FAULT_POINT_SUFFIX=lorp-b2`) and a marker path (`LORP_FAULT_MARKER`). The first
+worker that reaches that unit writes `<marker>.<site>` and exits hard, as a lost node would
+look; the retry finds the marker and goes on, so each site's fault happens exactly once
+(one run can lose a capture worker and a grid worker).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def maybe_fail(site: Site, name: str) -> None:
     marker = os.environ.get(MARKER_ENV)
     if not (target and marker) or not Path(name).name.endswith(target):
         return
-    if Path(marker).exists():
+    written = Path(f"{marker}.{site}")
+    if written.exists():
         return
-    Path(marker).write_text(str(os.getpid()))
+    written.write_text(str(os.getpid()))
     os._exit(1)

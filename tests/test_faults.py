@@ -44,22 +44,37 @@ def stats_of(run_dir: Path) -> SimilarityStats:
     return SimilarityStats.from_file(next(e["file"] for e in events if e["event"] == "capture"))
 
 
-def test_capture_worker_killed_mid_shard_is_retried(model: Path, tmp_path: Path) -> None:
-    clean = write_job(tmp_path, model, "clean", budgets=[1], methods=[{"name": "shortgpt"}])
+def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
+    model: Path, tmp_path: Path
+) -> None:
+    """One run loses a capture worker mid-shard and a grid worker mid-checkpoint; its S
+    equals a clean run's (the retried shard counted exactly once) and every point lands."""
+    one_point = {"budgets": [2], "methods": [{"name": "lorp"}]}
+    clean = write_job(tmp_path, model, "clean", **one_point)
     out = subprocess.run([LORP, "run", str(clean)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
 
-    faulty = write_job(tmp_path, model, "faulty", budgets=[1], methods=[{"name": "shortgpt"}])
+    faulty = write_job(tmp_path, model, "faulty", **one_point)
     marker = tmp_path / "died-once"
-    env = dict(os.environ, **{FAULT_SHARD_ENV: "shard-0001.parquet", FAULT_MARKER_ENV: str(marker)})
+    faults = {FAULT_SHARD_ENV: "shard-0001.parquet", FAULT_POINT_ENV: "lorp-b2"}
+    env = dict(os.environ, **faults, **{FAULT_MARKER_ENV: str(marker)})
     out = subprocess.run(
         [LORP, "run", str(faulty)], capture_output=True, text=True, timeout=900, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert marker.is_file()  # the worker really died (os._exit) mid-shard
+    # The workers really died (os._exit): one mid-shard, one before writing the checkpoint.
+    assert Path(f"{marker}.capture").is_file() and Path(f"{marker}.point").is_file()
     a, b = stats_of(tmp_path / "clean"), stats_of(tmp_path / "faulty")
     assert a.tokens == b.tokens == 12 * 48  # the retried shard counted exactly once
     np.testing.assert_allclose(b.gram, a.gram, rtol=1e-10)
+    rows = read_catalog(tmp_path / "faulty" / "catalog.parquet")
+    assert len(rows) == 2 and all(np.isfinite(r["ppl_ptb"]) for r in rows)
+    lorp_row = next(r for r in rows if r["method"] == "lorp")
+    assert (Path(lorp_row["checkpoint"]) / "model.safetensors").is_file()
+    clean_rows = {r["method"]: r for r in read_catalog(tmp_path / "clean" / "catalog.parquet")}
+    for r in rows:  # the retried point computed what an undisturbed one does
+        assert r["pruned_layers"] == clean_rows[r["method"]]["pruned_layers"]
+        assert r["ppl_ptb"] == pytest.approx(clean_rows[r["method"]]["ppl_ptb"], rel=1e-6)
 
 
 def test_driver_sigkill_mid_grid_then_rerun(model: Path, tmp_path: Path) -> None:
@@ -120,21 +135,6 @@ def test_unwritable_output_directory(model: Path, tmp_path: Path) -> None:
     assert out.returncode == 2 and "Not a directory" in out.stderr, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1
     assert blocker.read_text() == "a file"
-
-
-def test_grid_worker_killed_mid_checkpoint_is_retried(model: Path, tmp_path: Path) -> None:
-    job = write_job(tmp_path, model, "pointfault", budgets=[2], methods=[{"name": "lorp"}])
-    marker = tmp_path / "died-once"
-    env = dict(os.environ, **{FAULT_POINT_ENV: "lorp-b2", FAULT_MARKER_ENV: str(marker)})
-    out = subprocess.run(
-        [LORP, "run", str(job)], capture_output=True, text=True, timeout=900, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert marker.is_file()  # the worker died before writing the checkpoint
-    rows = read_catalog(tmp_path / "pointfault" / "catalog.parquet")
-    assert len(rows) == 2 and all(np.isfinite(r["ppl_ptb"]) for r in rows)
-    lorp_row = next(r for r in rows if r["method"] == "lorp")
-    assert (Path(lorp_row["checkpoint"]) / "model.safetensors").is_file()
 
 
 def test_load_twenty_four_points_catalog_and_mlflow_agree(tmp_path: Path) -> None:
