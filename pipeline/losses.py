@@ -10,7 +10,14 @@ cut from the calibration split with `seed + 1` and never enter S; the test split
 used for selection.
 
 A loss-guided selection costs minutes, so it is cached by content key (S, the held-out
-windows, method, options, budget): a rerun or a resumed job selects instantly.
+windows, method, options, budget): a rerun or a resumed job selects instantly. Below that,
+every candidate's loss is remembered per model and held-out set (`LossMemo`, persisted in
+storage after each batch): selections of one model ask for many of the same candidate sets
+(SLEB at 8 blocks repeats SLEB at 4 step for step; `ppl` scores SLEB's first step), and a
+job killed mid-selection resumes without re-scoring what it had. A remembered loss is the
+number the same worker code computed for the same weights, windows, dtype and device.
+Methods still count the evaluations they asked for (`n_evals`, their cost on their own);
+`select_s` is the wall time this run spent, which the memo can shorten.
 """
 
 from __future__ import annotations
@@ -68,10 +75,30 @@ class LossWorker:
         return losses, span
 
 
-class RayLosses:
-    """`losses(candidates) -> list[float]` over `n` actors; counts every evaluation."""
+class LossMemo:
+    """Candidate block set -> loss, for one model and held-out set, kept in storage."""
 
-    def __init__(self, task: LossTask, n: int, events: Any) -> None:
+    def __init__(self, store: Storage, key: str, fresh: bool = False) -> None:
+        """`fresh` (a forced run) starts empty and overwrites what was kept."""
+        self.store, self.name = store, f"{key}.json"
+        data = None if fresh else store.read_bytes(self.name)
+        pairs = json.loads(data) if data is not None else []
+        self.losses: dict[tuple[int, ...], float] = {tuple(c): float(v) for c, v in pairs}
+
+    def missing(self, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        return [c for c in dict.fromkeys(candidates) if c not in self.losses]
+
+    def add(self, candidates: list[tuple[int, ...]], losses: list[float]) -> None:
+        self.losses.update(zip(candidates, losses, strict=True))
+        pairs = sorted([list(c), v] for c, v in self.losses.items())
+        self.store.write_bytes(self.name, json.dumps(pairs).encode())
+
+
+class RayLosses:
+    """`losses(candidates) -> list[float]` over `n` actors; scores only the candidates
+    the memo does not hold, and counts what it scored (`n_evals`)."""
+
+    def __init__(self, task: LossTask, n: int, events: Any, memo: LossMemo) -> None:
         res = task.resources
         self.actors = [
             LossWorker.options(
@@ -79,18 +106,23 @@ class RayLosses:
             ).remote(task)
             for _ in range(max(1, n))
         ]
-        self.events, self.n_evals = events, 0
+        self.events, self.memo, self.n_evals = events, memo, 0
 
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
-        shares = [candidates[i :: len(self.actors)] for i in range(len(self.actors))]
-        refs = [a.score.remote(s) for a, s in zip(self.actors, shares, strict=True) if s]
-        results = ray.get(refs)
-        out: list[float] = [0.0] * len(candidates)
-        for i, (losses, _) in enumerate(results):
-            out[i :: len(self.actors)] = losses
-        self.n_evals += len(candidates)
-        self.events("losses", candidates=len(candidates), spans=[s for _, s in results])
-        return out
+        todo = self.memo.missing(candidates)
+        spans: list[dict[str, Any]] = []
+        if todo:
+            shares = [todo[i :: len(self.actors)] for i in range(len(self.actors))]
+            refs = [a.score.remote(s) for a, s in zip(self.actors, shares, strict=True) if s]
+            results = ray.get(refs)
+            out: list[float] = [0.0] * len(todo)
+            for i, (losses, _) in enumerate(results):
+                out[i :: len(self.actors)] = losses
+            self.memo.add(todo, out)
+            spans = [s for _, s in results]
+        self.n_evals += len(todo)
+        self.events("losses", candidates=len(candidates), evaluated=len(todo), spans=spans)
+        return [self.memo.losses[c] for c in candidates]
 
     def close(self) -> None:
         for actor in self.actors:
@@ -153,7 +185,7 @@ class LossSelector:
             budget,
             method.name,
             profile=self.profile,
-            losses=self._losses(windows),
+            losses=self._losses(windows, fp),
             **method.options,
         )
         seconds = time.perf_counter() - start
@@ -174,11 +206,21 @@ class LossSelector:
             self.heldout = heldout_windows(tok, self.job.spec.calibration)
         return self.heldout
 
-    def _losses(self, windows: np.ndarray) -> RayLosses:
+    def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:
         if self.losses is None:
+            from pipeline.plan import content_key
+            from pipeline.statistics import stats_store
+
             spec = self.job.spec
             task = loss_task(spec, self.plan, windows)
-            self.losses = RayLosses(task, spec.resources.max_concurrent_points, self.job.events)
+            res = task.resources
+            device = "cuda" if res.num_gpus > 0 else "cpu"
+            key = content_key(
+                self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
+            )
+            memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.job.force)
+            n = spec.resources.max_concurrent_points
+            self.losses = RayLosses(task, n, self.job.events, memo)
         return self.losses
 
     def close(self) -> None:

@@ -343,6 +343,9 @@ def test_loss_guided_methods_score_candidates_on_parallel_actors(
         and max(s["start"] for s in e["spans"]) < min(s["end"] for s in e["spans"])
     ]  # fmt: skip
     assert overlapping  # two actors scored shares of one batch at the same time
+    # lorp-loss asks for sets SLEB already scored: the memo serves them, nothing twice.
+    evaluated = sum(e["evaluated"] for e in batches)
+    assert 0 < evaluated < sum(e["candidates"] for e in batches)
 
     again = run_job(parse_spec(spec))
     assert again.skipped == 2
