@@ -1,0 +1,396 @@
+"""The cluster path on one machine: a two-node Ray cluster whose nodes share no disk.
+
+The head (started by the test, `--num-cpus=0`) runs nothing that needs a CPU, so every
+capture worker, loss worker and grid point goes to the second node. That node runs in its
+own mount namespace (`unshare --mount`) with empty tmpfs mounts over /tmp (the driver's
+run directory, its pytest tmp files and the head's Ray session live there) and over
+~/.cache (HF and lorp caches), so nothing of the driver's reaches it but Ray's TCP
+connections, the code (the repository and its venv) and the job's storage: a directory
+outside /tmp that both namespaces see (a shared filesystem), or a moto S3 server on
+127.0.0.1. The tiny model lives in that shared directory, as a local model path must exist
+on every node that loads it. Each job's catalog must equal a single-node run's (an embedded
+local Ray, `lorp run` in a subprocess, local storage).
+
+Where `unshare` is refused (not root, or no mount namespaces in this container) the
+module skips, naming the reason. Everything started here is stopped by its own process
+group (never `ray stop`, which stops every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+import yaml
+from job_specs import tiny_job
+from tiny_models import save_tiny_ptb
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
+LORP = Path(sys.executable).with_name("lorp")
+BUCKET = "lorp"
+# Ray 2.60 turns token auth on by default (and writes ~/.ray/auth_token for a new cluster):
+# off for the head, the second node and every driver alike. The nodes share one machine
+# and its loopback, and this test is about disks, not authentication.
+AUTH_OFF = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+CALIBRATION = {"dataset": "ptb", "samples": 8, "seq_len": 48, "shards": 2, "batch_size": 4}
+METHODS = [{"name": "lorp"}, {"name": "shortgpt"}]
+BUDGETS = [1, 2]
+POINTS = 1 + len(METHODS) * len(BUDGETS)  # the dense model, then every variant
+# Cache locations that could point outside ~/.cache: unset, so every cache is under the
+# home cache that the second node's tmpfs hides.
+CACHE_VARS = ("LORP_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "XDG_CACHE_HOME")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[Any], log: Path, what: str) -> None:
+    deadline = time.time() + 90
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                pytest.fail(f"{what} did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.3)
+
+
+def unshare_refused() -> str | None:
+    """Why this machine cannot give a process its own mount namespace (None: it can)."""
+    if shutil.which("unshare") is None:
+        return "no unshare binary"
+    if os.geteuid() != 0:
+        return "mount namespaces need root (unshare --mount)"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c",
+         "mount -t tmpfs tmpfs /mnt && umount /mnt"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    if probe.returncode:
+        return f"unshare --mount refused here: {(probe.stderr or probe.stdout).strip()[:200]}"
+    return None
+
+
+def stop_group(proc: subprocess.Popen[Any]) -> None:
+    """Stop a process started in its own session, and everything it started (also what
+    outlived it: a node whose raylet was killed leaves its workers behind)."""
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@dataclass
+class Cluster:
+    address: str
+    shared: Path  # seen by both nodes: the model and the filesystem storage
+    s3: str  # the moto bucket's URI template, `{prefix}` to fill
+    hidden: list[Path]  # driver paths the second node must not see
+    env: dict[str, str]  # the environment of every process started here
+    base: Path
+    procs: list[subprocess.Popen[Any]]  # stopped at teardown, last first
+    worker: subprocess.Popen[Any] | None = None
+    worker_node: str = ""  # the second node's Ray node id
+
+    def start_worker(self) -> None:
+        """Start the second node (a fresh namespace, empty tmpfs mounts); return once it
+        has joined."""
+        import ray
+
+        log = self.base / f"worker-{len(self.procs)}.log"
+        port = int(self.address.rsplit(":", 1)[1])
+        self.worker = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "bash", "-c",
+             _worker_node_script(port, "/tmp/w")],
+            env=self.env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(self.worker)
+        deadline = time.time() + 120
+        while True:
+            alive = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != self.worker_node]
+            workers = [n for n in alive if n["Resources"].get("worker_node")]
+            if workers:
+                break
+            if time.time() > deadline or self.worker.poll() is not None:
+                pytest.fail(f"the second node did not join: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        assert workers[0]["Resources"]["CPU"] == 2
+        self.worker_node = workers[0]["NodeID"]
+
+    def kill_raylet(self) -> int:
+        """SIGKILL the second node's raylet, found among its own process group."""
+        assert self.worker is not None
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                pid = int(entry.name)
+                if (
+                    os.getpgid(pid) == self.worker.pid
+                    and (entry / "comm").read_text().strip() == "raylet"
+                ):
+                    os.kill(pid, signal.SIGKILL)
+                    return pid
+            except (OSError, ProcessLookupError):
+                continue
+        raise AssertionError("no raylet in the second node's process group")
+
+
+def _worker_node_script(port: int, temp_dir: str) -> str:
+    home_cache = Path.home() / ".cache"
+    return (
+        "set -e; "
+        # Private mounts: nothing here propagates back to the driver's namespace.
+        "mount -t tmpfs tmpfs /tmp; "
+        f"mkdir -p {home_cache}; mount -t tmpfs tmpfs {home_cache}; "
+        f"mkdir -p {temp_dir}; "
+        f"exec {RAY} start --address=127.0.0.1:{port} --node-ip-address=127.0.0.1 "
+        "--num-cpus=2 --resources='{\"worker_node\": 4}' --block "
+        f"--temp-dir={temp_dir} --disable-usage-stats"
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("moto")
+    import ray
+
+    from lorp.cache import cache_root
+
+    # Ray's socket paths must fit in 107 bytes: a short temp dir for the head.
+    base = Path(tempfile.mkdtemp(prefix="lorp2n", dir="/tmp"))
+    # Outside /tmp, so not under the second node's tmpfs: the "shared filesystem".
+    shared = Path(tempfile.mkdtemp(prefix="lorp2n-shared", dir="/var/tmp"))
+    procs: list[subprocess.Popen[Any]] = []
+    drop = {"RAY_ADDRESS", "TMPDIR", *CACHE_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env |= AUTH_OFF | {"RAY_TMPDIR": str(base)}
+    mp = pytest.MonkeyPatch()
+    try:
+        moto_port = free_port()
+        moto_log = base / "moto.log"
+        moto = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
+            stdout=moto_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        procs.append(moto)
+        wait_for_port(moto_port, moto, moto_log, "moto server")
+        aws = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}",
+        }
+        env |= aws
+        for key, value in (aws | AUTH_OFF).items():
+            mp.setenv(key, value)
+        for key in ("RAY_ADDRESS", *CACHE_VARS):
+            mp.delenv(key, raising=False)
+        options = {"endpoint_override": f"127.0.0.1:{moto_port}", "scheme": "http"}
+        pafs.S3FileSystem(**options, allow_bucket_creation=True).create_dir(BUCKET)
+        s3 = (
+            f"s3://{BUCKET}/{{prefix}}?endpoint_override=127.0.0.1:{moto_port}"
+            "&scheme=http&region=us-east-1"
+        )
+
+        port = free_port()
+        head_log = base / "head.log"
+        head = subprocess.Popen(
+            [str(RAY), "start", "--head", "--num-cpus=0", "--node-ip-address=127.0.0.1",
+             f"--port={port}", "--block", "--include-dashboard=false",
+             f"--temp-dir={base / 'h'}", "--disable-usage-stats"],
+            env=env, stdout=head_log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        procs.append(head)
+        wait_for_port(port, head, head_log, "Ray head")
+
+        ray.init(address=f"127.0.0.1:{port}", logging_level="WARNING", log_to_driver=False)
+        head_id = ray.get_runtime_context().get_node_id()
+        (head_node,) = [n for n in ray.nodes() if n["NodeID"] == head_id]
+        assert head_node["Resources"].get("CPU", 0) == 0  # nothing needing a CPU runs there
+        # The driver's tmp files and run directories, the head's Ray session, the caches.
+        caches = [cache_root(), Path.home() / ".cache" / "huggingface"]
+        hidden = [tmp_path_factory.getbasetemp(), base] + [p for p in caches if p.exists()]
+        node = Cluster(f"127.0.0.1:{port}", shared, s3, hidden, env, base, procs)
+        node.start_worker()
+        yield node
+    finally:
+        ray.shutdown()
+        mp.undo()
+        for proc in reversed(procs):  # the second node, the head, moto
+            stop_group(proc)
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model(cluster: Cluster) -> Path:
+    return save_tiny_ptb("llama", cluster.shared / "model" / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
+    """The same job on one node: `lorp run` on an embedded local Ray, local storage."""
+    from pipeline.catalog import read_catalog
+
+    root = tmp_path_factory.mktemp("single")
+    spec = job(root, model, "single")
+    path = root / "single.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lorp1n", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
+    env |= AUTH_OFF | {"RAY_TMPDIR": str(ray_tmp)}
+    try:
+        out = subprocess.run(
+            [str(LORP), "run", "-q", str(path)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_catalog(Path(spec["output_dir"]) / "catalog.parquet")
+    assert len(rows) == POINTS
+    return {(r["method_label"], r["budget"]): r for r in rows}
+
+
+def job(root: Path, model: Path, name: str, **overrides: Any) -> dict[str, Any]:
+    spec = tiny_job(root, model, name, budgets=BUDGETS, methods=METHODS)
+    spec |= {"evaluation": EVALUATION, "calibration": CALIBRATION, "ray": {"num_cpus": 2}}
+    return spec | overrides
+
+
+def test_the_second_node_sees_none_of_the_drivers_paths(cluster: Cluster, model: Path) -> None:
+    import ray
+
+    def look(paths: list[str]) -> tuple[str, dict[str, bool]]:
+        node = ray.get_runtime_context().get_node_id()
+        return node, {p: os.path.exists(p) for p in paths}
+
+    paths = [str(p) for p in cluster.hidden] + [str(model), str(cluster.shared)]
+    assert all(os.path.exists(p) for p in paths)  # all there for the driver
+    # A CPU task can only run on the second node: the head has none.
+    node, seen = ray.get(ray.remote(num_cpus=1)(look).remote(paths))
+    assert node == cluster.worker_node
+    assert seen == {p: p in (str(model), str(cluster.shared)) for p in paths}
+
+
+@pytest.mark.parametrize("storage", ["shared", "s3"])
+def test_a_job_runs_on_the_second_node_and_matches_one_node(
+    cluster: Cluster,
+    model: Path,
+    reference: dict[tuple, dict],
+    storage: str,
+    tmp_path: Path,
+) -> None:
+    from pipeline.catalog import read_catalog
+    from pipeline.run import run_job
+    from pipeline.spec import parse_spec
+    from pipeline.storage import Storage
+
+    location = (
+        str(cluster.shared / "jobs" / tmp_path.name)
+        if storage == "shared"
+        else cluster.s3.format(prefix=f"jobs/{tmp_path.name}")
+    )
+    spec = job(tmp_path, model, "twonodes", storage=location, ray={"address": cluster.address})
+    spec.pop("cache_dir")  # S is cached in the storage, for every node
+    summary = run_job(parse_spec(spec))
+    assert summary.done == POINTS and not summary.failed and summary.captured == 1
+
+    store = Storage(location)
+    assert store.get_file("catalog.parquet", tmp_path / "catalog.parquet")
+    rows = {(r["method_label"], r["budget"]): r for r in read_catalog(tmp_path / "catalog.parquet")}
+    assert set(rows) == set(reference)
+    for slot, row in rows.items():
+        assert row["pruned_layers"] == reference[slot]["pruned_layers"], slot
+        assert row["ppl_ptb"] == pytest.approx(reference[slot]["ppl_ptb"], rel=1e-6), slot
+        if slot[1]:  # a variant: its checkpoint was written by the second node, into storage
+            where = store.uri(f"checkpoints/tiny/{slot[0]}-b{slot[1]}")
+            assert row["checkpoint"] == where and Storage(where).complete()
+    assert not (tmp_path / "twonodes" / "checkpoints").exists()  # nothing on the driver
+    events = store.read_bytes("events.jsonl").decode()
+    assert events.count('"event": "point"') == POINTS and '"event": "end"' in events
+
+
+def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_once(
+    cluster: Cluster, model: Path, tmp_path: Path
+) -> None:
+    """The second node's raylet dies after the first points; a new node joins (empty disks
+    again); a rerun of the job completes it, and the catalog holds every point once."""
+    from pipeline.catalog import read_catalog
+    from pipeline.storage import Storage
+
+    location = str(cluster.shared / "jobs" / tmp_path.name)
+    spec = job(tmp_path, model, "lost", storage=location, ray={"address": cluster.address})
+    spec.pop("cache_dir")
+    path = tmp_path / "lost.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    store = Storage(location)
+    run = [str(LORP), "run", "-q", str(path)]
+    log = tmp_path / "first.log"
+    first = subprocess.Popen(
+        run, cwd=ROOT, env=cluster.env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while (store.read_bytes("events.jsonl") or b"").count(b'"event": "point"') < 2:
+            assert first.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "no point finished in time"
+            time.sleep(0.5)
+        cluster.kill_raylet()
+        cluster.worker.wait(timeout=120)  # `ray start --block` ends with its raylet
+        cluster.start_worker()
+        try:
+            first.wait(timeout=240)  # it finishes on the new node, or fails some points
+        except subprocess.TimeoutExpired:
+            stop_group(first)
+    finally:
+        stop_group(first)
+    again = subprocess.run(
+        run, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    counts = re.search(r"(\d+) done, (\d+) already done, (\d+) failed", again.stdout)
+    assert counts, again.stdout[-3000:]
+    done, skipped, failed = map(int, counts.groups())
+    assert done + skipped == POINTS and not failed
+    assert store.get_file("catalog.parquet", tmp_path / "catalog.parquet")
+    rows = read_catalog(tmp_path / "catalog.parquet")
+    slots = [(r["method_label"], r["budget"]) for r in rows]
+    assert len(slots) == len(set(slots)) == POINTS, slots
+    for row in rows:
+        assert row["ppl_ptb"] > 0
+        assert not row["budget"] or Storage(row["checkpoint"]).complete()
