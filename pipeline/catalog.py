@@ -63,10 +63,17 @@ CORE = set(CORE_SCHEMA.names)
 
 
 def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a catalog file; [] when there is none.
+
+    The bytes are read in one go: a writer replaces the file by rename at any moment, and
+    pyarrow reading by path takes the size from one look and the pages from another, so
+    a reader racing a write (`lorp status` during a run) failed with "Page was smaller"."""
     path = Path(path)
-    if not path.is_file():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    return pq.read_table(path).to_pylist()
+    return pq.read_table(pa.BufferReader(data)).to_pylist()
 
 
 def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:

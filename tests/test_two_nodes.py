@@ -2,14 +2,14 @@
 
 The head (started by the test, `--num-cpus=0`) runs nothing that needs a CPU, so every
 capture worker, loss worker and grid point goes to the second node. That node runs in its
-own mount namespace (`unshare --mount`) with empty tmpfs mounts over /tmp (the driver's
-run directory, its pytest tmp files and the head's Ray session live there) and over
-~/.cache (HF and lorp caches), so nothing of the driver's reaches it but Ray's TCP
-connections, the code (the repository and its venv) and the job's storage: a directory
-outside /tmp that both namespaces see (a shared filesystem), or a moto S3 server on
-127.0.0.1. The tiny model lives in that shared directory, as a local model path must exist
-on every node that loads it. Each job's catalog must equal a single-node run's (an embedded
-local Ray, `lorp run` in a subprocess, local storage).
+own mount namespace (`unshare --mount`) with empty tmpfs mounts over the driver's pytest
+tmp dir (its run directories live there), the head's Ray session dir and ~/.cache (HF and
+lorp caches), so nothing of the driver's reaches it but Ray's TCP connections, the code
+(the repository and its venv) and the job's storage: a directory under /var/tmp that both
+namespaces see (a shared filesystem), or a moto S3 server on 127.0.0.1. The tiny model
+lives in that shared directory, as a local model path must exist on every node that
+loads it. Each job's catalog must equal a single-node run's (an embedded local Ray,
+`lorp run` in a subprocess, local storage).
 
 Where `unshare` is refused (not root, or no mount namespaces in this container) the
 module skips, naming the reason. Everything started here is stopped by its own process
@@ -118,6 +118,12 @@ class Cluster:
     worker: subprocess.Popen[Any] | None = None
     worker_node: str = ""  # the second node's Ray node id
 
+    @property
+    def node_temp(self) -> Path:
+        """The second node's own Ray temp dir: a sibling of the head's (short socket
+        paths), a private tmpfs in its namespace, removed at teardown."""
+        return self.base.with_name(self.base.name + "w")
+
     def start_worker(self) -> None:
         """Start the second node (a fresh namespace, empty tmpfs mounts); return once it
         has joined."""
@@ -127,7 +133,7 @@ class Cluster:
         port = int(self.address.rsplit(":", 1)[1])
         self.worker = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "bash", "-c",
-             _worker_node_script(port, "/tmp/w")],
+             _worker_node_script(port, self.hidden, self.node_temp)],
             env=self.env, stdout=log.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
@@ -163,14 +169,18 @@ class Cluster:
         raise AssertionError("no raylet in the second node's process group")
 
 
-def _worker_node_script(port: int, temp_dir: str) -> str:
+def _worker_node_script(port: int, hidden: list[Path], temp_dir: Path) -> str:
+    """The second node's shell: empty tmpfs over every driver path it must not see (the
+    driver's pytest tmp files and run directories, the head's Ray session, the caches)
+    and over its own Ray temp dir, then `ray start`. Only those paths: the repository and
+    its venv may live anywhere, /tmp included (a CI checkout does)."""
     home_cache = Path.home() / ".cache"
+    mounts = [*hidden, home_cache]
     return (
         "set -e; "
         # Private mounts: nothing here propagates back to the driver's namespace.
-        "mount -t tmpfs tmpfs /tmp; "
-        f"mkdir -p {home_cache}; mount -t tmpfs tmpfs {home_cache}; "
-        f"mkdir -p {temp_dir}; "
+        + "".join(f"mkdir -p {p}; mount -t tmpfs tmpfs {p}; " for p in mounts)
+        + f"mkdir -p {temp_dir}; mount -t tmpfs tmpfs {temp_dir}; "
         f"exec {RAY} start --address=127.0.0.1:{port} --node-ip-address=127.0.0.1 "
         "--num-cpus=2 --resources='{\"worker_node\": 4}' --block "
         f"--temp-dir={temp_dir} --disable-usage-stats"
@@ -189,7 +199,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
     # Ray's socket paths must fit in 107 bytes: a short temp dir for the head.
     base = Path(tempfile.mkdtemp(prefix="lorp2n", dir="/tmp"))
-    # Outside /tmp, so not under the second node's tmpfs: the "shared filesystem".
+    # Not under any of the second node's tmpfs mounts: the "shared filesystem".
     shared = Path(tempfile.mkdtemp(prefix="lorp2n-shared", dir="/var/tmp"))
     procs: list[subprocess.Popen[Any]] = []
     drop = {"RAY_ADDRESS", "TMPDIR", *CACHE_VARS}
@@ -252,6 +262,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for proc in reversed(procs):  # the second node, the head, moto
             stop_group(proc)
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(base.with_name(base.name + "w"), ignore_errors=True)
         shutil.rmtree(shared, ignore_errors=True)
 
 
@@ -294,12 +305,17 @@ def job(root: Path, model: Path, name: str, **overrides: Any) -> dict[str, Any]:
 def test_the_second_node_sees_none_of_the_drivers_paths(cluster: Cluster, model: Path) -> None:
     import ray
 
+    def holds(path: str) -> bool:
+        """Something is there: a file, or a directory with entries (a hidden path is an
+        empty tmpfs mount point on the second node)."""
+        return os.path.isfile(path) or (os.path.isdir(path) and any(os.scandir(path)))
+
     def look(paths: list[str]) -> tuple[str, dict[str, bool]]:
         node = ray.get_runtime_context().get_node_id()
-        return node, {p: os.path.exists(p) for p in paths}
+        return node, {p: holds(p) for p in paths}
 
     paths = [str(p) for p in cluster.hidden] + [str(model), str(cluster.shared)]
-    assert all(os.path.exists(p) for p in paths)  # all there for the driver
+    assert all(holds(p) for p in paths)  # all there, with content, for the driver
     # A CPU task can only run on the second node: the head has none.
     node, seen = ray.get(ray.remote(num_cpus=1)(look).remote(paths))
     assert node == cluster.worker_node
