@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from local_servers import free_port
 
 pytestmark = [pytest.mark.integration]
 
@@ -47,13 +47,6 @@ except ValueError as exc:
 print("nodes", len(ray.nodes()), ray.get_runtime_context().gcs_address)
 ray.shutdown()
 """
-
-
-def free_port() -> int:
-    """A port nothing listens on: bound, then released."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

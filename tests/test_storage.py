@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 from job_specs import tiny_job
+from local_servers import free_port, wait_for_port
 from tiny_models import save_tiny_ptb
 
 from pipeline.spec import SpecError, parse_spec
@@ -26,12 +25,6 @@ from pipeline.workers import capture_workers
 BUCKET = "lorp"
 EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
 CALIBRATION = {"dataset": "ptb", "samples": 8, "seq_len": 48, "shards": 2, "batch_size": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +39,7 @@ def s3(tmp_path_factory) -> Any:  # type: ignore[no-untyped-def]
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-    deadline = time.time() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail(f"moto server did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
+    wait_for_port(port, server, log, "moto server", timeout=60)
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",

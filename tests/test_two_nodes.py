@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import pyarrow.fs as pafs
 import pytest
 import yaml
 from job_specs import tiny_job
+from local_servers import free_port, wait_for_port
 from tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,24 +57,6 @@ POINTS = 1 + len(METHODS) * len(BUDGETS)  # the dense model, then every variant
 # Cache locations that could point outside ~/.cache: unset, so every cache is under the
 # home cache that the second node's tmpfs hides.
 CACHE_VARS = ("LORP_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "XDG_CACHE_HOME")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[Any], log: Path, what: str) -> None:
-    deadline = time.time() + 90
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                pytest.fail(f"{what} did not start: {log.read_text()[-3000:]}")
-            time.sleep(0.3)
 
 
 def unshare_refused() -> str | None:
