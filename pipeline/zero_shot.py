@@ -10,6 +10,8 @@ reachable (task `race`, lm-eval's own definition).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import math
 import shutil
@@ -91,28 +93,37 @@ def task_split(name: str) -> str:
     return "unknown"
 
 
+@functools.cache
+def task_manager() -> Any:
+    """lm-eval's task index over the rendered YAMLs, built once per process: indexing
+    every task lm-eval ships takes seconds, and an evaluator scores many checkpoints. The
+    rendered files stay until the process exits (lm-eval reads them per evaluation)."""
+    from lm_eval.tasks import TaskManager
+
+    tmp = tempfile.mkdtemp(prefix="lorp-tasks-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return TaskManager(include_path=str(render_tasks(Path(tmp))))
+
+
 def evaluate_zero_shot(
     lm: Any, names: list[str], *, limit: int | None = None, seed: int = 0
 ) -> dict[str, float]:
     """Score `names` with an lm-eval model object (HFLM or VLLM)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     check_tasks(names)
-    with tempfile.TemporaryDirectory(prefix="lorp-tasks-") as tmp:
-        manager = TaskManager(include_path=str(render_tasks(Path(tmp))))
-        results = simple_evaluate(
-            model=lm,
-            tasks=[TASKS[n][0] for n in names],
-            num_fewshot=0,
-            limit=limit,
-            task_manager=manager,
-            log_samples=False,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+    results = simple_evaluate(
+        model=lm,
+        tasks=[TASKS[n][0] for n in names],
+        num_fewshot=0,
+        limit=limit,
+        task_manager=task_manager(),
+        log_samples=False,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
     return scores(results, names)
 
 
