@@ -161,8 +161,8 @@ def test_a_dashboard_address_is_refused_before_any_connection(
 
 
 @pytest.mark.slow
-def test_auto_and_host_port_join_the_head_that_ray_start_recorded(ray_tmp: Path) -> None:
-    """A real `ray start --head`: "auto" and its host:port both join it, as one node."""
+def test_auto_joins_the_head_that_ray_start_recorded(ray_tmp: Path) -> None:
+    """A real `ray start --head`: "auto" joins it, as one node, at the recorded port."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
     env |= {"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"} | AUTH_OFF
@@ -183,10 +183,7 @@ def test_auto_and_host_port_join_the_head_that_ray_start_recorded(ray_tmp: Path)
         nodes, gcs = joined.stdout.split("nodes ", 1)[1].split()
         assert nodes == "1"
         assert gcs.endswith(f":{port}")
-        assert recorded.read_text().strip() == gcs
-        by_port = drive(ray_tmp, f"127.0.0.1:{port}")
-        assert by_port.returncode == 0, by_port.stdout + by_port.stderr
-        assert by_port.stdout.split("nodes ", 1)[1].split()[0] == "1"
+        assert recorded.read_text().strip() == gcs  # host:port: the two-node test joins so
     finally:
         # Only the head this test started: its own session, stopped by its process group.
         os.killpg(head.pid, signal.SIGTERM)

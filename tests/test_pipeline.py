@@ -86,7 +86,7 @@ def test_one_shard_equals_three_shards_through_ray(local_ray, models, tmp_path: 
     )
 
 
-def test_grid_captures_once_records_everything_and_resumes(
+def test_grid_captures_once_records_everything_resumes_and_shares_S(
     local_ray, models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -141,65 +141,13 @@ def test_grid_captures_once_records_everything_and_resumes(
     live = [r for r in mlflow_runs(run_dir, "grid") if r.data.tags["lorp.kind"] == "point"]
     assert len(live) == 9 and {r.info.run_id for r in live} == {r["mlflow_run_id"] for r in rows2}
 
-
-def test_same_checkpoint_two_names_share_cached_S(local_ray, models, tmp_path: Path) -> None:
+    # The same checkpoint under another name and path shares the cached S (content key).
     copy = tmp_path / "renamed"
     shutil.copytree(models["llama"], copy)
-    run_job(parse_spec(job(tmp_path, models["llama"], budgets=[1], methods=[{"name": "shortgpt"}])))
     other = job(tmp_path, copy, name="renamed", budgets=[1], methods=[{"name": "shortgpt"}])
     other["output_dir"] = str(tmp_path / "run2")
-    summary = run_job(parse_spec(other))
-    assert (summary.captured, summary.cached) == (0, 1)
-
-
-def test_lorp_run_cli_with_evaluation_and_catalog_merge(models, tmp_path: Path) -> None:
-    """The product command in its own process: embedded Ray, dense + pruned evaluation."""
-    specs = []
-    for name, model, budgets in (("job-a", "llama", [2]), ("job-b", "qwen3", [2, 3])):
-        spec = job(tmp_path / name, models[model], name=name, budgets=budgets)
-        spec["methods"] = [
-            {"name": "lorp"},
-            {"name": "lorp", "label": "lorp-rel", "options": {"variant": "released"}},
-        ]
-        # The speed pass (a fresh process per variant) runs for job-a only: it is what
-        # the latency columns below check; job-b is there for the merge.
-        speed = name == "job-a"
-        spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 4,
-                              "speed": speed}  # fmt: skip
-        spec["ray"] = {"num_cpus": 2}
-        path = write_job(tmp_path, spec)
-        specs.append(spec)
-        out = subprocess.run([LORP, "run", str(path)], capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "catalog" in out.stdout and "mlflow.db" in out.stdout and "checkpoints" in out.stdout
-    a = read_catalog(tmp_path / "job-a" / "run" / "catalog.parquet")
-    b = read_catalog(tmp_path / "job-b" / "run" / "catalog.parquet")
-    assert len(a) == 1 + 2 and len(b) == 1 + 4  # a dense row each, then methods x budgets
-    for r in a + b:
-        assert np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1
-    dense = next(r for r in a if r["method"] == "dense")
-    assert dense["budget"] == 0 and dense["params"] == dense["params_dense"]
-    assert dense["speedup"] == 1.0 and all(r["latency_ms"] > 0 for r in a)
-    assert all(r.get("latency_ms") is None for r in b)  # speed off: no figure, not 0
-    # The same figures in both records.
-    by_id = {r.info.run_id: r for r in mlflow_runs(tmp_path / "job-a" / "run", "job-a")}
-    for row in a:
-        metrics = by_id[row["mlflow_run_id"]].data.metrics
-        assert metrics["ppl_ptb"] == pytest.approx(row["ppl_ptb"])
-        assert metrics["latency_ms"] == pytest.approx(row["latency_ms"])
-        assert row["eval_backend"] == "transformers"
-        assert by_id[row["mlflow_run_id"]].data.tags["eval_backend"] == "transformers"
-
-    merged = tmp_path / "org.parquet"
-    out = subprocess.run(
-        [LORP, "catalog", "merge", str(tmp_path / "job-a/run/catalog.parquet"),
-         str(tmp_path / "job-b/run/catalog.parquet"), "--out", str(merged)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    rows = read_catalog(merged)
-    assert len(rows) == 8 and {r["job"] for r in rows} == {"job-a", "job-b"}
-    assert {r["grid_key"] for r in rows} == {r["grid_key"] for r in a + b}
+    renamed = run_job(parse_spec(other))
+    assert (renamed.captured, renamed.cached) == (0, 1)
 
 
 def test_cluster_yaml_validates_against_rays_schema() -> None:
@@ -248,16 +196,20 @@ def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) ->
     assert all(0.0 <= r["acc_copa"] <= 100.0 for r in rows)  # lm-eval's vllm backend, shimmed
 
 
-def test_driver_talks_status_follows_and_changed_evaluation_reevaluates(
-    models, tmp_path: Path
-) -> None:
-    """`lorp run` prints a line per point; `lorp status` reads the run while it goes and
-    after; a changed evaluation setting re-evaluates every point from the cached S."""
+def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -> None:
+    """The product command in its own process (embedded Ray): a line per point while
+    `lorp status` follows the run; dense and pruned variants evaluated, timed and
+    recorded alike in the catalog and MLflow; a changed evaluation setting re-evaluates
+    every point from the cached S; `lorp catalog merge` unions catalogs by grid key."""
     from pipeline.status import run_status
 
-    ev = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
-    spec = job(tmp_path, models["llama"], name="talk", budgets=[1, 2],
-               methods=[{"name": "shortgpt"}], evaluation=ev, ray={"num_cpus": 2})  # fmt: skip
+    ev = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
+    methods = [
+        {"name": "lorp"},
+        {"name": "lorp", "label": "lorp-rel", "options": {"variant": "released"}},
+    ]
+    spec = job(tmp_path, models["llama"], name="talk", budgets=[2], methods=methods,
+               evaluation=ev, ray={"num_cpus": 2})  # fmt: skip
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([LORP, "run", str(write_job(tmp_path, spec))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -269,17 +221,33 @@ def test_driver_talks_status_follows_and_changed_evaluation_reevaluates(
     out, err = proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "running" in states
+    assert "catalog" in out and "mlflow.db" in out and "checkpoints" in out
     lines = [ln for ln in err.splitlines() if re.search(r"\[\d/3\] tiny ", ln)]
-    assert len(lines) == 3, err[-3000:]  # dense + 2 budgets, each with its figure and ETA
+    assert len(lines) == 3, err[-3000:]  # dense + 2 variants, each with its figure and ETA
     assert all("ppl_ptb" in ln and "left, ETA" in ln for ln in lines)
     assert "[3/3]" in lines[-1] and "0 left" in lines[-1]
 
     status = subprocess.run([LORP, "status", str(run_dir)], capture_output=True, text=True)
     assert status.returncode == 0, status.stderr
     assert "finished" in status.stdout and "3 done, 0 failed, 0 left of 3" in status.stdout
-    before = by_slot(run_dir)
 
-    spec["evaluation"] = ev | {"max_windows": 3}
+    rows = read_catalog(run_dir / "catalog.parquet")
+    assert len(rows) == 1 + 2  # a dense row, then the two methods at budget 2
+    assert all(np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1 for r in rows)
+    dense = next(r for r in rows if r["method"] == "dense")
+    assert dense["budget"] == 0 and dense["params"] == dense["params_dense"]
+    assert dense["speedup"] == 1.0 and all(r["latency_ms"] > 0 for r in rows)
+    by_id = {r.info.run_id: r for r in mlflow_runs(run_dir, "talk")}
+    for row in rows:  # the same figures in both records
+        metrics = by_id[row["mlflow_run_id"]].data.metrics
+        assert metrics["ppl_ptb"] == pytest.approx(row["ppl_ptb"])
+        assert metrics["latency_ms"] == pytest.approx(row["latency_ms"])
+        assert row["eval_backend"] == "transformers"
+        assert by_id[row["mlflow_run_id"]].data.tags["eval_backend"] == "transformers"
+    before = by_slot(run_dir)
+    shutil.copy(run_dir / "catalog.parquet", tmp_path / "before.parquet")
+
+    spec["evaluation"] = ev | {"max_windows": 3, "speed": False}
     again = subprocess.run([LORP, "run", "-q", str(write_job(tmp_path, spec))],
                            capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
@@ -291,8 +259,19 @@ def test_driver_talks_status_follows_and_changed_evaluation_reevaluates(
         assert row["grid_key"] != before[name]["grid_key"]
         assert row["ppl_ptb"] != before[name]["ppl_ptb"]  # 3 windows, not 2
         assert json.loads(row["evaluation"])["max_windows"] == 3
+        assert row.get("latency_ms") is None  # speed off: no figure, not 0
     runs = [r for r in mlflow_runs(run_dir, "talk") if r.data.tags["lorp.kind"] == "point"]
     assert {r.info.run_id for r in runs} == {r["mlflow_run_id"] for r in after.values()}
+
+    merged = tmp_path / "org.parquet"
+    out = subprocess.run(
+        [LORP, "catalog", "merge", str(tmp_path / "before.parquet"),
+         str(run_dir / "catalog.parquet"), str(run_dir / "catalog.parquet"), "--out", str(merged)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    keys = [r["grid_key"] for r in read_catalog(merged)]
+    assert sorted(keys) == sorted(r["grid_key"] for r in [*before.values(), *after.values()])
 
 
 def by_slot(run_dir: Path) -> dict[str, dict]:
@@ -309,12 +288,15 @@ def by_slot(run_dir: Path) -> dict[str, dict]:
         ({"name": "lorp", "options": {"k": 7}}, r"methods\[0\].options: .*7 exceeds .*\(6\)"),
     ],
 )
-def test_bad_option_value_fails_before_any_file(models, tmp_path: Path, method, message) -> None:  # type: ignore[no-untyped-def]
+def test_bad_option_value_fails_before_any_file(  # type: ignore[no-untyped-def]
+    models, tmp_path: Path, method, message, capsys
+) -> None:
+    from lorp.cli import main  # `lorp run` in this process: the spec fails before Ray
+
     spec = job(tmp_path, models["llama"], name="bad", methods=[method])
-    out = subprocess.run([LORP, "run", str(write_job(tmp_path, spec))],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
-    assert re.search(message, out.stderr), out.stderr
+    assert main(["run", str(write_job(tmp_path, spec))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
