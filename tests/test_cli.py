@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import lorp
 from conftest import make_states
 
 from lorp import SimilarityStats, select_layers
 from lorp.cli import main
-
-LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +24,7 @@ def stats_file(tmp_path_factory) -> Path:
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([LORP, *args], capture_output=True, text=True, timeout=120)
+    return lorp(*args)
 
 
 def test_select_json_matches_the_api(stats_file: Path) -> None:

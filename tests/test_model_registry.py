@@ -5,10 +5,6 @@ a rerun registers nothing twice, and a version loads back as the checkpoint it n
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +33,6 @@ from pipeline.run import run_job
 from pipeline.spec import parse_spec
 
 pytestmark = [pytest.mark.integration]
-LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
 NAME = "lorp-tiny"
 EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
 
@@ -194,12 +189,13 @@ def test_a_version_loads_back_as_its_checkpoint(store) -> None:  # type: ignore[
 
 
 def test_lorp_pull_writes_the_checkpoint_directory(store) -> None:  # type: ignore[no-untyped-def]
+    from cli_runner import lorp
+
     summary, root = store["summary"], store["root"]
     rows = {r["model_uri"]: r for r in read_catalog(summary.catalog)}
     out = root / "pulled"
-    cmd = [LORP, "pull", f"models:/{NAME}@best-1", "--out", str(out)]
-    done = subprocess.run(cmd + ["--tracking-uri", summary.tracking_uri],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    cmd = ["pull", f"models:/{NAME}@best-1", "--out", str(out)]
+    done = lorp(*cmd, "--tracking-uri", summary.tracking_uri)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wrote" in done.stdout and NAME in done.stdout
     prov = json.loads((out / "lorp_pruning.json").read_text())
@@ -208,8 +204,9 @@ def test_lorp_pull_writes_the_checkpoint_directory(store) -> None:  # type: igno
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in source.iterdir())
     assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     assert not list(root.glob(".pulled.*"))  # the atomic write left nothing behind
-    env = os.environ | {"MLFLOW_TRACKING_URI": summary.tracking_uri}
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", summary.tracking_uri)
+        again = lorp(*cmd)
     assert again.returncode == 2 and "already exists" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
 

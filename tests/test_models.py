@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -227,14 +226,15 @@ def test_fingerprint_is_content_not_path(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def _lorp_capture(model_dir: Path, data: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    lorp_bin = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
-    args = [lorp_bin, "capture", str(model_dir), "--data", data, "--samples", "2",
+    from cli_runner import lorp
+
+    args = ["capture", str(model_dir), "--data", data, "--samples", "2",
             "--seq-len", "16", "--out", "s.npz"]  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=cwd)
+    return lorp(*args, cwd=cwd)
 
 
 def test_cli_bad_models_and_corpora(tmp_path: Path) -> None:
-    """Through the console script: one line, exit 2, no stats file written."""
+    """Through the CLI: one line, exit 2, no stats file written."""
     from tiny_models import save_tiny_ptb
 
     gpt2 = tmp_path / "gpt2"

@@ -4,14 +4,13 @@ select with LoRP, prune, reload, evaluate."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import lorp as in_process
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorp import SimilarityStats, rls
@@ -20,11 +19,10 @@ from lorp.perplexity import perplexity
 from lorp.sources import PACKAGED_MODELS, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
 
 
 def lorp(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([LORP, *args], capture_output=True, text=True, timeout=1200)
+    return in_process(*args)
 
 
 def test_smollm2_capture_select_prune_reload(tmp_path: Path) -> None:
@@ -127,7 +125,7 @@ def test_fingerprint_mismatch_is_refused(tmp_path: Path) -> None:
     ],
 )
 def test_cli_bad_input(tmp_path: Path, args: list[str], message: str) -> None:
-    out = subprocess.run([LORP, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = in_process(*args, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
