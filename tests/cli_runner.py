@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import subprocess
+import traceback
 from pathlib import Path
 
 
@@ -21,7 +22,11 @@ def lorp(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str
         if cwd is not None:
             os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
+            try:
+                code = main(list(args))
+            except Exception:  # what the interpreter does with it (`--debug` re-raises)
+                traceback.print_exc()
+                code = 1
     finally:
         os.chdir(here)
     return subprocess.CompletedProcess(["lorp", *args], code, out.getvalue(), err.getvalue())
