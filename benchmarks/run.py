@@ -1,6 +1,7 @@
 """Benchmarks: what the product exists for, measured side by side in one run.
 
     python benchmarks/run.py --quick --json OUT.json [--readme README.md]
+    python benchmarks/run.py --quick --skip capture memory select eval --tokens 16x512
 
 Targets (ratios, each measured in this run; medians of >= 5 repetitions after a warm-up):
 1. capture_overhead   S over T tokens / bare decoder-stack forward (no hooks, no lm_head)
@@ -272,9 +273,17 @@ def main() -> int:
     parser.add_argument(
         "--skip", nargs="*", default=[], help="sections to skip: capture memory ray select eval"
     )
+    parser.add_argument(
+        "--tokens", help="calibration SAMPLESxSEQ_LEN (default 16x256 with --quick, else 32x512)"
+    )
     args = parser.parse_args()
     repeats = 5
     samples, seq_len = (16, 256) if args.quick else (32, 512)
+    if args.tokens:
+        try:
+            samples, seq_len = (int(v) for v in args.tokens.lower().split("x"))
+        except ValueError:
+            parser.error(f"--tokens: expected SAMPLESxSEQ_LEN such as 16x512, got {args.tokens!r}")
     torch.set_num_threads(2)
     figures: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
