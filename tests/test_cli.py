@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_runner import lorp
+from cli_runner import lorp as run
 from conftest import make_states
 
 from lorp import SimilarityStats, select_layers
@@ -21,10 +21,6 @@ def stats_file(tmp_path_factory) -> Path:
     s = SimilarityStats(10)
     s.update(make_states(11, 64, 16, seed=4))
     return s.to_file(tmp_path_factory.mktemp("cli") / "stats.npz")
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return lorp(*args)
 
 
 def test_select_json_matches_the_api(stats_file: Path) -> None:

@@ -4,13 +4,12 @@ select with LoRP, prune, reload, evaluate."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cli_runner import lorp as in_process
+from cli_runner import lorp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorp import SimilarityStats, rls
@@ -19,10 +18,6 @@ from lorp.perplexity import perplexity
 from lorp.sources import PACKAGED_MODELS, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def lorp(*args: str) -> subprocess.CompletedProcess[str]:
-    return in_process(*args)
 
 
 def test_smollm2_capture_select_prune_reload(tmp_path: Path) -> None:
@@ -125,7 +120,7 @@ def test_fingerprint_mismatch_is_refused(tmp_path: Path) -> None:
     ],
 )
 def test_cli_bad_input(tmp_path: Path, args: list[str], message: str) -> None:
-    out = in_process(*args, cwd=tmp_path)
+    out = lorp(*args, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -277,7 +277,3 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     gone = dataclasses.replace(point_task(job, pruned, "transformers"), model=elsewhere)
     with pytest.raises(Exception, match=r"model '.*gone' is not on node \S+"):
         ray.get(run_point.remote(gone))
-
-
-def s3_fs(uri: str) -> tuple[Any, str]:
-    return pafs.FileSystem.from_uri(uri)
