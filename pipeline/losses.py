@@ -98,7 +98,9 @@ class RayLosses:
     """`losses(candidates) -> list[float]` over `n` actors; scores only the candidates
     the memo does not hold, and counts what it scored (`n_evals`)."""
 
-    def __init__(self, task: LossTask, n: int, events: Any, memo: LossMemo) -> None:
+    def __init__(
+        self, task: LossTask, n: int, events: Any, memo: LossMemo, note: Any = None
+    ) -> None:
         res = task.resources
         self.actors = [
             LossWorker.options(
@@ -107,10 +109,16 @@ class RayLosses:
             for _ in range(max(1, n))
         ]
         self.events, self.memo, self.n_evals = events, memo, 0
+        self.note = note  # one progress line per scored batch: a SLEB step can take an hour
+        self.name, self.batches = "", 0  # the selection being made; its batches so far
 
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
+        from pipeline.progress import duration
+
         todo = self.memo.missing(candidates)
         spans: list[dict[str, Any]] = []
+        self.batches += 1
+        start = time.perf_counter()
         if todo:
             shares = [todo[i :: len(self.actors)] for i in range(len(self.actors))]
             refs = [a.score.remote(s) for a, s in zip(self.actors, shares, strict=True) if s]
@@ -122,6 +130,14 @@ class RayLosses:
             spans = [s for _, s in results]
         self.n_evals += len(todo)
         self.events("losses", candidates=len(candidates), evaluated=len(todo), spans=spans)
+        if todo and self.note is not None:
+            served = len(candidates) - len(todo)
+            memo = f", {served} from memo" if served else ""
+            self.note(
+                f"  {self.name} batch {self.batches}: {len(todo)} candidates scored in "
+                f"{duration(time.perf_counter() - start)} on {len(spans)} actor"
+                f"{'s' if len(spans) > 1 else ''}{memo}"
+            )
         return [self.memo.losses[c] for c in candidates]
 
     def close(self) -> None:
@@ -179,19 +195,16 @@ class LossSelector:
         hit = None if self.job.force else self.cache.get(key)
         if hit is not None:
             return hit
+        name = f"{self.plan.label} {method.key}-b{budget}"
+        losses = self._losses(windows, fp)
+        losses.name, losses.batches = name, 0
         start = time.perf_counter()
         sel = select_layers(
-            self.stats,
-            budget,
-            method.name,
-            profile=self.profile,
-            losses=self._losses(windows, fp),
-            **method.options,
+            self.stats, budget, method.name, profile=self.profile, losses=losses, **method.options
         )
         seconds = time.perf_counter() - start
         self.cache.put(key, sel, seconds)
         n = sel.details.get("n_evals", 0)
-        name = f"{self.plan.label} {method.key}-b{budget}"
         self.job.progress.note(f"selected {name}: {n} evaluations in {duration(seconds)}")
         return sel, seconds
 
@@ -220,7 +233,7 @@ class LossSelector:
             )
             memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.job.force)
             n = spec.resources.max_concurrent_points
-            self.losses = RayLosses(task, n, self.job.events, memo)
+            self.losses = RayLosses(task, n, self.job.events, memo, self.job.progress.note)
         return self.losses
 
     def close(self) -> None:

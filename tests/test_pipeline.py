@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -281,6 +282,17 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert sorted(keys) == sorted(r["grid_key"] for r in [*before.values(), *after.values()])
 
 
+class Said(logging.Handler):
+    """The job's progress lines, whatever handlers `talk()` installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def by_slot(run_dir: Path) -> dict[str, dict]:
     return {
         f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog.parquet")
@@ -311,10 +323,23 @@ def test_loss_guided_methods_score_candidates_on_parallel_actors(
     local_ray, models, tmp_path: Path
 ) -> None:
     """sleb and lorp-loss get a `losses` callable served by 2 Ray actors at once; their
-    selections are cached, so a rerun evaluates nothing."""
+    selections are cached, so a rerun evaluates nothing. Each scored batch is a line."""
     methods = [{"name": "sleb"}, {"name": "lorp-loss"}]
     spec = job(tmp_path, models["llama"], name="loss", budgets=[2], methods=methods)
-    summary = run_job(parse_spec(spec))
+    said = Said()
+    talking = logging.getLogger("pipeline")
+    talking.addHandler(said)
+    level, talking.level = talking.level, logging.INFO
+    try:
+        summary = run_job(parse_spec(spec))
+    finally:
+        talking.removeHandler(said)
+        talking.setLevel(level)
+    lines = said.lines
+    sleb_lines = [x for x in lines if " sleb-b2 batch " in x]
+    assert [x.split(" batch ")[1].split(":")[0] for x in sleb_lines] == ["1", "2"], lines
+    assert "4 candidates scored in " in sleb_lines[0] and "on 2 actors" in sleb_lines[0]
+    assert any(x.startswith("selected ") and "sleb-b2: 7 evaluations" in x for x in lines)
     assert summary.done == 2 and not summary.failed
     rows = {r["method"]: r for r in read_catalog(tmp_path / "run" / "catalog.parquet")}
     assert rows["sleb"]["n_evals"] == 4 + 3  # N=6: blocks 1..4, then the 3 left
