@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lorp.architectures import decoder_blocks
+from lorp.architectures import decoder_blocks, decoder_stack
 from lorp.perplexity import window_nll
-from lorp.surgery import blocks_dropped
+from lorp.surgery import blocks_dropped, check_layers, kept_layers
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,13 @@ class LossEvaluator:
     Each candidate is a set of 0-based block indices to drop (empty: the model as it is);
     its value is `calibration_loss` of the model without them. The model runs in eval mode
     and is left exactly as it was found. `n_evals` counts the candidates scored.
+
+    Candidates share work: the blocks each one keeps, in depth order, form a trie, and the
+    hidden state at every branch point is computed once per window batch and handed to the
+    next block (a forward pre-hook replaces that block's input). SLEB's step over N blocks
+    then costs about N^2/2 block passes instead of N^2, plus one LM head per candidate. Each
+    block sees exactly the input it would in a full forward, so the losses are those of
+    `calibration_loss` on the pruned model.
     """
 
     def __init__(
@@ -62,21 +70,121 @@ class LossEvaluator:
         self.batch_size = int(batch_size)
         self.progress = progress
         self.n_evals = 0
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
     @property
     def n_blocks(self) -> int:
         return len(decoder_blocks(self.model))
 
     def __call__(self, candidates: Sequence[Iterable[int]]) -> list[float]:
-        out = []
+        n = self.n_blocks
+        cands = [tuple(c) for c in candidates]
+        kept = [tuple(kept_layers(n, check_layers(c, n))) if c else tuple(range(n)) for c in cands]
+        root = _Node()
+        for i, seq in enumerate(kept):
+            node = root
+            for b in seq[:-1]:
+                node = node.children.setdefault(b, _Node())
+            node.ends.append((i, seq[-1]))
+        nll, count = [0.0] * len(cands), [0] * len(cands)
+        device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         try:
-            for cand in tqdm(candidates, disable=not self.progress, desc="candidates"):
-                with blocks_dropped(self.model, cand):
-                    out.append(calibration_loss(self.model, self.windows, self.batch_size))
-                self.n_evals += 1
-                log.debug("loss without blocks %s: %.6f", list(cand), out[-1])
+            with torch.inference_mode():
+                starts = range(0, len(self.windows), self.batch_size)
+                for start in tqdm(starts, disable=not self.progress, desc="loss batches"):
+                    batch = self.windows[start : start + self.batch_size].to(device)
+                    for i, (total, m) in self._visit(root, None, batch).items():
+                        nll[i] += total
+                        count[i] += m
         finally:
             self.model.train(was_training)
+        self.n_evals += len(cands)
+        out = [t / m for t, m in zip(nll, count, strict=True)]
+        for cand, loss in zip(cands, out, strict=True):
+            log.debug("loss without blocks %s: %.6f", list(cand), loss)
         return out
+
+    def _visit(
+        self, node: _Node, state: torch.Tensor | None, batch: torch.Tensor
+    ) -> dict[int, tuple[float, int]]:
+        """(NLL sum, tokens) of every candidate under `node`, whose blocks so far left
+        `state` (None: the embeddings)."""
+        out = {i: self._finish(state, last, batch) for i, last in node.ends}
+        children = sorted(node.children.items(), key=lambda kv: kv[1].size)
+        for j, (block, child) in enumerate(children):
+            chain = [block]
+            while not child.ends and len(child.children) == 1:
+                ((block, child),) = child.children.items()
+                chain.append(block)
+            after = self._advance(state, chain, batch)
+            if j == len(children) - 1:
+                state = None  # the last subtree does not need this state kept alive
+            out.update(self._visit(child, after, batch))
+        return out
+
+    def _advance(
+        self, state: torch.Tensor | None, chain: list[int], batch: torch.Tensor
+    ) -> torch.Tensor:
+        """The residual stream after blocks `chain`, entered with `state`."""
+        blocks = decoder_blocks(self.model)
+        inside = set(chain)
+        dropped = [b for b in range(len(blocks)) if b not in inside]
+        captured: list[torch.Tensor] = []
+
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output)
+
+        hooks = [blocks[chain[-1]].register_forward_hook(keep)]
+        if state is not None:
+            hooks.append(_inject(blocks[chain[0]], state))
+        try:
+            with blocks_dropped(self.model, dropped):
+                decoder_stack(self.model)(input_ids=batch, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return captured[-1]
+
+    def _finish(
+        self, state: torch.Tensor | None, last: int, batch: torch.Tensor
+    ) -> tuple[float, int]:
+        """NLL of the candidate that runs block `last` on `state`, then the LM head."""
+        blocks = decoder_blocks(self.model)
+        hook = _inject(blocks[last], state) if state is not None else None
+        try:
+            with blocks_dropped(self.model, [b for b in range(len(blocks)) if b != last]):
+                return window_nll(self.model, batch)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+
+class _Node:
+    """A trie node: the blocks kept so far; `ends` are the candidates whose only block
+    left is `last`."""
+
+    __slots__ = ("children", "ends")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.ends: list[tuple[int, int]] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.ends) + sum(c.size for c in self.children.values())
+
+
+def _inject(block: nn.Module, state: torch.Tensor) -> Any:
+    """Make `block` run on `state` instead of the hidden states it is handed."""
+
+    def swap(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            if args[0].shape != state.shape:
+                raise RuntimeError(f"state {tuple(state.shape)} != input {tuple(args[0].shape)}")
+            return (state, *args[1:]), kwargs
+        return args, kwargs | {"hidden_states": state}
+
+    return block.register_forward_pre_hook(swap, with_kwargs=True)

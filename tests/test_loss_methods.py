@@ -297,3 +297,32 @@ def test_loss_evaluator_drives_sleb_ppl_and_lorp_loss(windows: torch.Tensor) -> 
     assert sel.details["n_evals"] == 4
     assert_unchanged(model, before)
     assert not model.training
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen2", "phi3"])
+def test_loss_evaluator_shares_prefixes_bit_identically(family: str, windows: torch.Tensor) -> None:
+    """Candidates reuse the hidden state at their shared prefix of kept blocks: every loss
+    equals the plain forward of the pruned model bit for bit, in fewer block passes."""
+    model = tiny_model(family)
+    before = snapshot(model)
+    n = len(decoder_blocks(model))
+    cands = [(b,) for b in range(n)] + [(1, b) for b in range(2, n)] + [(), (0, 2, 3, 4, 5)]
+    cands = cands[::-1]  # order does not matter; values come back in the asked order
+    passes = [0]
+    hooks = [b.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+             for b in decoder_blocks(model)]  # fmt: skip
+    try:
+        shared = LossEvaluator(model, windows, batch_size=2)(cands)
+    finally:
+        for h in hooks:
+            h.remove()
+    plain = []
+    for c in cands:
+        with blocks_dropped(model, c):
+            plain.append(calibration_loss(model, windows, batch_size=2))
+    assert shared == plain  # bit-identical: each block sees exactly its usual input
+    batches = math.ceil(len(windows) / 2)
+    every = sum(n - len(c) for c in cands) * batches
+    assert passes[0] < 0.75 * every, (passes[0], every)
+    assert_unchanged(model, before)
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in decoder_blocks(model))
