@@ -27,6 +27,9 @@ from pipeline.catalog import read_catalog  # noqa: E402
 
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 PAPER_METHODS = ("lorp", "shortgpt", "streamline")
+# Methods that decide from S (one calibration pass), against which `lorp-loss` is held.
+ONE_PASS = ("lorp", "lorp-released", "lorp-stage2", "shortgpt", "streamline", "angular")
+SLEB_SLACK = 1.25  # lorp-loss should be within this factor of SLEB's perplexity
 
 
 def run(models: list[str] | None) -> Path:
@@ -92,18 +95,33 @@ def model_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """Where the paper's ranking (LoRP ahead of ShortGPT and Streamline) holds here."""
+    """Where the paper's ranking (LoRP ahead of ShortGPT and Streamline) holds here, and
+    how `lorp-loss` compares with the best one-pass method and with SLEB."""
     out = []
     for b in sorted({r["budget"] for r in rows if r["budget"]}):
         at = {r["method_label"]: _ppl(r) for r in rows if r["budget"] == b}
-        if not all(m in at for m in PAPER_METHODS):
-            continue
-        rest = min(at["shortgpt"], at["streamline"])
-        verdict = "holds" if at["lorp"] <= rest else "does not hold"
-        out.append(
-            f"at {b} blocks the paper's ranking {verdict} (LoRP {at['lorp']:,.1f}, "
-            f"best of ShortGPT/Streamline {rest:,.1f})"
-        )
+        if all(m in at for m in PAPER_METHODS):
+            rest = min(at["shortgpt"], at["streamline"])
+            verdict = "holds" if at["lorp"] <= rest else "does not hold"
+            out.append(
+                f"at {b} blocks the paper's ranking {verdict} (LoRP {at['lorp']:,.1f}, "
+                f"best of ShortGPT/Streamline {rest:,.1f})"
+            )
+        one_pass = {m: at[m] for m in ONE_PASS if m in at}
+        if "lorp-loss" in at and one_pass:
+            best = min(one_pass, key=one_pass.__getitem__)
+            verdict = "at or below" if at["lorp-loss"] <= one_pass[best] else "above"
+            out.append(
+                f"at {b} blocks lorp-loss ({at['lorp-loss']:,.1f}) is {verdict} the best "
+                f"one-pass method ({best}, {one_pass[best]:,.1f})"
+            )
+        if "lorp-loss" in at and "sleb" in at:
+            ratio = at["lorp-loss"] / at["sleb"]
+            verdict = "within" if ratio <= SLEB_SLACK else "outside"
+            out.append(
+                f"at {b} blocks lorp-loss / SLEB = {ratio:.2f} ({verdict} {SLEB_SLACK}x; "
+                f"SLEB {at['sleb']:,.1f})"
+            )
     return out
 
 
