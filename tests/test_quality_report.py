@@ -38,6 +38,13 @@ def test_table_marks_the_best_and_the_degraded() -> None:
     assert list(by) == ["sleb", "streamline", "lorp-loss", "shortgpt", "lorp"]  # by PPL
 
 
+def test_where_every_variant_is_degraded_the_least_bad_is_bold() -> None:
+    rows = [row("dense", 0, 50.0), row("a", 2, 900.0, (1, 2), True)]
+    lines = model_table([*rows, row("b", 2, 400.0, (3, 4), True)])
+    assert lines[3] == "| b | 3 4 | **400.0** (degraded) | 0 | 0.0 |"
+    assert lines[4] == "| a | 1 2 | 900.0 (degraded) | 0 | 0.0 |"
+
+
 def test_findings_hold_lorp_loss_to_one_pass_and_to_sleb() -> None:
     said = findings(ROWS)
     assert said == [
