@@ -72,6 +72,9 @@ class LossEvaluator:
         self.n_evals = 0
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        w = self.windows
+        if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] < 2:
+            raise ValueError(f"windows must be [n >= 1, T >= 2] token ids, got {tuple(w.shape)}")
 
     @property
     def n_blocks(self) -> int:

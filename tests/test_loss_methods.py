@@ -326,3 +326,12 @@ def test_loss_evaluator_shares_prefixes_bit_identically(family: str, windows: to
     assert passes[0] < 0.75 * every, (passes[0], every)
     assert_unchanged(model, before)
     assert all(not b._forward_pre_hooks and not b._forward_hooks for b in decoder_blocks(model))
+
+
+def test_loss_evaluator_refuses_bad_windows_in_one_line() -> None:
+    model = tiny_model("llama")
+    for bad in (torch.zeros((0, 8), dtype=torch.long), torch.zeros((2, 1), dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"windows must be \[n >= 1, T >= 2\]"):
+            LossEvaluator(model, bad)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        LossEvaluator(model, torch.zeros((2, 8), dtype=torch.long), batch_size=0)
