@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py [--models smollm2-135m ...] [--readme README.md]
     python benchmarks/quality.py --bos-check      # Gemma 3 dense PTB perplexity, BOS on/off
+    python benchmarks/quality.py --from-catalog runs/quality/catalog.parquet [--readme ...]
 
 It runs `jobs/quality.yaml` (optionally restricted to some models) with the product's own
 driver, then renders one table per model from the catalog: PTB test perplexity at each
@@ -173,11 +174,16 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", help="restrict to these model labels")
     parser.add_argument("--readme", help="write the tables into this README")
     parser.add_argument("--bos-check", action="store_true", help="Gemma 3 with and without BOS")
+    parser.add_argument(
+        "--from-catalog", metavar="PARQUET", help="render this catalog; run nothing"
+    )
     args = parser.parse_args()
     if args.bos_check:
         bos_check()
         return 0
-    text = render(run(args.models))
+    if args.from_catalog and not Path(args.from_catalog).is_file():
+        raise SystemExit(f"--from-catalog: no such file {args.from_catalog}")
+    text = render(Path(args.from_catalog) if args.from_catalog else run(args.models))
     print(text)
     if args.readme:
         write_readme(Path(args.readme), text)
