@@ -83,14 +83,16 @@ class LossEvaluator:
     def __call__(self, candidates: Sequence[Iterable[int]]) -> list[float]:
         n = self.n_blocks
         cands = [tuple(c) for c in candidates]
+        # One entry per distinct kept sequence: (2, 1), (1, 2) and repeats are scored once.
         kept = [tuple(kept_layers(n, check_layers(c, n))) if c else tuple(range(n)) for c in cands]
+        distinct = list(dict.fromkeys(kept))
         root = _Node()
-        for i, seq in enumerate(kept):
+        for i, seq in enumerate(distinct):
             node = root
             for b in seq[:-1]:
                 node = node.children.setdefault(b, _Node())
             node.ends.append((i, seq[-1]))
-        nll, count = [0.0] * len(cands), [0] * len(cands)
+        nll, count = [0.0] * len(distinct), [0] * len(distinct)
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
@@ -99,22 +101,26 @@ class LossEvaluator:
                 starts = range(0, len(self.windows), self.batch_size)
                 for start in tqdm(starts, disable=not self.progress, desc="loss batches"):
                     batch = self.windows[start : start + self.batch_size].to(device)
-                    for i, (total, m) in self._visit(root, None, batch).items():
+                    for i, (total, m) in self._visit(root, [], batch).items():
                         nll[i] += total
                         count[i] += m
         finally:
             self.model.train(was_training)
         self.n_evals += len(cands)
-        out = [t / m for t, m in zip(nll, count, strict=True)]
+        loss = {seq: t / m for seq, t, m in zip(distinct, nll, count, strict=True)}
+        out = [loss[seq] for seq in kept]
         for cand, loss in zip(cands, out, strict=True):
             log.debug("loss without blocks %s: %.6f", list(cand), loss)
         return out
 
     def _visit(
-        self, node: _Node, state: torch.Tensor | None, batch: torch.Tensor
+        self, node: _Node, handed: list[torch.Tensor], batch: torch.Tensor
     ) -> dict[int, tuple[float, int]]:
-        """(NLL sum, tokens) of every candidate under `node`, whose blocks so far left
-        `state` (None: the embeddings)."""
+        """(NLL sum, tokens) of every candidate under `node`, whose blocks so far left the
+        state in `handed` (empty: the embeddings). The state comes in a list that this
+        call empties, so only this frame holds it and it is freed before the last subtree:
+        a SLEB trie is a spine N deep, and N live states of [B, T, d] would add up."""
+        state = handed.pop() if handed else None
         out = {i: self._finish(state, last, batch) for i, last in node.ends}
         children = sorted(node.children.items(), key=lambda kv: kv[1].size)
         for j, (block, child) in enumerate(children):
@@ -122,10 +128,10 @@ class LossEvaluator:
             while not child.ends and len(child.children) == 1:
                 ((block, child),) = child.children.items()
                 chain.append(block)
-            after = self._advance(state, chain, batch)
+            box = [self._advance(state, chain, batch)]
             if j == len(children) - 1:
                 state = None  # the last subtree does not need this state kept alive
-            out.update(self._visit(child, after, batch))
+            out.update(self._visit(child, box, batch))
         return out
 
     def _advance(
@@ -140,10 +146,11 @@ class LossEvaluator:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
             captured.append(output[0] if isinstance(output, tuple) else output)
 
-        hooks = [blocks[chain[-1]].register_forward_hook(keep)]
-        if state is not None:
-            hooks.append(_inject(blocks[chain[0]], state))
+        hooks = []
         try:
+            hooks.append(blocks[chain[-1]].register_forward_hook(keep))
+            if state is not None:
+                hooks.append(_inject(blocks[chain[0]], state))
             with blocks_dropped(self.model, dropped):
                 decoder_stack(self.model)(input_ids=batch, use_cache=False)
         finally:
@@ -156,8 +163,10 @@ class LossEvaluator:
     ) -> tuple[float, int]:
         """NLL of the candidate that runs block `last` on `state`, then the LM head."""
         blocks = decoder_blocks(self.model)
-        hook = _inject(blocks[last], state) if state is not None else None
+        hook = None
         try:
+            if state is not None:
+                hook = _inject(blocks[last], state)
             with blocks_dropped(self.model, [b for b in range(len(blocks)) if b != last]):
                 return window_nll(self.model, batch)
         finally:
@@ -184,9 +193,11 @@ def _inject(block: nn.Module, state: torch.Tensor) -> Any:
     """Make `block` run on `state` instead of the hidden states it is handed."""
 
     def swap(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(given, torch.Tensor) or given.shape != state.shape:
+            shape = tuple(given.shape) if isinstance(given, torch.Tensor) else None
+            raise RuntimeError(f"block input {shape} is not the {tuple(state.shape)} state")
         if args:
-            if args[0].shape != state.shape:
-                raise RuntimeError(f"state {tuple(state.shape)} != input {tuple(args[0].shape)}")
             return (state, *args[1:]), kwargs
         return args, kwargs | {"hidden_states": state}
 

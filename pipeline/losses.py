@@ -110,14 +110,14 @@ class RayLosses:
         ]
         self.events, self.memo, self.n_evals = events, memo, 0
         self.note = note  # one progress line per scored batch: a SLEB step can take an hour
-        self.name, self.batches = "", 0  # the selection being made; its batches so far
+        self.name, self.steps = "losses", 0  # the selection being made; its requests so far
 
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
         from pipeline.progress import duration
 
         todo = self.memo.missing(candidates)
         spans: list[dict[str, Any]] = []
-        self.batches += 1
+        self.steps += 1
         start = time.perf_counter()
         if todo:
             shares = [todo[i :: len(self.actors)] for i in range(len(self.actors))]
@@ -131,10 +131,10 @@ class RayLosses:
         self.n_evals += len(todo)
         self.events("losses", candidates=len(candidates), evaluated=len(todo), spans=spans)
         if todo and self.note is not None:
-            served = len(candidates) - len(todo)
+            served = len(set(candidates)) - len(todo)
             memo = f", {served} from memo" if served else ""
             self.note(
-                f"  {self.name} batch {self.batches}: {len(todo)} candidates scored in "
+                f"  {self.name} step {self.steps}: {len(todo)} candidates scored in "
                 f"{duration(time.perf_counter() - start)} on {len(spans)} actor"
                 f"{'s' if len(spans) > 1 else ''}{memo}"
             )
@@ -196,9 +196,9 @@ class LossSelector:
         if hit is not None:
             return hit
         name = f"{self.plan.label} {method.key}-b{budget}"
+        start = time.perf_counter()  # actor start-up and the memo's read count too
         losses = self._losses(windows, fp)
-        losses.name, losses.batches = name, 0
-        start = time.perf_counter()
+        losses.name, losses.steps = name, 0
         sel = select_layers(
             self.stats, budget, method.name, profile=self.profile, losses=losses, **method.options
         )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import FAMILIES, tiny_model
 
 from lorp import allocate, cluster_layers, select_layers
 from lorp.architectures import decoder_blocks
@@ -299,7 +299,7 @@ def test_loss_evaluator_drives_sleb_ppl_and_lorp_loss(windows: torch.Tensor) -> 
     assert not model.training
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_loss_evaluator_shares_prefixes_bit_identically(family: str, windows: torch.Tensor) -> None:
     """Candidates reuse the hidden state at their shared prefix of kept blocks: every loss
     equals the plain forward of the pruned model bit for bit, in fewer block passes."""
@@ -307,6 +307,7 @@ def test_loss_evaluator_shares_prefixes_bit_identically(family: str, windows: to
     before = snapshot(model)
     n = len(decoder_blocks(model))
     cands = [(b,) for b in range(n)] + [(1, b) for b in range(2, n)] + [(), (0, 2, 3, 4, 5)]
+    cands += [(3, 1), (3,)]  # the same sets again, one unsorted: scored once, answered twice
     cands = cands[::-1]  # order does not matter; values come back in the asked order
     passes = [0]
     hooks = [b.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
@@ -323,7 +324,7 @@ def test_loss_evaluator_shares_prefixes_bit_identically(family: str, windows: to
     assert shared == plain  # bit-identical: each block sees exactly its usual input
     batches = math.ceil(len(windows) / 2)
     every = sum(n - len(c) for c in cands) * batches
-    assert passes[0] < 0.75 * every, (passes[0], every)
+    assert passes[0] < 0.7 * every, (passes[0], every)
     assert_unchanged(model, before)
     assert all(not b._forward_pre_hooks and not b._forward_hooks for b in decoder_blocks(model))
 

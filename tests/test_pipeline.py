@@ -329,15 +329,16 @@ def test_loss_guided_methods_score_candidates_on_parallel_actors(
     said = Said()
     talking = logging.getLogger("pipeline")
     talking.addHandler(said)
-    level, talking.level = talking.level, logging.INFO
+    level = talking.level
+    talking.setLevel(logging.INFO)
     try:
         summary = run_job(parse_spec(spec))
     finally:
         talking.removeHandler(said)
         talking.setLevel(level)
     lines = said.lines
-    sleb_lines = [x for x in lines if " sleb-b2 batch " in x]
-    assert [x.split(" batch ")[1].split(":")[0] for x in sleb_lines] == ["1", "2"], lines
+    sleb_lines = [x for x in lines if " sleb-b2 step " in x]  # sleb runs first: no memo
+    assert [x.split(" step ")[1].split(":")[0] for x in sleb_lines] == ["1", "2"], lines
     assert "4 candidates scored in " in sleb_lines[0] and "on 2 actors" in sleb_lines[0]
     assert any(x.startswith("selected ") and "sleb-b2: 7 evaluations" in x for x in lines)
     assert summary.done == 2 and not summary.failed
