@@ -124,14 +124,16 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def render(catalog: Path) -> str:
-    rows = read_catalog(catalog)
+def render(catalog: Path, models: list[str] | None = None) -> str:
+    rows = [r for r in read_catalog(catalog) if not models or r["model"] in models]
+    if not rows:
+        raise SystemExit(f"--models: no rows for {models} in {catalog}")
     parts = [
         "Reproduce: `python benchmarks/quality.py --readme README.md` (runs "
         "`jobs/quality.yaml` through `lorp run`). Evaluations: candidate block sets the "
-        "method scored (both budgets); selection s: wall time of the selections on this "
-        "machine's CPU, 2 evaluator actors of 1 thread each. A selection resumed from the "
-        "loss memo after an interrupted run counts only the time of its last run.",
+        "method scored (both budgets); selection s: wall time of the selections with the "
+        "evaluator actors `jobs/quality.yaml` asks for (2 of 1 CPU each here). A selection "
+        "resumed from the loss memo after an interrupted run counts only its last run.",
         "",
     ]
     for model in sorted({r["model"] for r in rows}):
@@ -183,7 +185,8 @@ def main() -> int:
         return 0
     if args.from_catalog and not Path(args.from_catalog).is_file():
         raise SystemExit(f"--from-catalog: no such file {args.from_catalog}")
-    text = render(Path(args.from_catalog) if args.from_catalog else run(args.models))
+    catalog = Path(args.from_catalog) if args.from_catalog else run(args.models)
+    text = render(catalog, args.models if args.from_catalog else None)
     print(text)
     if args.readme:
         write_readme(Path(args.readme), text)
