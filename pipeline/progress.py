@@ -40,6 +40,7 @@ class Progress:
 
     def grid(self, total: int, skipped: int) -> None:
         self.total = total
+        self.start = time.monotonic()  # the ETA is the grid's pace, not capture's or selection's
         log.info("grid: %d points to run, %d already done", total, skipped)
         if self.want_bar and total:
             from tqdm.auto import tqdm
