@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import ray
 import yaml
 from job_specs import tiny_job, write_job
 from mlflow.tracking import MlflowClient
+from progress_lines import progress_lines
 from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
@@ -282,17 +282,6 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert sorted(keys) == sorted(r["grid_key"] for r in [*before.values(), *after.values()])
 
 
-class Said(logging.Handler):
-    """The job's progress lines, whatever handlers `talk()` installed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def by_slot(run_dir: Path) -> dict[str, dict]:
     return {
         f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog.parquet")
@@ -326,17 +315,8 @@ def test_loss_guided_methods_score_candidates_on_parallel_actors(
     selections are cached, so a rerun evaluates nothing. Each scored batch is a line."""
     methods = [{"name": "sleb"}, {"name": "lorp-loss"}]
     spec = job(tmp_path, models["llama"], name="loss", budgets=[2], methods=methods)
-    said = Said()
-    talking = logging.getLogger("pipeline")
-    talking.addHandler(said)
-    level = talking.level
-    talking.setLevel(logging.INFO)
-    try:
+    with progress_lines() as lines:
         summary = run_job(parse_spec(spec))
-    finally:
-        talking.removeHandler(said)
-        talking.setLevel(level)
-    lines = said.lines
     sleb_lines = [x for x in lines if " sleb-b2 step " in x]  # sleb runs first: no memo
     assert [x.split(" step ")[1].split(":")[0] for x in sleb_lines] == ["1", "2"], lines
     assert "4 candidates scored in " in sleb_lines[0] and "on 2 actors" in sleb_lines[0]

@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import logging
+from progress_lines import progress_lines
 
 from pipeline.progress import Progress, duration
 
 
-class Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_eta_counts_from_the_grid_not_from_capture_and_selection() -> None:
-    said, log = Said(), logging.getLogger("pipeline")
-    level = log.level
-    log.addHandler(said)
-    log.setLevel(logging.INFO)
-    try:
+    with progress_lines() as lines:
         progress = Progress(bar=False)
         progress.start -= 3600  # an hour of capture and loss-guided selection before the grid
         progress.grid(4, 1)
         progress.point("m lorp-b4", "ppl_ptb 12.5", 2.0)
         progress.point("m sleb-b4", "boom", 1.0, ok=False)
-    finally:
-        log.removeHandler(said)
-        log.setLevel(level)
-    assert said.lines[0] == "grid: 4 points to run, 1 already done"
-    assert said.lines[1].startswith("[1/4] m lorp-b4: ppl_ptb 12.5 (2s); 3 left, ETA ")
-    assert said.lines[1].endswith(" ETA 0s")  # not 3h: the hour before the grid is not its pace
-    assert said.lines[2].startswith("[2/4] m sleb-b4: FAILED: boom (1s); 2 left, ETA ")
+    assert lines[0] == "grid: 4 points to run, 1 already done"
+    assert lines[1].startswith("[1/4] m lorp-b4: ppl_ptb 12.5 (2s); 3 left, ETA ")
+    assert lines[1].endswith(" ETA 0s")  # not 3h: the hour before the grid is not its pace
+    assert lines[2].startswith("[2/4] m sleb-b4: FAILED: boom (1s); 2 left, ETA ")
     assert (progress.done, progress.failed) == (1, 1)
 
 
