@@ -8,17 +8,24 @@ from pipeline.progress import Progress, duration
 
 
 def test_eta_counts_from_the_grid_not_from_capture_and_selection() -> None:
+    """The clock is the test's: an hour of capture and loss-guided selection before the
+    grid, then points at known times, so every ETA is exact."""
+    now = iter([0.0, 3600.0, 3610.0, 3640.0, 3641.0, 3700.0])
     with progress_lines() as lines:
-        progress = Progress(bar=False)
-        progress.start -= 3600  # an hour of capture and loss-guided selection before the grid
-        progress.grid(4, 1)
-        progress.point("m lorp-b4", "ppl_ptb 12.5", 2.0)
-        progress.point("m sleb-b4", "boom", 1.0, ok=False)
-    assert lines[0] == "grid: 4 points to run, 1 already done"
-    assert lines[1].startswith("[1/4] m lorp-b4: ppl_ptb 12.5 (2s); 3 left, ETA ")
-    assert lines[1].endswith(" ETA 0s")  # not 3h: the hour before the grid is not its pace
-    assert lines[2].startswith("[2/4] m sleb-b4: FAILED: boom (1s); 2 left, ETA ")
-    assert (progress.done, progress.failed) == (1, 1)
+        progress = Progress(bar=False, clock=lambda: next(now))  # 0: created
+        progress.grid(4, 1)  # 3600: the grid starts
+        progress.point("m lorp-b4", "ppl_ptb 12.5", 2.0)  # 3610: 10 s for 1 point, 3 left
+        progress.point("m sleb-b4", "boom", 1.0, ok=False)  # 3640: 40 s for 2, 2 left
+        progress.point("m lorp-b8", "ppl_ptb 30.1", 1.0)  # 3641
+        progress.point("m sleb-b8", "ppl_ptb 31.0", 59.4)  # 3700: the last point
+    assert lines == [
+        "grid: 4 points to run, 1 already done",
+        "[1/4] m lorp-b4: ppl_ptb 12.5 (2s); 3 left, ETA 30s",  # not 3h: capture's hour
+        "[2/4] m sleb-b4: FAILED: boom (1s); 2 left, ETA 40s",
+        "[3/4] m lorp-b8: ppl_ptb 30.1 (1s); 1 left, ETA 14s",  # 41 s / 3 points
+        "[4/4] m sleb-b8: ppl_ptb 31.0 (59s); 0 left, ETA -",
+    ]
+    assert (progress.done, progress.failed) == (3, 1)
 
 
 def test_duration_reads_like_a_clock() -> None:
