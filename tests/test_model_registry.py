@@ -166,7 +166,7 @@ def test_datasets_are_run_inputs_with_their_contexts(store) -> None:  # type: ig
         assert json.loads(ev.dataset.profile)["max_windows"] == 2
 
 
-def test_a_version_loads_back_as_its_checkpoint(store) -> None:  # type: ignore[no-untyped-def]
+def test_a_version_loads_back_as_its_checkpoint(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     summary = store["summary"]
@@ -184,16 +184,16 @@ def test_a_version_loads_back_as_its_checkpoint(store) -> None:  # type: ignore[
     assert dense.provenance is None and dense.model.config.num_hidden_layers == 6
     with pytest.raises(ValueError, match="not found"):
         load_variant(f"models:/{NAME}@best-5", tracking_uri=summary.tracking_uri)
-    out, mv = pull(uri, store["root"] / "pulled-py", tracking_uri=summary.tracking_uri)
+    out, mv = pull(uri, tmp_path / "pulled", tracking_uri=summary.tracking_uri)
     assert mv.version == variant.version.version and (out / "lorp_pruning.json").is_file()
 
 
-def test_lorp_pull_writes_the_checkpoint_directory(store) -> None:  # type: ignore[no-untyped-def]
+def test_lorp_pull_writes_the_checkpoint_directory(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from cli_runner import lorp
 
-    summary, root = store["summary"], store["root"]
+    summary = store["summary"]
     rows = {r["model_uri"]: r for r in read_catalog(summary.catalog)}
-    out = root / "pulled"
+    out = tmp_path / "pulled"
     cmd = ["pull", f"models:/{NAME}@best-1", "--out", str(out)]
     done = lorp(*cmd, "--tracking-uri", summary.tracking_uri)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -203,7 +203,7 @@ def test_lorp_pull_writes_the_checkpoint_directory(store) -> None:  # type: igno
     source = Path(row["checkpoint"])
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in source.iterdir())
     assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
-    assert not list(root.glob(".pulled.*"))  # the atomic write left nothing behind
+    assert not list(tmp_path.glob(".pulled.*"))  # the atomic write left nothing behind
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", summary.tracking_uri)
         again = lorp(*cmd)
@@ -223,21 +223,27 @@ def test_dashboard_links_each_variant_to_its_version(store) -> None:  # type: ig
     assert model_version_url(rows[0] | {"model_uri": None}, tracking, ui) is None
 
 
-def test_rerun_registers_nothing_twice_and_moves_aliases(store) -> None:  # type: ignore[no-untyped-def]
-    """The same job again, with a strict quality gate (the grid keys do not change): every
-    point is skipped, no version or input is added, tags and aliases follow the new
-    `degraded` flags."""
-    summary, root = store["summary"], store["root"]
-    client = client_of(summary)
-    before = versions(client)
+def test_rerun_registers_nothing_twice_and_force_replaces_versions(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """On a job of its own (the module's, under another name; S from the module's cache),
+    so the module's store stays as its job left it whatever order the tests run in. The
+    same job again with a
+    strict quality gate (the grid keys do not change): every point is skipped, no version
+    or input is added, tags and aliases follow the new `degraded` flags. Then `--force`
+    redoes every point: new runs, the same checkpoint directories; the old versions go
+    with their runs, the new ones take the aliases and the catalog."""
+    model, cache = store["model"], str(store["root"] / "cache")
     strict = EVALUATION | {"degraded_ratio": 1.000001}
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        again = run_job(spec_for(root, store["model"], "reg", evaluation=strict))
+        first = run_job(spec_for(tmp_path, model, "own", cache_dir=cache))
+        assert first.done == 5 and not first.failed and first.cached == 1
+        client = client_of(first)
+        before = versions(client)
+        again = run_job(spec_for(tmp_path, model, "own", cache_dir=cache, evaluation=strict))
     assert again.done == 0 and again.skipped == 5 and not again.failed
     after = versions(client)
-    assert after.keys() == before.keys()
-    rows = read_catalog(summary.catalog)
+    assert after.keys() == before.keys() and len(after) == 5
+    rows = read_catalog(first.catalog)
     assert any(r["degraded"] for r in rows)  # the strict gate fails some variant
     for row in rows:
         mv = after[parse_models_uri(row["model_uri"])[1]]
@@ -248,6 +254,20 @@ def test_rerun_registers_nothing_twice_and_moves_aliases(store) -> None:  # type
         client.get_run(rows[0]["mlflow_run_id"]).data.tags["mlflow.parentRunId"]
     )
     assert len(parent.inputs.dataset_inputs) == 1
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        spec = spec_for(tmp_path, model, "own", cache_dir=cache, evaluation=strict)
+        forced = run_job(spec, force=True)
+    assert forced.done == 5 and not forced.failed
+    replaced = versions(client)
+    assert len(replaced) == 5 and min(map(int, replaced)) > max(map(int, after))
+    rows = read_catalog(first.catalog)
+    for row in rows:
+        mv = replaced[parse_models_uri(row["model_uri"])[1]]
+        assert mv.run_id == row["mlflow_run_id"] and mv.tags["lorp.grid_key"] == row["grid_key"]
+    aliases = {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
+    assert aliases == expected_aliases(rows)
 
 
 @pytest.mark.parametrize(
@@ -263,24 +283,3 @@ def test_nothing_registered_when_off_or_without_checkpoints(store, overrides) ->
     client = client_of(summary)
     assert client.search_registered_models() == []
     assert all(r["model_uri"] is None for r in read_catalog(summary.catalog))
-
-
-def test_force_replaces_versions_instead_of_adding(store) -> None:  # type: ignore[no-untyped-def]
-    """`--force` redoes every point: new runs, the same checkpoint directories; the old
-    versions go with their runs, the new ones take the aliases and the catalog."""
-    summary, root = store["summary"], store["root"]
-    client = client_of(summary)
-    before = versions(client)
-    strict = EVALUATION | {"degraded_ratio": 1.000001}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        again = run_job(spec_for(root, store["model"], "reg", evaluation=strict), force=True)
-    assert again.done == 5 and not again.failed
-    after = versions(client)
-    assert len(after) == 5 and min(map(int, after)) > max(map(int, before))
-    rows = read_catalog(summary.catalog)
-    for row in rows:
-        mv = after[parse_models_uri(row["model_uri"])[1]]
-        assert mv.run_id == row["mlflow_run_id"] and mv.tags["lorp.grid_key"] == row["grid_key"]
-    aliases = {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
-    assert aliases == expected_aliases(rows)
