@@ -196,12 +196,26 @@ def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) ->
     spec["evaluation"] = {"backend": "vllm", "perplexity": ["ptb"], "seq_len": 48,
                           "max_windows": 4, "speed": False, "zero_shot": ["copa"],
                           "zero_shot_limit": 4}  # fmt: skip
-    summary = run_job(parse_spec(spec))
+    parsed = parse_spec(spec)
+    summary = run_job(parsed)
     assert summary.done == 2 and not summary.failed
     rows = read_catalog(tmp_path / "run" / "catalog.parquet")
     assert {r["eval_backend"] for r in rows} == {"vllm"}
-    assert all(np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1 for r in rows)
-    assert all(0.0 <= r["acc_copa"] <= 100.0 for r in rows)  # lm-eval's vllm backend, shimmed
+    assert {r["budget"] for r in rows} == {0, 2}
+    # The same checkpoints scored here by the transformers backend: the same perplexity
+    # (to vLLM's float32 kernels) and the same items right (lm-eval's vllm backend, shimmed).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.backends import TransformersBackend, evaluate
+
+    for r in rows:
+        where = r["checkpoint"] or str(models["llama"])
+        model = AutoModelForCausalLM.from_pretrained(where).eval()
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        hf = evaluate(TransformersBackend(model, tokenizer), tokenizer, parsed.evaluation)
+        assert r["ppl_ptb"] == pytest.approx(hf["ppl_ptb"], rel=1e-3), r["method"]
+        assert (r["acc_copa"], r["n_copa"]) == (hf["acc_copa"], hf["n_copa"]), r["method"]
+        assert hf["n_copa"] == 4
 
 
 def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -> None:
@@ -332,12 +346,14 @@ def test_loss_guided_methods_score_candidates_on_parallel_actors(
         sum(e["candidates"] for e in batches)
         == rows["sleb"]["n_evals"] + rows["lorp-loss"]["n_evals"]
     )
-    overlapping = [
-        e for e in batches
-        if len({s["pid"] for s in e["spans"]}) == 2
-        and max(s["start"] for s in e["spans"]) < min(s["end"] for s in e["spans"])
-    ]  # fmt: skip
-    assert overlapping  # two actors scored shares of one batch at the same time
+    # Every batch is split over the two actors, shares as even as they can be (whether
+    # the two shares then run at the same time is the scheduler's, not asserted here).
+    for e in batches:
+        shares = sorted(s["n"] for s in e["spans"])
+        assert sum(shares) == e["evaluated"], e
+        if e["evaluated"] >= 2:
+            assert len({s["pid"] for s in e["spans"]}) == 2 and shares[1] - shares[0] <= 1, e
+    assert any(e["evaluated"] >= 2 for e in batches)
     # lorp-loss asks for sets SLEB already scored: the memo serves them, nothing twice.
     evaluated = sum(e["evaluated"] for e in batches)
     assert 0 < evaluated < sum(e["candidates"] for e in batches)
