@@ -25,6 +25,11 @@ class Architecture:
     decoder_path: str = "model"
     blocks_attr: str = "layers"
     final_norm_attr: str = "norm"
+    # Linear repair (`lorp.repair`): the RMSNorm a block applies to its MLP output before
+    # the residual add (None: the MLP output is added as it is, so a map folds into
+    # `down_proj`), and the constant its weight is offset by (Gemma scales by 1 + w).
+    post_mlp_norm: str | None = None
+    norm_offset: float = 0.0
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -34,10 +39,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     # attention blocks at the bottom, from which transformers rebuilds layer_types.
     "qwen2": Architecture("Qwen2", ("layer_types",), ("max_window_layers",)),
     "qwen3": Architecture("Qwen3", ("layer_types",), ("max_window_layers",)),
-    "olmo2": Architecture("OLMo2"),
-    "olmo3": Architecture("OLMo3", ("layer_types",)),
-    "gemma2": Architecture("Gemma2", ("layer_types",)),
-    "gemma3_text": Architecture("Gemma3", ("layer_types",)),
+    "olmo2": Architecture("OLMo2", post_mlp_norm="post_feedforward_layernorm"),
+    "olmo3": Architecture("OLMo3", ("layer_types",), post_mlp_norm="post_feedforward_layernorm"),
+    "gemma2": Architecture(
+        "Gemma2", ("layer_types",), post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0
+    ),
+    "gemma3_text": Architecture(
+        "Gemma3", ("layer_types",), post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0
+    ),
     "phi3": Architecture("Phi3"),
 }
 

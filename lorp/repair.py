@@ -1,0 +1,397 @@
+"""Training-free linear repair of a pruned model, folded into weights it already has.
+
+After blocks s..e are removed, block s-1's output is Y + M where the dense model had H_e.
+One linear map per run closes most of that gap (ReplaceMe, Shopkhoev et al., NeurIPS
+2025): M is replaced by X T, fitted in closed form from `RepairStats` and folded into a
+weight, so the repaired checkpoint has the architecture, parameter count and config of
+its unrepaired twin and loads anywhere the twin does.
+
+Two forms, by where the map can fold exactly:
+
+- `full` (Llama, Mistral, Qwen2/3, Phi3: the MLP output is added as it is; and any run
+  from block 0, whose X is the embedding output): T is any d x d matrix. M = a W^T + b
+  (`down_proj`), so M T = a (T^T W)^T + b T: `down_proj` takes W <- T^T W, b <- b T. From
+  block 0 the embedding matrix takes E <- E T (refused when it is tied to the LM head,
+  which would change the logits too).
+- `normed` (Gemma 2/3, OLMo 2/3: an RMSNorm follows the MLP): a full map cannot pass the
+  norm, but an orthogonal one can, since rms(m Q) = rms(m). With u the normalised MLP
+  output (before the norm's weight), the map is u -> (u Q) diag(g): `down_proj` takes
+  W <- Q^T W and the norm's weight becomes g (minus Gemma's 1 + w offset). Q and g are
+  fitted by block-coordinate descent: g exactly per channel, Q by a majorise-minimise
+  Procrustes step with backtracking, so the objective never rises.
+
+The ridge term pulls the map towards the unrepaired one (T0 = I, or Q = I with the
+norm's own weight), not towards zero: where the calibration data says little, the
+repaired model falls back to the pruned model instead of dropping the MLP's output along
+those directions. lambda = `ridge` x tr(A) / d, scaled to the statistics; every solve
+is a Cholesky solve of A + lambda I, which the ridge makes positive definite.
+
+The fit uses dense activations for every run at once (one pass, mergeable); a run's
+inputs in the repaired model differ from dense ones once an earlier run is repaired.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lorp.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.repair_stats import (
+    Form,
+    RepairStats,
+    Run,
+    capture_repair_stats,
+    contiguous_runs,
+    mlp_site,
+    rms_unit,
+    run_form,
+)
+from lorp.surgery import check_layers, drop_layers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RIDGE = 1e-3
+MAX_ROUNDS = 100
+
+
+class RepairRefused(ValueError):
+    """A pruned set this model cannot be repaired for, with the reason in one line."""
+
+
+@dataclass(frozen=True)
+class RunFit:
+    """The fitted map of one run, and how well it closes the gap on calibration tokens.
+
+    `residual` and `unrepaired` are ||X T - D||^2 / ||D||^2 for the fitted map and for
+    the map the pruned model already applies (T0): the fraction of the gap left."""
+
+    run: Run
+    form: Form
+    matrix: torch.Tensor  # T (full), or Q (normed): d x d float64
+    scale: torch.Tensor | None  # g (normed), d float64
+    ridge: float  # the absolute lambda
+    residual: float
+    unrepaired: float
+    rounds: int = 0
+
+    def record(self) -> dict[str, Any]:
+        """What provenance keeps: the run, the form, lambda and the fit's residuals."""
+        return {
+            "run": list(self.run),
+            "form": self.form,
+            "lambda": self.ridge,
+            "residual": round(self.residual, 6),
+            "unrepaired_residual": round(self.unrepaired, 6),
+            "rounds": self.rounds,
+        }
+
+
+def check_repairable(model: nn.Module, layers: Sequence[int]) -> list[Run]:
+    """The runs of `layers`, or RepairRefused naming why this model cannot fold one."""
+    n = len(decoder_blocks(model))
+    runs = contiguous_runs(check_layers(layers, n), n)
+    if runs[0][0] == 0 and _tied(model):
+        s, e = runs[0]
+        raise RepairRefused(
+            f"run {s}-{e} starts at block 0 and the model ties its embeddings to the LM head: "
+            "no weight takes the map without changing the logits; keep block 0 or use repair: none"
+        )
+    arch = architecture_of(model)
+    for s, _ in runs:
+        if s > 0:
+            block = decoder_blocks(model)[s - 1]
+            down = getattr(getattr(block, "mlp", None), "down_proj", None)
+            if not isinstance(down, nn.Linear):
+                raise RepairRefused(f"block {s - 1} has no mlp.down_proj Linear to fold into")
+            if arch.post_mlp_norm and not hasattr(block, arch.post_mlp_norm):
+                raise RepairRefused(f"block {s - 1} lacks {arch.post_mlp_norm}")
+    return runs
+
+
+def _tied(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    embed = decoder_stack(model).embed_tokens
+    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+
+
+def _unrepaired_map(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
+    """T0: what the pruned model applies to X now (I, or the post-MLP norm's scale)."""
+    d = int(model.config.hidden_size)
+    if form == "full":
+        return torch.eye(d, dtype=torch.float64)
+    arch = architecture_of(model)
+    norm = getattr(decoder_blocks(model)[run[0] - 1], arch.post_mlp_norm)
+    return torch.diag(norm.weight.detach().double().cpu() + arch.norm_offset)
+
+
+def fit_runs(model: nn.Module, stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> list[RunFit]:
+    """Fit every run of `stats` (the model is the dense one the stats came from)."""
+    if not ridge > 0:
+        raise ValueError(f"ridge must be > 0 (it makes every solve well posed), got {ridge!r}")
+    fits = []
+    for run in stats.runs:
+        form = stats.forms[run]
+        T0 = _unrepaired_map(model, run, form)
+        A, B = stats.gram[run[0]].double(), stats.cross[run].double()
+        fit = fit_full if form == "full" else fit_normed
+        fits.append(fit(A, B, stats.energy[run], T0.to(A.device), ridge=ridge, run=run))
+    return fits
+
+
+def _regularised(A: torch.Tensor, B: torch.Tensor, T0: torch.Tensor, ridge: float):  # type: ignore[no-untyped-def]
+    """A + lambda I, B + lambda T0 and lambda: the ridge towards T0 as plain least squares."""
+    d = A.shape[0]
+    lam = ridge * float(torch.trace(A)) / d
+    if not lam > 0:
+        raise ValueError("the repair statistics hold no signal (tr(A) = 0): no tokens?")
+    eye = torch.eye(d, dtype=A.dtype, device=A.device)
+    return A + lam * eye, B + lam * T0, lam
+
+
+def residual_of(A: torch.Tensor, B: torch.Tensor, energy: float, T: torch.Tensor) -> float:
+    """||X T - D||^2 / ||D||^2 from the sums: (c - 2 tr(T^T B) + tr(T^T A T)) / c."""
+    value = energy - 2 * float((T * B).sum()) + float((T * (A @ T)).sum())
+    return max(value, 0.0) / energy
+
+
+def fit_full(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    energy: float,
+    T0: torch.Tensor,
+    *,
+    ridge: float = DEFAULT_RIDGE,
+    run: Run = (0, 0),
+) -> RunFit:
+    """T = argmin ||X T - D||^2 + lambda ||T - T0||^2 = (A + lambda I)^-1 (B + lambda T0)."""
+    Ar, Br, lam = _regularised(A, B, T0, ridge)
+    L, info = torch.linalg.cholesky_ex(Ar)
+    if int(info) != 0:
+        raise ValueError(f"run {run[0]}-{run[1]}: A + lambda I is not positive definite")
+    T = torch.cholesky_solve(Br, L)
+    _check_finite(T, run)
+    return RunFit(
+        run, "full", T, None, lam, residual_of(A, B, energy, T), residual_of(A, B, energy, T0)
+    )
+
+
+def fit_normed(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    energy: float,
+    T0: torch.Tensor,
+    *,
+    ridge: float = DEFAULT_RIDGE,
+    run: Run = (0, 0),
+    rounds: int = MAX_ROUNDS,
+    tol: float = 1e-6,
+) -> RunFit:
+    """argmin over orthogonal Q and diagonal G of ||u Q G - D||^2 + lambda ||Q G - T0||^2.
+
+    With A' = A + lambda I, B' = B + lambda T0 the objective is, up to a constant,
+    f = sum_j g_j^2 (Q^T A' Q)_jj - 2 g_j (Q^T B')_jj. Given Q, each g_j is exact:
+    (Q^T B')_jj / (Q^T A' Q)_jj, whose denominator is at least lambda > 0. Given G, the
+    quadratic in X = Q G is majorised by its tangent plus c ||X - X_k||^2 (c >= the top
+    eigenvalue of A' guarantees it; ||Q G|| does not depend on Q), whose minimiser over
+    orthogonal Q is the Procrustes solution U V^T of C = (B' + (c I - A') Q_k G) G. c
+    starts small and doubles until f falls, so each round descends. Starts from the
+    better of T0 and the polar factor of the full solution.
+    """
+    Ar, Br, lam = _regularised(A, B, T0, ridge)
+    d = A.shape[0]
+    eye = torch.eye(d, dtype=A.dtype, device=A.device)
+
+    def objective(Q: torch.Tensor, g: torch.Tensor) -> float:
+        return float((g * g * _diag_quad(Q, Ar) - 2 * g * (Q * Br).sum(0)).sum())
+
+    def best_scale(Q: torch.Tensor) -> torch.Tensor:
+        return (Q * Br).sum(0) / _diag_quad(Q, Ar)
+
+    starts = [eye]
+    full = fit_full(A, B, energy, T0, ridge=ridge, run=run).matrix
+    U, _, Vh = torch.linalg.svd(full)
+    starts.append(U @ Vh)
+    Q = min(starts, key=lambda q: objective(q, best_scale(q)))
+    g = best_scale(Q)
+    f = objective(Q, g)
+    top = float(torch.linalg.eigvalsh(Ar)[-1])
+    c = top / 64
+    done = 0
+    for done in range(1, rounds + 1):  # noqa: B007
+        while True:
+            C = (Br + (c * eye - Ar) @ (Q * g)) * g
+            U, _, Vh = torch.linalg.svd(C)
+            Q_new = U @ Vh
+            g_new = best_scale(Q_new)
+            f_new = objective(Q_new, g_new)
+            if f_new <= f or c >= top:
+                break
+            c = min(2 * c, top)
+        gain = f - f_new
+        Q, g, f = (Q_new, g_new, f_new) if f_new <= f else (Q, g, f)
+        c = max(c / 2, top / 4096)
+        if gain <= tol * abs(f) or gain <= 0:
+            break
+    _check_finite(Q * g, run)
+    T = Q * g
+    return RunFit(
+        run,
+        "normed",
+        Q,
+        g,
+        lam,
+        residual_of(A, B, energy, T),
+        residual_of(A, B, energy, T0),
+        done,
+    )
+
+
+def _diag_quad(Q: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """diag(Q^T A Q) without forming the product's off-diagonal."""
+    return (Q * (A @ Q)).sum(0)
+
+
+def _check_finite(T: torch.Tensor, run: Run) -> None:
+    if not bool(torch.isfinite(T).all()):
+        raise ValueError(f"run {run[0]}-{run[1]}: the fitted map is not finite")
+
+
+# -- folding -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
+    """Fold every fit into the dense (not yet pruned) `model`, in place."""
+    arch = architecture_of(model)
+    blocks = decoder_blocks(model)
+    for fit in fits:
+        s = fit.run[0]
+        if s == 0:
+            if _tied(model):
+                raise RepairRefused("a run from block 0 cannot fold into tied embeddings")
+            embed = decoder_stack(model).embed_tokens.weight
+            embed.copy_((embed.double() @ fit.matrix.to(embed.device)).to(embed.dtype))
+            continue
+        down = blocks[s - 1].mlp.down_proj
+        Q = fit.matrix.to(down.weight.device)
+        down.weight.copy_((Q.T @ down.weight.double()).to(down.weight.dtype))
+        if down.bias is not None:
+            down.bias.copy_((down.bias.double() @ Q).to(down.bias.dtype))
+        if fit.form == "normed":
+            norm = getattr(blocks[s - 1], arch.post_mlp_norm)
+            scale = fit.scale.to(norm.weight.device) - arch.norm_offset
+            norm.weight.copy_(scale.to(norm.weight.dtype))
+
+
+@contextmanager
+def applied_by_hooks(
+    model: nn.Module, fits: Sequence[RunFit], kept: Sequence[int] | None = None
+) -> Iterator[None]:
+    """Inside the block, `model` applies each fitted map by a forward hook instead of
+    through its weights: the reference a fold must equal, and the way to apply a map that
+    does not fold (a full map after a norm). `kept`: the original indices of a pruned
+    model's blocks (`drop_layers` returns them); None for the dense model."""
+    arch = architecture_of(model)
+    current = decoder_blocks(model)
+    position = {b: i for i, b in enumerate(kept if kept is not None else range(len(current)))}
+    blocks = {b: current[i] for b, i in position.items()}
+    handles = []
+
+    def replace(T: torch.Tensor, normed: bool):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            x = rms_unit(module, args[0]).double() if normed else output.double()
+            return (x @ T.to(x.device)).to(output.dtype)
+
+        return hook
+
+    try:
+        for fit in fits:
+            T = fit.matrix if fit.scale is None else fit.matrix * fit.scale
+            s = fit.run[0]
+            if s == 0:
+                site = decoder_stack(model).embed_tokens
+            else:
+                site = mlp_site(blocks[s - 1], arch.post_mlp_norm if fit.form == "normed" else None)
+            handles.append(site.register_forward_hook(replace(T, fit.form == "normed")))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def full_fits(
+    model: nn.Module, stats: RepairStats, *, ridge: float = DEFAULT_RIDGE
+) -> list[RunFit]:
+    """Every run fitted as an unconstrained map, whatever the family: on a post-MLP-norm
+    family these do not fold and serve, through `applied_by_hooks`, as the upper bound
+    the `normed` fold is measured against."""
+    out = []
+    for run in stats.runs:
+        T0 = _unrepaired_map(model, run, stats.forms[run])
+        out.append(
+            fit_full(
+                stats.gram[run[0]], stats.cross[run], stats.energy[run], T0, ridge=ridge, run=run
+            )
+        )
+    return [
+        RunFit(f.run, stats.forms[f.run], f.matrix, None, f.ridge, f.residual, f.unrepaired)
+        for f in out
+    ]
+
+
+def prune_and_repair(
+    model: nn.Module,
+    windows: torch.Tensor,
+    layers: Sequence[int],
+    *,
+    ridge: float = DEFAULT_RIDGE,
+    batch_size: int = 8,
+    skip_prefix: int = 0,
+    progress: bool = False,
+) -> list[RunFit]:
+    """Drop `layers` from the loaded `model` and repair every run, in place.
+
+    `windows` [n, T] are calibration token ids (a BOS first when the tokenizer wants one,
+    with `skip_prefix=1` to keep it out of the sums, as for S). Returns the fits; their
+    `record()`s belong in the checkpoint's provenance.
+    """
+    runs = check_repairable(model, layers)
+    start = time.perf_counter()
+    batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
+    stats = capture_repair_stats(model, batches, runs, skip_prefix=skip_prefix, progress=progress)
+    fits = fit_runs(model, stats, ridge=ridge)
+    fold(model, fits)
+    drop_layers(model, layers)
+    log.info(
+        "repaired %d run(s) in %.1f s: %s",
+        len(fits),
+        time.perf_counter() - start,
+        ", ".join(f"{f.run[0]}-{f.run[1]} {f.unrepaired:.3f}->{f.residual:.3f}" for f in fits),
+    )
+    return fits
+
+
+__all__ = [
+    "DEFAULT_RIDGE",
+    "RepairRefused",
+    "RepairStats",
+    "RunFit",
+    "applied_by_hooks",
+    "capture_repair_stats",
+    "check_repairable",
+    "contiguous_runs",
+    "fit_full",
+    "fit_normed",
+    "fit_runs",
+    "fold",
+    "full_fits",
+    "prune_and_repair",
+    "run_form",
+]

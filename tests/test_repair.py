@@ -1,0 +1,255 @@
+"""Linear repair (`lorp.repair`): the fold equals the map applied by a hook on every tiny
+family, sharded statistics equal one pass, the sums equal a brute-force computation, and
+the fits never leave more of the gap than the unrepaired model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import FAMILIES, N_BLOCKS, VOCAB, tiny_model
+
+from lorp.architectures import decoder_blocks
+from lorp.repair import (
+    RepairRefused,
+    applied_by_hooks,
+    check_repairable,
+    fit_full,
+    fit_normed,
+    fit_runs,
+    fold,
+    full_fits,
+    prune_and_repair,
+)
+from lorp.repair_stats import (
+    RepairStats,
+    capture_repair_stats,
+    contiguous_runs,
+    repair_passes,
+    rms_unit,
+)
+from lorp.surgery import drop_layers
+
+LAYERS = [2, 3, N_BLOCKS - 1]  # a run inside the stack and one ending at block N-1
+RUNS = [(2, 3), (N_BLOCKS - 1, N_BLOCKS - 1)]
+
+
+def windows(seed: int = 0, n: int = 8, T: int = 24) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n, T), generator=g)
+
+
+def batches(x: torch.Tensor, size: int = 4) -> list[torch.Tensor]:
+    return [x[i : i + size] for i in range(0, len(x), size)]
+
+
+def logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x, use_cache=False).logits
+
+
+def test_contiguous_runs() -> None:
+    assert contiguous_runs([7, 2, 3, 5, 4, 0], 8) == [(0, 0), (2, 5), (7, 7)]
+    with pytest.raises(ValueError, match="layers must be in"):
+        contiguous_runs([8], 8)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fold_equals_the_map_applied_by_hooks(family: str) -> None:
+    dense = tiny_model(family)
+    x = windows()
+    stats = capture_repair_stats(dense, batches(x), RUNS, progress=False)
+    fits = fit_runs(dense, stats)
+    assert [f.form for f in fits] == ["normed" if family in NORMED else "full"] * 2
+    for f in fits:  # the fit closes part of the gap the pruned model leaves
+        assert f.residual < f.unrepaired
+
+    folded = copy.deepcopy(dense)
+    fold(folded, fits)
+    drop_layers(folded, LAYERS)
+    pruned = copy.deepcopy(dense)
+    kept = drop_layers(pruned, LAYERS)
+    probe = windows(seed=1, n=2)
+    with applied_by_hooks(pruned, fits, kept):
+        hooked = logits(pruned, probe)
+    assert sum(p.numel() for p in folded.parameters()) == sum(
+        p.numel() for p in pruned.parameters()
+    )
+    torch.testing.assert_close(logits(folded, probe), hooked, rtol=1e-4, atol=1e-4)
+    # The fold changed the model: not the unrepaired pruned one.
+    assert (logits(folded, probe) - logits(pruned, probe)).abs().max() > 1e-2
+
+
+NORMED = {"gemma2", "gemma3_text", "olmo2", "olmo3"}
+
+
+def test_sharded_statistics_equal_one_pass() -> None:
+    dense = tiny_model("qwen3")
+    x = windows(n=12)
+    mask = torch.ones_like(x)
+    mask[0, -5:] = 0  # padding counts nowhere
+    whole = capture_repair_stats(
+        dense, [{"input_ids": x, "attention_mask": mask}], RUNS, skip_prefix=1, progress=False
+    )
+    parts = [
+        capture_repair_stats(
+            dense,
+            [{"input_ids": x[i : i + 4], "attention_mask": mask[i : i + 4]}],
+            RUNS,
+            skip_prefix=1,
+            progress=False,
+        )
+        for i in (8, 0, 4)
+    ]
+    merged = RepairStats.merge_all(parts)
+    assert merged.tokens == whole.tokens == 12 * 23 - 5
+    # A forward over 4 windows and over 12 rounds differently in float32: compare at that
+    # level (the sums are O(1e3); a missing or doubled token moves them by O(1)).
+    for a, b in [(merged.gram[s], whole.gram[s]) for s in whole.starts] + [
+        (merged.cross[r], whole.cross[r]) for r in whole.runs
+    ]:
+        assert float((a - b).abs().max()) < 1e-5 * float(b.abs().max())
+    for r in whole.runs:
+        assert merged.energy[r] == pytest.approx(whole.energy[r], rel=1e-6)
+
+
+def test_sums_equal_brute_force_from_hidden_states() -> None:
+    """A_s, B_se and c_se against the definitions, from transformers' own hidden states
+    (block inputs) and a direct call of block s-1's MLP: an independent computation."""
+    model = tiny_model("llama")
+    x = windows(n=4)
+    stats = capture_repair_stats(model, [x], [(2, 3)], progress=False)
+    with torch.no_grad():
+        out = model(input_ids=x, output_hidden_states=True, use_cache=False)
+        H = [h.reshape(-1, h.shape[-1]).double() for h in out.hidden_states]
+        block = decoder_blocks(model)[1]
+        captured = {}
+        handle = block.mlp.register_forward_hook(lambda m, a, o: captured.setdefault("M", o))
+        model(input_ids=x, use_cache=False)
+        handle.remove()
+    M = captured["M"].reshape(-1, H[0].shape[-1]).double()
+    D = H[4] - H[2] + M  # H_e (output of block 3 = input of 4) - Y, Y = H_2 - M
+    torch.testing.assert_close(stats.gram[2], M.T @ M, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(stats.cross[(2, 3)], M.T @ D, rtol=1e-5, atol=1e-3)
+    assert stats.energy[(2, 3)] == pytest.approx(float((D * D).sum()), rel=1e-6)
+
+
+def test_normed_features_are_the_norm_input_before_its_weight() -> None:
+    model = tiny_model("gemma3_text")
+    norm = decoder_blocks(model)[1].post_feedforward_layernorm
+    m = torch.randn(5, 64) * 30
+    u = rms_unit(norm, m)
+    torch.testing.assert_close(u * (1 + norm.weight), norm(m))
+    Q, _ = torch.linalg.qr(torch.randn(64, 64))
+    torch.testing.assert_close(rms_unit(norm, m @ Q), u @ Q, rtol=1e-5, atol=1e-5)
+
+
+def test_save_load_round_trip_keeps_fingerprints(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = tiny_model("olmo2")
+    stats = capture_repair_stats(
+        model,
+        batches(windows()),
+        RUNS,
+        model_fingerprint="m1",
+        calibration_fingerprint="c1",
+        progress=False,
+    )
+    back = RepairStats.from_file(stats.to_file(tmp_path / "repair.npz"))
+    assert (back.runs, back.forms, back.tokens) == (stats.runs, stats.forms, stats.tokens)
+    assert (back.model_fingerprint, back.calibration_fingerprint) == ("m1", "c1")
+    for r in stats.runs:
+        assert torch.equal(back.cross[r], stats.cross[r])
+    other = capture_repair_stats(
+        model, batches(windows()), RUNS, model_fingerprint="m2", progress=False
+    )
+    with pytest.raises(ValueError, match="different model"):
+        stats.merge(other)
+    with pytest.raises(ValueError, match="not a lorp repair stats file"):
+        (tmp_path / "bad.npz").write_bytes(b"nope")
+        RepairStats.from_file(tmp_path / "bad.npz")
+
+
+def test_run_from_block_zero_folds_into_untied_embeddings_and_is_refused_when_tied() -> None:
+    dense = tiny_model("llama")
+    x = windows()
+    stats = capture_repair_stats(dense, batches(x), [(0, 1)], progress=False)
+    fits = fit_runs(dense, stats)
+    folded = copy.deepcopy(dense)
+    fold(folded, fits)
+    drop_layers(folded, [0, 1])
+    pruned = copy.deepcopy(dense)
+    kept = drop_layers(pruned, [0, 1])
+    with applied_by_hooks(pruned, fits, kept):
+        hooked = logits(pruned, x[:2])
+    torch.testing.assert_close(logits(folded, x[:2]), hooked, rtol=1e-4, atol=1e-4)
+
+    with pytest.raises(RepairRefused, match="starts at block 0 and the model ties"):
+        check_repairable(tiny_model("gemma3_text"), [0, 1])
+
+
+def test_prune_and_repair_lowers_calibration_loss() -> None:
+    """The whole call on a loaded model and a windows tensor: the repaired model fits the
+    calibration tokens' next-token loss better than the unrepaired twin."""
+    from lorp.loss import calibration_loss
+
+    x = windows(n=16, T=32)
+    dense = tiny_model("mistral")
+    pruned = copy.deepcopy(dense)
+    drop_layers(pruned, [1, 2, 3])
+    repaired = copy.deepcopy(dense)
+    fits = prune_and_repair(repaired, x, [1, 2, 3])
+    assert [f.run for f in fits] == [(1, 3)]
+    assert repaired.config.num_hidden_layers == N_BLOCKS - 3
+    assert calibration_loss(repaired, x) < calibration_loss(pruned, x)
+
+
+def test_normed_fit_descends_to_near_the_full_map_on_an_exactly_orthogonal_target() -> None:
+    """When D = u Q* G* exactly, the orthogonal-diagonal fit recovers the map (residual
+    ~0) from a start far from it; the full fit reaches it too."""
+    torch.manual_seed(0)
+    d, n = 16, 4000
+    u = torch.randn(n, d, dtype=torch.float64) * torch.linspace(0.2, 3, d, dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))
+    g = torch.linspace(0.5, 2.0, d, dtype=torch.float64)
+    D = (u @ Q) * g
+    A, B, c = u.T @ u, u.T @ D, float((D * D).sum())
+    T0 = torch.eye(d, dtype=torch.float64)
+    normed = fit_normed(A, B, c, T0, ridge=1e-9)
+    full = fit_full(A, B, c, T0, ridge=1e-9)
+    assert normed.unrepaired > 0.1
+    assert normed.residual < 1e-6 and full.residual < 1e-6
+    torch.testing.assert_close(normed.matrix * normed.scale, Q * g, rtol=1e-4, atol=1e-4)
+
+
+def test_full_fits_on_a_normed_family_are_an_upper_bound_applied_by_hooks() -> None:
+    dense = tiny_model("gemma2")
+    stats = capture_repair_stats(dense, batches(windows()), RUNS, progress=False)
+    exact, free = fit_runs(dense, stats), full_fits(dense, stats)
+    for a, b in zip(exact, free, strict=True):
+        assert b.residual <= a.residual + 1e-9  # fewer constraints fit at least as well
+    pruned = copy.deepcopy(dense)
+    kept = drop_layers(pruned, LAYERS)
+    with applied_by_hooks(pruned, free, kept):
+        assert torch.isfinite(logits(pruned, windows(seed=2, n=2))).all()
+
+
+def test_repair_passes_bound_memory_and_keep_starts_together() -> None:
+    runs = [(2, 3), (2, 5), (7, 7), (9, 12), (9, 9)]
+    d = 64
+    per = 8 * d * d
+    groups = repair_passes(runs, d, 4 * per)
+    assert sorted(r for g in groups for r in g) == sorted(runs)
+    for g in groups:
+        assert len({s for s, _ in g}) + len(g) <= 4
+        for s in {s for s, _ in g}:
+            assert all(r in g for r in runs if r[0] == s)
+    with pytest.raises(ValueError, match="cannot hold"):
+        repair_passes(runs, d, 2 * per)
+
+
+def test_ridge_must_be_positive() -> None:
+    dense = tiny_model("llama")
+    stats = capture_repair_stats(dense, batches(windows()), RUNS, progress=False)
+    with pytest.raises(ValueError, match="ridge must be > 0"):
+        fit_runs(dense, stats, ridge=0.0)
