@@ -26,12 +26,15 @@ repaired model falls back to the pruned model instead of dropping the MLP's outp
 those directions. lambda = `ridge` x tr(A) / d, scaled to the statistics; every solve
 is a Cholesky solve of A + lambda I, which the ridge makes positive definite.
 
-The fit uses dense activations for every run at once (one pass, mergeable); a run's
-inputs in the repaired model differ from dense ones once an earlier run is repaired.
+Runs are fitted on dense inputs in one pass (mergeable, what a fleet computes once per
+model), or in depth order, each on the inputs the model repaired so far gives it
+(`prune_and_repair(sequential=True)`): an earlier run's leftover error is then part of
+what the later map corrects.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -354,20 +357,36 @@ def prune_and_repair(
     ridge: float = DEFAULT_RIDGE,
     batch_size: int = 8,
     skip_prefix: int = 0,
+    sequential: bool = True,
     progress: bool = False,
 ) -> list[RunFit]:
     """Drop `layers` from the loaded `model` and repair every run, in place.
 
     `windows` [n, T] are calibration token ids (a BOS first when the tokenizer wants one,
-    with `skip_prefix=1` to keep it out of the sums, as for S). Returns the fits; their
-    `record()`s belong in the checkpoint's provenance.
+    with `skip_prefix=1` to keep it out of the sums, as for S). `sequential` (default)
+    fits the runs in depth order, each on the inputs the model repaired so far gives it
+    and towards the dense model's state (one partial pass per run, and a copy of the
+    model as the reference); False fits every run on dense inputs in one pass. Returns
+    the fits; their `record()`s belong in the checkpoint's provenance.
     """
     runs = check_repairable(model, layers)
     start = time.perf_counter()
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
-    stats = capture_repair_stats(model, batches, runs, skip_prefix=skip_prefix, progress=progress)
-    fits = fit_runs(model, stats, ridge=ridge)
-    fold(model, fits)
+    kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}
+    if sequential and len(runs) > 1:
+        reference = copy.deepcopy(model)
+        fits: list[RunFit] = []
+        for j, run in enumerate(runs):
+            earlier = [i for s, e in runs[:j] for i in range(s, e + 1)]
+            stats = capture_repair_stats(
+                model, batches, [run], reference=reference, dropped=earlier, **kw
+            )
+            fits += fit_runs(model, stats, ridge=ridge)
+            fold(model, fits[-1:])
+        del reference
+    else:
+        fits = fit_runs(model, capture_repair_stats(model, batches, runs, **kw), ridge=ridge)
+        fold(model, fits)
     drop_layers(model, layers)
     log.info(
         "repaired %d run(s) in %.1f s: %s",

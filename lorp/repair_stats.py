@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from lorp.architectures import architecture_of, decoder_blocks, decoder_stack
 from lorp.atomic import atomic_file
 from lorp.similarity import token_selection
+from lorp.surgery import blocks_dropped
 from lorp.version import __version__
 
 FORMAT_VERSION = 1
@@ -306,6 +307,8 @@ def capture_repair_stats(
     batches: Iterable[torch.Tensor | Mapping[str, torch.Tensor]],
     runs: Sequence[Run],
     *,
+    reference: nn.Module | None = None,
+    dropped: Sequence[int] = (),
     skip_prefix: int = 0,
     model_fingerprint: str | None = None,
     calibration_fingerprint: str | None = None,
@@ -313,72 +316,103 @@ def capture_repair_stats(
     progress: bool = True,
     total: int | None = None,
 ) -> RepairStats:
-    """Run `batches` through the dense `model` and sum the repair statistics of `runs`.
+    """Run `batches` through `model` and sum the repair statistics of `runs`.
 
     Hooks read block s-1's MLP output (or, where a norm follows the MLP, that norm's input
-    and output) and the block inputs H_s, H_{e+1} (the last block's output, before the
-    final norm, for a run ending at N-1); the forward stops after the deepest of them.
+    and output) and block s-1's output Y + M; the target H_e is block e's output (the
+    last block's before the final norm, for a run ending at N-1). Each forward stops once
+    every state it owes has been seen.
+
+    By default everything comes from the dense `model`, in one forward per batch. With
+    `reference` (the dense model) and `dropped` (earlier runs' blocks, already repaired
+    in `model` by `lorp.repair.fold`), X and Y come from `model` run without `dropped`
+    and the target from `reference`: the fit then sees the inputs the repaired model
+    will really give block s-1, not the dense ones. Runs index the original blocks.
     """
     arch = architecture_of(model)
     blocks = decoder_blocks(model)
     n = len(blocks)
-    hidden = int(model.config.hidden_size)
     forms = {r: run_form(model, r) for r in runs}
     stats = RepairStats(
         n,
-        hidden,
+        int(model.config.hidden_size),
         runs,
         forms,
         model_fingerprint=model_fingerprint,
         calibration_fingerprint=calibration_fingerprint,
         extra=extra,
     )
-    states = {s for s, _ in stats.runs} | {e + 1 for _, e in stats.runs}
-    deepest = max(states)
-    seen: dict[Any, torch.Tensor] = {}
+    if set(dropped) & {i for s, e in stats.runs for i in range(s - 1, e + 2) if 0 <= i < n}:
+        raise ValueError(f"dropped blocks {sorted(dropped)} touch the runs being fitted")
+    target = reference if reference is not None else model
+    if len(decoder_blocks(target)) != n:
+        raise ValueError("reference must be the dense model the runs index")
     keep: list[torch.Tensor | None] = [None]
+    seen: dict[tuple[str, int], torch.Tensor] = {}
 
-    def flat(x: torch.Tensor) -> torch.Tensor:
+    def flat(x: Any) -> torch.Tensor:
+        x = x[0] if isinstance(x, tuple | list) else x
         x = x.reshape(-1, x.shape[-1])
         return x if keep[0] is None else x[keep[0]]
 
-    def state_hook(j: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
-            if output:  # the last block's forward hook: its output is state N
-                out = output[0]
-                seen[("H", j)] = flat(out[0] if isinstance(out, tuple | list) else out)
-            else:
-                seen[("H", j)] = flat(args[0] if args else kwargs["hidden_states"])
-            if j == deepest:
-                raise _StopForward
+    def record(owed: set[tuple[str, int]], key: tuple[str, int], x: Any) -> None:
+        seen[key] = flat(x)
+        if owed <= seen.keys():
+            raise _StopForward
 
-        return hook
+    source_owed = {(k, s) for s in stats.starts for k in ("X", "M", "out")}
+    target_owed = {("H", e + 1) for _, e in stats.runs}
+    if target is model:
+        source_owed = target_owed = source_owed | target_owed
 
     def site_hook(s: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            normed = stats.start_form(s) == "normed"
+            seen[("X", s)] = flat(rms_unit(module, args[0]) if normed else output)
             seen[("M", s)] = flat(output)
-            if stats.start_form(s) == "normed":
-                seen[("X", s)] = flat(rms_unit(module, args[0]))
-            else:
-                seen[("X", s)] = seen[("M", s)]
+
+        return hook
+
+    def out_hook(s: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
+            x = output[0] if output else (args[0] if args else kwargs["hidden_states"])
+            if s == 0:  # block 0's input: the embedding output is X, M and Y + M at once
+                seen[("X", 0)] = seen[("M", 0)] = flat(x)
+            record(source_owed, ("out", s), x)
+
+        return hook
+
+    def target_hook(j: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
+            x = output[0] if output else (args[0] if args else kwargs["hidden_states"])
+            record(target_owed, ("H", j), x)
 
         return hook
 
     handles = []
     try:
-        for j in sorted(states):
-            if j < n:
-                handles.append(blocks[j].register_forward_pre_hook(state_hook(j), with_kwargs=True))
-            else:
-                handles.append(blocks[n - 1].register_forward_hook(state_hook(n), with_kwargs=True))
         for s in stats.starts:
-            if s > 0:
-                normed = stats.start_form(s) == "normed"
-                site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
-                handles.append(site.register_forward_hook(site_hook(s)))
+            if s == 0:
+                handles.append(blocks[0].register_forward_pre_hook(out_hook(0), with_kwargs=True))
+                continue
+            normed = stats.start_form(s) == "normed"
+            site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
+            handles.append(site.register_forward_hook(site_hook(s)))
+            handles.append(blocks[s - 1].register_forward_hook(out_hook(s), with_kwargs=True))
+        target_blocks = decoder_blocks(target)
+        for _, e in stats.runs:
+            if e + 1 < n:
+                handles.append(
+                    target_blocks[e + 1].register_forward_pre_hook(
+                        target_hook(e + 1), with_kwargs=True
+                    )
+                )
+            else:
+                handles.append(
+                    target_blocks[n - 1].register_forward_hook(target_hook(n), with_kwargs=True)
+                )
         device = next(model.parameters()).device
-        stack = decoder_stack(model)
-        with torch.inference_mode():
+        with torch.inference_mode(), blocks_dropped(model, dropped):
             for batch in tqdm(
                 batches, total=total, disable=None if progress else True, desc="repair"
             ):
@@ -387,13 +421,17 @@ def capture_repair_stats(
                 mask = None if mask is None else mask.to(device)
                 keep[0], _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
                 seen.clear()
-                with contextlib.suppress(_StopForward):
-                    stack(input_ids=ids, attention_mask=mask, use_cache=False)
-                features = {s: seen[("X", s)] if s > 0 else seen[("H", 0)] for s in stats.starts}
+                for m in (model,) if target is model else (model, target):
+                    with contextlib.suppress(_StopForward):
+                        decoder_stack(m)(input_ids=ids, attention_mask=mask, use_cache=False)
+                missing = (source_owed | target_owed) - seen.keys()
+                if missing:
+                    raise RuntimeError(f"the forward never produced {sorted(missing)}")
+                features = {s: seen[("X", s)] for s in stats.starts}
                 targets = {
                     (s, e): seen[("H", e + 1)].float()
-                    - seen[("H", s)].float()
-                    + (seen[("M", s)] if s > 0 else seen[("H", 0)]).float()
+                    - seen[("out", s)].float()
+                    + seen[("M", s)].float()
                     for s, e in stats.runs
                 }
                 stats.add(features, targets)

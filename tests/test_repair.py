@@ -253,3 +253,44 @@ def test_ridge_must_be_positive() -> None:
     stats = capture_repair_stats(dense, batches(windows()), RUNS, progress=False)
     with pytest.raises(ValueError, match="ridge must be > 0"):
         fit_runs(dense, stats, ridge=0.0)
+
+
+def test_sequential_fit_reads_the_inputs_of_the_model_repaired_so_far() -> None:
+    """The second run's sums, captured with the first run folded and dropped in memory and
+    the dense model as reference, equal those of a model with the first run really pruned
+    (its block indices shifted), with targets taken from the dense model by hand."""
+    dense = tiny_model("qwen2")
+    x = windows()
+    first = fit_runs(dense, capture_repair_stats(dense, [x], [(1, 1)], progress=False))
+    work = copy.deepcopy(dense)
+    fold(work, first)
+    seq = capture_repair_stats(work, [x], [(3, 4)], reference=dense, dropped=[1], progress=False)
+
+    pruned = copy.deepcopy(work)
+    drop_layers(pruned, [1])  # original block 2 is now block 1, the run's s-1
+    with torch.no_grad():
+        H = dense(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+        target = H[5].reshape(-1, 64).double()  # output of block 4 = input of block 5
+        got = {}
+        block = decoder_blocks(pruned)[1]
+        h1 = block.mlp.register_forward_hook(lambda m, a, o: got.setdefault("M", o))
+        h2 = block.register_forward_hook(lambda m, a, o: got.setdefault("out", o))
+        pruned(input_ids=x, use_cache=False)
+        h1.remove(), h2.remove()
+    M = got["M"].reshape(-1, 64).double()
+    out = (got["out"][0] if isinstance(got["out"], tuple) else got["out"]).reshape(-1, 64)
+    D = target - out.double() + M
+    torch.testing.assert_close(seq.gram[3], M.T @ M, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(seq.cross[(3, 4)], M.T @ D, rtol=1e-5, atol=1e-3)
+    # ... and differ from the one-pass (dense-input) sums, which the first run's error moves.
+    dense_pass = capture_repair_stats(dense, [x], [(3, 4)], progress=False)
+    assert (dense_pass.cross[(3, 4)] - seq.cross[(3, 4)]).abs().max() > 1e-2
+
+
+def test_sequential_and_one_pass_repairs_agree_on_a_single_run() -> None:
+    x = windows(n=8, T=24)
+    a, b = tiny_model("llama"), tiny_model("llama")
+    fa = prune_and_repair(a, x, [2, 3], sequential=True)
+    fb = prune_and_repair(b, x, [2, 3], sequential=False)
+    torch.testing.assert_close(fa[0].matrix, fb[0].matrix)
+    torch.testing.assert_close(logits(a, x[:2]), logits(b, x[:2]))
