@@ -294,3 +294,32 @@ def test_sequential_and_one_pass_repairs_agree_on_a_single_run() -> None:
     fb = prune_and_repair(b, x, [2, 3], sequential=False)
     torch.testing.assert_close(fa[0].matrix, fb[0].matrix)
     torch.testing.assert_close(logits(a, x[:2]), logits(b, x[:2]))
+
+
+@pytest.mark.parametrize(("family", "layers"), [("gemma3_text", [2, 3]), ("llama", [0, 1, 4])])
+def test_repaired_checkpoint_is_its_twin_in_shape_and_reloads_with_the_same_logits(
+    family: str, layers: list[int], tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Same config.json and parameter count as the unrepaired twin; transformers reloads it
+    with the in-memory repaired model's logits (Gemma: the normed fold into the norm's
+    weight; Llama: a run from block 0 folded into the untied embeddings)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from lorp.surgery import save_pruned
+
+    x = windows(n=8, T=24)
+    twin, repaired = tiny_model(family), tiny_model(family)
+    drop_layers(twin, layers)
+    fits = prune_and_repair(repaired, x, layers)
+    a = save_pruned(twin, None, tmp_path / "twin", {"pruned": layers})
+    b = save_pruned(repaired, None, tmp_path / "rep", {"repair": [f.record() for f in fits]})
+    assert json.loads((a / "config.json").read_text()) == json.loads(
+        (b / "config.json").read_text()
+    )
+    back = AutoModelForCausalLM.from_pretrained(b).eval()
+    assert sum(p.numel() for p in back.parameters()) == sum(p.numel() for p in twin.parameters())
+    probe = windows(seed=3, n=2)
+    torch.testing.assert_close(logits(back, probe), logits(repaired, probe))
+    assert (logits(back, probe) - logits(twin, probe)).abs().max() > 1e-2
