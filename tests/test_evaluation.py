@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +17,15 @@ from lorp.data import eval_windows, load_corpus, tokenize_documents
 from lorp.perplexity import perplexity
 from lorp.sources import load_model
 from lorp.surgery import drop_layers, save_pruned
+from pipeline import speed
 from pipeline.speed import (
     count_params,
     interleaved_speedup,
     peak_memory_fresh,
     peak_memory_gib,
     prefill_latency,
+    reset_peak_memory,
+    speedup_bound,
 )
 
 # -- zero-shot: the shipped task YAMLs, scored by an oracle that knows the answers ---------
@@ -111,38 +116,161 @@ def test_unknown_task_is_refused() -> None:
 
 @pytest.mark.slow
 def test_hf_backend_scores_a_real_model() -> None:
-    from pipeline.zero_shot import hf_zero_shot
+    from pipeline.zero_shot import evaluate_zero_shot, hf_zero_shot
 
     lm = load_model("smollm2-135m")
-    scores = hf_zero_shot(lm.model, lm.tokenizer, ["arc_easy", "copa"], limit=10, batch_size=8)
+    scores = hf_zero_shot(lm.model, lm.tokenizer, ["arc_easy", "copa"], limit=8, batch_size=8)
     assert set(scores) == {"acc_arc_easy", "acc_copa", "acc_avg", "n_arc_easy", "n_copa"}
-    assert scores["n_arc_easy"] == scores["n_copa"] == 10
-    assert all(0.0 <= scores[k] <= 100.0 for k in ("acc_arc_easy", "acc_copa", "acc_avg"))
+    assert scores["n_arc_easy"] == scores["n_copa"] == 8
+    # The same items scored with log-likelihoods written out here.
+    by_hand = evaluate_zero_shot(ByHandLM(lm.model, lm.tokenizer), ["arc_easy", "copa"], limit=8)
+    assert scores == pytest.approx(by_hand)
+
+
+class ByHandLM(LM):
+    """log P(continuation | context) written out: each pair split into tokens as lm-eval
+    defines it (context + continuation encoded whole; the continuation's tokens are those
+    after the context's; a context's trailing space moves to the continuation), then a
+    plain forward over a right-padded batch (causal: the padding is never attended)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: object, batch: int = 16) -> None:
+        super().__init__()
+        self.model, self.tokenizer, self.batch = model, tokenizer, batch
+
+    def split(self, context: str, continuation: str) -> tuple[list[int], int]:
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        encode = self.tokenizer.encode  # type: ignore[attr-defined]
+        whole = encode(context + continuation, add_special_tokens=False)
+        return whole, len(encode(context, add_special_tokens=False))
+
+    def loglikelihood(self, requests):  # type: ignore[no-untyped-def]
+        pairs = [self.split(*req.args) for req in requests]
+        out = []
+        for start in range(0, len(pairs), self.batch):
+            chunk = pairs[start : start + self.batch]
+            width = max(len(whole) for whole, _ in chunk)
+            ids = torch.tensor([whole + [0] * (width - len(whole)) for whole, _ in chunk])
+            with torch.inference_mode():
+                logits = self.model(input_ids=ids, use_cache=False).logits
+            for row, (whole, n_context) in zip(logits, chunk, strict=True):
+                logp = torch.log_softmax(row[n_context - 1 : len(whole) - 1].double(), dim=-1)
+                targets = torch.tensor(whole[n_context:])
+                picked = logp[torch.arange(len(targets)), targets]
+                out.append((float(picked.sum()), bool((logp.argmax(-1) == targets).all())))
+        return out
+
+    def loglikelihood_rolling(self, requests):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    def generate_until(self, requests):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
 
 
 # -- speed -----------------------------------------------------------------------------------
 
 
-def test_prefill_latency_and_memory() -> None:
+def known_timings(
+    monkeypatch: pytest.MonkeyPatch, times: dict[int, list[float]]
+) -> list[tuple[int, bool]]:
+    """Each model's forwards take the given milliseconds, in order (keyed by `id(model)`):
+    the summaries then have exact answers. Returns (model id, gc on) per timed forward."""
+    calls: list[tuple[int, bool]] = []
+    left = {key: iter(values) for key, values in times.items()}
+
+    def timed(model: object, ids: torch.Tensor) -> float:
+        calls.append((id(model), gc.isenabled()))
+        return next(left[id(model)])
+
+    monkeypatch.setattr(speed, "_time_ms", timed)
+    return calls
+
+
+def test_prefill_latency_is_mean_and_std_after_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model("llama")
-    dense = prefill_latency(model, 64, warmup=1, repeats=3)
-    params_dense = count_params(model)
-    drop_layers(model, [1, 2, 3, 4])
-    pruned = prefill_latency(model, 64, warmup=1, repeats=3)
-    assert dense["latency_ms"] > 0 and dense["latency_std_ms"] >= 0
-    assert count_params(model) < params_dense
-    assert pruned["latency_ms"] > 0 and peak_memory_gib(torch.device("cpu")) > 0.05
+    known_timings(monkeypatch, {id(model): [500.0, 2.0, 3.0, 7.0]})  # a slow first call
+    got = prefill_latency(model, 64, warmup=1, repeats=3)
+    assert got == pytest.approx({"latency_ms": 4.0, "latency_std_ms": statistics.stdev([2, 3, 7])})
 
 
-def test_interleaved_speedup_reports_medians_and_spread() -> None:
-    dense = tiny_model("llama")
-    pruned = tiny_model("llama")
+def test_a_timed_forward_is_a_prefill() -> None:
+    """Batch 1, cache off, logits for the last position only (not the whole LM head)."""
+    seen: dict[str, object] = {}
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert speed._time_ms(lambda **kw: seen.update(kw), ids) >= 0.0
+    assert seen.keys() == {"input_ids", "use_cache", "logits_to_keep"}
+    assert seen["input_ids"] is ids and seen["use_cache"] is False and seen["logits_to_keep"] == 1
+
+
+def test_interleaved_speedup_reports_medians_and_spread(monkeypatch: pytest.MonkeyPatch) -> None:
+    dense, pruned = tiny_model("llama"), tiny_model("llama")
     drop_layers(pruned, [1, 2, 3, 4])
+    D, P = id(dense), id(pruned)
+    # Warm-ups (1000 ms) do not count; then pairs of ratios 10/5, 14/4 and 11/8.
+    calls = known_timings(monkeypatch, {D: [1000.0, 10.0, 14.0, 11.0], P: [1000.0, 5.0, 4.0, 8.0]})
     t = interleaved_speedup(dense, pruned, 64, pairs=3, warmup=1)
-    assert t["latency_ms"] > 0 and t["latency_dense_ms"] > 0 and t["speedup_std"] >= 0
-    assert t["speedup"] > 0
+    ratios = [10 / 5, 14 / 4, 11 / 8]
+    assert t == pytest.approx(
+        {
+            "latency_ms": 5.0,  # the pruned model's median
+            "latency_dense_ms": 11.0,
+            "speedup": 2.0,  # the median ratio, not the ratio of the medians (2.2)
+            "speedup_std": statistics.stdev(ratios),
+        }
+    )
+    # Warm-up, then pairs in ABBA order; the garbage collector off for every timing.
+    assert [model for model, _ in calls] == [D, P, D, P, P, D, D, P]
+    assert not any(gc_on for _, gc_on in calls) and gc.isenabled()
+
+    calls = known_timings(monkeypatch, {D: [1000.0, 12.0, 9.0, 30.0]})
     alone = interleaved_speedup(dense, None, 64, pairs=3, warmup=1)
-    assert alone["speedup"] == 1.0 and alone["latency_ms"] == alone["latency_dense_ms"]
+    assert alone == {
+        "latency_ms": 12.0,
+        "latency_dense_ms": 12.0,
+        "speedup": 1.0,
+        "speedup_std": 0.0,
+    }
+    assert [model for model, _ in calls] == [D] * 4
+
+
+def test_speedup_bound_is_n_over_n_minus_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert speedup_bound(30, 10) == 1.5 and speedup_bound(6, 0) == 1.0
+    assert speedup_bound(8, 2) == pytest.approx(4 / 3)
+    # Blocks that are all the time: 2 of 6 gone take a third of it, and that is the bound.
+    dense, pruned = tiny_model("llama"), tiny_model("llama")
+    known_timings(monkeypatch, {id(dense): [1.0, 12.0, 12.0], id(pruned): [1.0, 8.0, 8.0]})
+    t = interleaved_speedup(dense, pruned, 64, pairs=2, warmup=1)
+    assert t["speedup"] == speedup_bound(6, 2) and t["speedup_std"] == 0.0
+
+
+def test_param_count_drops_by_the_removed_blocks() -> None:
+    model = tiny_model("llama")
+    dense = count_params(model)
+    assert dense == sum(p.numel() for p in model.parameters())  # nothing tied here
+    blocks = sum(p.numel() for i in (1, 2, 3, 4) for p in model.model.layers[i].parameters())
+    drop_layers(model, [1, 2, 3, 4])
+    assert count_params(model) == dense - blocks
+    tied = tiny_model("gemma3_text")  # embedding and LM head are one tensor, counted once
+    head = tied.lm_head.weight
+    assert head.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    every = sum(p.numel() for _, p in tied.named_parameters(remove_duplicate=False))
+    assert count_params(tied) == every - head.numel()
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").is_file(), reason="the CPU high-water mark is Linux's"
+)
+def test_peak_memory_mark_resets_and_sees_an_allocation() -> None:
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    before = peak_memory_gib(cpu)
+    x = torch.ones(2**26)  # 0.25 GiB, every page written
+    high = peak_memory_gib(cpu)
+    del x
+    reset_peak_memory(cpu)  # the mark falls back to what is resident now
+    low = peak_memory_gib(cpu)
+    assert high - before > 0.2 and high - low > 0.2, (before, high, low)
 
 
 @pytest.mark.slow
