@@ -12,6 +12,9 @@ Targets (ratios, each measured in this run; medians of >= 5 repetitions after a 
 4. ray_ratio          S through the pipeline's Ray actors (2 shards, 1 thread each) / one
                       process with 2 threads, model load excluded: <= 1.15
 5. select_ms          every registered method at N = 32, 64, 128: LoRP at 128 < 50 ms
+5b. repair_ratio      the linear repair's sums for every run that LoRP, ShortGPT and
+                      Streamline select at 4 and 8 blocks (deduplicated: one pass) / the
+                      capture pass over the same tokens: <= 1.5 (smollm2-135m)
 6. evaluation         perplexity tokens/s, vLLM vs transformers, one pruned checkpoint; and
                       pruned vs dense prefill latency against the fraction of blocks removed
 """
@@ -119,6 +122,40 @@ def wide_random_model(d: int = 2048, layers: int = 4) -> Any:
     )  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+# -- 5b: the linear repair's statistics pass -----------------------------------------------
+
+
+def repair_benchmarks(model: Any, batches: list[torch.Tensor], repeats: int) -> dict[str, float]:
+    """One pass of repair sums for every run the grid's selections need, against the S
+    capture over the same tokens; the sums' memory at this width and at d = 4096."""
+    from lorp.repair_stats import bytes_per_pass, capture_repair_stats, contiguous_runs
+
+    stats = capture_stats(model, batches, progress=False)
+    n = stats.n_blocks
+    runs = sorted(
+        {
+            run
+            for method in ("lorp", "shortgpt", "streamline")
+            for budget in (4, 8)
+            for run in contiguous_runs(select_layers(stats, budget, method).layers, n)
+        }
+    )
+    d = int(model.config.hidden_size)
+    t_capture = median_time(lambda: capture_stats(model, batches, progress=False), repeats)
+    t_repair = median_time(
+        lambda: capture_repair_stats(model, batches, runs, progress=False), repeats
+    )
+    return {
+        "repair_runs": len(runs),
+        "repair_starts": len({s for s, _ in runs}),
+        "repair_capture_s": t_capture,
+        "repair_pass_s": t_repair,
+        "repair_ratio": t_repair / t_capture,
+        "repair_sums_mib": bytes_per_pass(runs, d) / 2**20,
+        "repair_sums_gib_at_d4096": bytes_per_pass(runs, 4096) / 2**30,
+    }
 
 
 # -- 3: memory does not grow with the calibration set -----------------------------------------
@@ -271,7 +308,10 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--readme", help="rewrite the benchmark table in this README")
     parser.add_argument(
-        "--skip", nargs="*", default=[], help="sections to skip: capture memory ray select eval"
+        "--skip",
+        nargs="*",
+        default=[],
+        help="sections to skip: capture memory ray select repair eval",
     )
     parser.add_argument(
         "--tokens", help="calibration SAMPLESxSEQ_LEN (default 16x256 with --quick, else 32x512)"
@@ -329,6 +369,8 @@ def main() -> int:
     if "select" not in args.skip:
         figures |= selection_benchmarks(repeats)
         figures["select_ms_lorp_n128"] = figures["select_ms.lorp.n128"]
+    if "repair" not in args.skip:
+        figures |= repair_benchmarks(lm.model, batches, repeats)
     if "eval" not in args.skip:
         figures |= evaluation_benchmarks(args.quick)
     table = render_table(figures)
@@ -370,6 +412,14 @@ TARGETS = [
         lambda v: v <= 1.15,
     ),
     ("select_ms_lorp_n128", "LoRP selection at N = 128 (ms, median)", "< 50", lambda v: v < 50),
+    (
+        "repair_ratio",
+        "repair sums for every selected run (one pass) / capture pass",
+        "<= 1.5",
+        lambda v: v <= 1.5,
+    ),
+    ("repair_sums_mib", "memory of those sums at smollm2's d = 576 (MiB)", "-", None),
+    ("repair_sums_gib_at_d4096", "the same runs' sums at d = 4096 (GiB)", "-", None),
     ("hf_tokens_per_s", "perplexity tokens/s, transformers", "-", None),
     ("vllm_tokens_per_s", "perplexity tokens/s, vLLM", "-", None),
 ]

@@ -134,8 +134,11 @@ def _unrepaired_map(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
     return torch.diag(norm.weight.detach().double().cpu() + arch.norm_offset)
 
 
-def fit_runs(model: nn.Module, stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> list[RunFit]:
-    """Fit every run of `stats` (the model is the dense one the stats came from)."""
+def fit_runs(
+    model: nn.Module, stats: RepairStats, *, ridge: float = DEFAULT_RIDGE, rounds: int = MAX_ROUNDS
+) -> list[RunFit]:
+    """Fit every run of `stats` (the model is the dense one the stats came from);
+    `rounds` caps the descent of a `normed` fit (each round is one d x d SVD)."""
     if not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it makes every solve well posed), got {ridge!r}")
     fits = []
@@ -143,8 +146,13 @@ def fit_runs(model: nn.Module, stats: RepairStats, *, ridge: float = DEFAULT_RID
         form = stats.forms[run]
         T0 = _unrepaired_map(model, run, form)
         A, B = stats.gram[run[0]].double(), stats.cross[run].double()
-        fit = fit_full if form == "full" else fit_normed
-        fits.append(fit(A, B, stats.energy[run], T0.to(A.device), ridge=ridge, run=run))
+        T0 = T0.to(A.device)
+        if form == "full":
+            fits.append(fit_full(A, B, stats.energy[run], T0, ridge=ridge, run=run))
+        else:
+            fits.append(
+                fit_normed(A, B, stats.energy[run], T0, ridge=ridge, run=run, rounds=rounds)
+            )
     return fits
 
 

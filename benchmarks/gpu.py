@@ -1,0 +1,345 @@
+"""The GPU path of `lorp/`, measured in one call on a lent device (one H200 here).
+
+    python3 benchmarks/gpu.py --json "$OUT/gpu.json"          # on the device: ~5 min
+    python benchmarks/gpu.py --device cpu --tiny --json f.json # the same code, seconds
+
+For each model shape, with random weights built on the spot (no download; nothing but
+torch, transformers and `lorp/`, which is all the device image has of ours):
+1. capture_overhead  `capture_stats` / a bare decoder-stack forward over the same tokens
+                     (bf16, 64 x 2048 random ids); tokens/s and peak GPU memory of each.
+2. bf16 vs fp32      S captured from the bf16 model against S from the fp32 weights it was
+                     cast from, on the first `--compare` windows: max |dS|, and whether
+                     LoRP selects the same blocks at 4 and 8.
+3. repair pass       `capture_repair_stats` for the runs of LoRP's 8-block selection over
+                     the same tokens / the capture pass (target <= 1.5), its peak memory,
+                     the memory of its d x d float64 sums, and the time of the solves
+                     (a normed fit capped at --normed-rounds, each one d x d SVD).
+4. prune             selection, fold + surgery, and `save_pretrained` of the pruned
+                     model, timed; its forward tokens/s against dense, beside N/(N-k).
+
+Shapes: an 8B Llama (d 4096, 32 blocks, 32 / 8 heads, 14336, vocab 128256) and a Gemma 3
+4B (d 2560, 34 blocks, 8 / 4 heads of 256, 10240, vocab 262144). Gemma 3 because it is the
+other code path of everything here: sliding-window layers, the scaled embedding, norms
+around the MLP (so the repair's orthogonal-diagonal fold and its iterative fit) and the
+(1 + w) norm weights in bf16; a Qwen3 shape would repeat Llama's paths.
+
+Random weights make S less structured than a trained model's, so selections are a check
+of agreement, not of quality; the costs are those of the real shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lorp.architectures import decoder_stack  # noqa: E402
+from lorp.capture import capture_stats  # noqa: E402
+from lorp.methods import select_layers  # noqa: E402
+from lorp.repair import check_repairable, fit_runs, fold  # noqa: E402
+from lorp.repair_stats import bytes_per_pass, capture_repair_stats  # noqa: E402
+from lorp.surgery import drop_layers  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "gemma3-4b": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 8192,
+        "sliding_window": 1024,
+        "query_pre_attn_scalar": 256,
+        "tie_word_embeddings": True,
+    },
+}
+# The same families at a size the test suite runs on CPU in seconds.
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 12,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512,
+        "sliding_window": 16, "query_pre_attn_scalar": 32}  # fmt: skip
+
+
+def build(shape: str, tiny: bool, device: str) -> Any:
+    """Random-init fp32 model of `shape` on `device` (weights made there, not copied)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(SHAPES[shape])
+    model_type = fields.pop("model_type")
+    if tiny:
+        fields |= {k: v for k, v in TINY.items() if k in fields or model_type == "gemma3_text"}
+        fields["max_position_embeddings"] = 256
+    if model_type == "gemma3_text":
+        n = fields["num_hidden_layers"]
+        # Gemma 3's pattern: five sliding-window blocks, then one global.
+        fields["layer_types"] = [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+        ]
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if tiny:  # random init is near the identity per block at this size; give S structure
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 2 and "embed" not in name:
+                    p.mul_(8.0)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str, repeats: int) -> tuple[float, Any]:
+    """Median seconds of `repeats` calls after one warm-up, and the last call's result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def peak_gib(device: str, fn: Callable[[], Any]) -> tuple[float | None, Any]:
+    """Peak GPU memory allocated while `fn` runs (None on CPU), and its result."""
+    if not device.startswith("cuda"):
+        return None, fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30, out
+
+
+def bare_forward(model: Any, batches: list[torch.Tensor]) -> None:
+    stack = decoder_stack(model)
+    with torch.inference_mode():
+        for b in batches:
+            stack(input_ids=b, use_cache=False)
+
+
+def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    device, r = args.device, {"shape": shape}
+    say = lambda msg: print(f"[{shape}] {msg}", flush=True)  # noqa: E731
+    start = time.perf_counter()
+    model = build(shape, args.tiny, device)
+    n, d = int(model.config.num_hidden_layers), int(model.config.hidden_size)
+    r |= {"blocks": n, "hidden": d, "params_b": sum(p.numel() for p in model.parameters()) / 1e9}
+    r["build_s"] = time.perf_counter() - start
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, int(model.config.vocab_size), (args.samples, args.seq_len), generator=g)
+    ids = ids.to(device)
+    batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
+    compare = batches[: max(1, args.compare // args.batch)]
+    say(f"built {r['params_b']:.2f}B params in {r['build_s']:.1f} s")
+
+    # 2 (first half): S from the fp32 weights, before they are cast.
+    s32 = capture_stats(model, compare, progress=False)
+    model.to(torch.bfloat16)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    s16 = capture_stats(model, compare, progress=False)
+    r["s_max_abs_diff_bf16_fp32"] = float(abs(s16.matrix() - s32.matrix()).max())
+    for k in (4, 8):
+        a = list(select_layers(s32, k, "lorp").layers)
+        b = list(select_layers(s16, k, "lorp").layers)
+        r[f"lorp_{k}_fp32"], r[f"lorp_{k}_bf16"], r[f"lorp_{k}_same"] = a, b, a == b
+    say(f"S bf16 vs fp32: max |dS| {r['s_max_abs_diff_bf16_fp32']:.2e}; same at 4/8: "
+        f"{r['lorp_4_same']}/{r['lorp_8_same']}")  # fmt: skip
+
+    # 1: capture against a bare forward, bf16, all tokens.
+    tokens = ids.numel()
+    r["tokens"] = tokens
+    r["bare_s"], _ = timed(lambda: bare_forward(model, batches), device, args.repeats)
+    r["capture_s"], stats = timed(
+        lambda: capture_stats(model, batches, progress=False), device, args.repeats
+    )
+    r["capture_overhead"] = r["capture_s"] / r["bare_s"]
+    r["bare_tok_s"], r["capture_tok_s"] = tokens / r["bare_s"], tokens / r["capture_s"]
+    r["bare_peak_gib"], _ = peak_gib(device, lambda: bare_forward(model, batches))
+    r["capture_peak_gib"], _ = peak_gib(
+        device, lambda: capture_stats(model, batches, progress=False)
+    )
+    say(f"capture {r['capture_s']:.2f} s vs bare {r['bare_s']:.2f} s: overhead "
+        f"{r['capture_overhead']:.3f}; {r['capture_tok_s']:,.0f} tok/s")  # fmt: skip
+
+    # 3: the repair statistics of LoRP's 8-block selection, and their solves.
+    t0 = time.perf_counter()
+    selection = select_layers(stats, args.prune, "lorp")
+    r["select_s"] = time.perf_counter() - t0
+    layers = list(selection.layers)
+    r["pruned_layers"] = layers
+    runs = check_repairable(model, layers)
+    r["runs"] = [list(x) for x in runs]
+    r["repair_sums_gib"] = bytes_per_pass(runs, d) / 2**30
+    r["repair_s"], rstats = timed(
+        lambda: capture_repair_stats(model, batches, runs, progress=False), device, 1
+    )
+    r["repair_ratio"] = r["repair_s"] / r["capture_s"]
+    r["repair_peak_gib"], _ = peak_gib(
+        device, lambda: capture_repair_stats(model, batches, runs, progress=False)
+    )
+    t0 = time.perf_counter()
+    fits = fit_runs(model, rstats, rounds=args.normed_rounds)
+    sync(device)
+    r["solve_s"] = time.perf_counter() - t0
+    r["fits"] = [f.record() for f in fits]
+    say(f"repair pass {r['repair_s']:.2f} s = {r['repair_ratio']:.2f} x capture; runs {runs}; "
+        f"sums {r['repair_sums_gib']:.2f} GiB; solves {r['solve_s']:.2f} s")  # fmt: skip
+
+    # 4: fold + surgery + save, and the pruned forward against dense.
+    t0 = time.perf_counter()
+    fold(model, fits)
+    drop_layers(model, layers)
+    sync(device)
+    r["fold_surgery_s"] = time.perf_counter() - t0
+    out = Path(tempfile.mkdtemp(prefix="lorp-gpu-", dir=args.scratch))
+    try:
+        t0 = time.perf_counter()
+        model.save_pretrained(out, safe_serialization=True)
+        r["save_s"] = time.perf_counter() - t0
+        r["saved_gib"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**30
+        saved = json.loads((out / "config.json").read_text())
+        r["saved_blocks"] = saved["num_hidden_layers"]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    r["pruned_bare_s"], _ = timed(lambda: bare_forward(model, batches), device, args.repeats)
+    r["pruned_speedup"] = r["bare_s"] / r["pruned_bare_s"]
+    r["speedup_bound"] = n / (n - len(layers))
+    # Removing k of N blocks cannot speed a forward up by more than N/(N-k): a figure more
+    # than 5% above it is timing noise (a shared or throttled device), not a speed-up.
+    r["speedup_resolved"] = r["pruned_speedup"] <= 1.05 * r["speedup_bound"]
+    say(f"fold+surgery {r['fold_surgery_s']:.2f} s, save {r['save_s']:.1f} s "
+        f"({r['saved_gib']:.1f} GiB); pruned forward {r['pruned_speedup']:.3f}x dense "
+        f"(bound N/(N-k) = {r['speedup_bound']:.3f})")  # fmt: skip
+    return r
+
+
+def speedup(r: dict[str, Any]) -> str:
+    if r["speedup_resolved"]:
+        return f"{r['pruned_speedup']:.3f}"
+    return f"not resolved ({r['pruned_speedup']:.2f} measured)"
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    def f(x: Any, spec: str = ".3f") -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [
+        "| shape | capture_overhead | capture tok/s | peak GiB (bare / capture / repair) | "
+        "max dS bf16-fp32 | LoRP same 4 / 8 | repair_ratio | sums GiB | solves s | "
+        "fold+surgery s | save s | pruned speed-up (bound) |",
+        "|" + " --- |" * 12,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} ({r['params_b']:.1f}B) | {f(r['capture_overhead'])} | "
+            f"{r['capture_tok_s']:,.0f} | {f(r['bare_peak_gib'], '.1f')} / "
+            f"{f(r['capture_peak_gib'], '.1f')} / {f(r['repair_peak_gib'], '.1f')} | "
+            f"{r['s_max_abs_diff_bf16_fp32']:.1e} | {r['lorp_4_same']} / {r['lorp_8_same']} | "
+            f"{f(r['repair_ratio'], '.2f')} | {r['repair_sums_gib']:.2f} | {r['solve_s']:.2f} | "
+            f"{r['fold_surgery_s']:.2f} | {r['save_s']:.1f} | {speedup(r)} "
+            f"({r['speedup_bound']:.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes: the test suite's CPU run")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--samples", type=int, help="calibration windows (default 64; tiny 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per window (default 2048; tiny 32)")
+    p.add_argument("--batch", type=int, help="windows per forward (default 8; tiny 4)")
+    p.add_argument("--compare", type=int, help="windows for bf16 vs fp32 (default 16; tiny 4)")
+    p.add_argument("--prune", type=int, default=8, help="blocks removed (default 8)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default 3)")
+    p.add_argument(
+        "--normed-rounds",
+        type=int,
+        default=25,
+        help="cap on a normed (Gemma) fit's rounds, one d x d SVD each (default 25)",
+    )
+    p.add_argument("--scratch", default=None, help="where the pruned checkpoint is saved")
+    p.add_argument("--json", type=Path, help="write the figures here (default $OUT/gpu.json)")
+    args = p.parse_args(argv)
+    small = {"samples": 8, "seq_len": 32, "batch": 4, "compare": 4}
+    big = {"samples": 64, "seq_len": 2048, "batch": 8, "compare": 16}
+    for key, value in (small if args.tiny else big).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("samples", "seq_len", "batch", "compare", "prune", "repeats", "normed_rounds"):
+        if getattr(args, key) < 1:
+            raise SystemExit(
+                f"gpu.py: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}"
+            )
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("gpu.py: --device cuda but torch sees no GPU (use --device cpu --tiny)")
+    if args.json is None and os.environ.get("OUT"):
+        args.json = Path(os.environ["OUT"]) / "gpu.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "tokens": f"{args.samples} x {args.seq_len}",
+        "tiny": args.tiny,
+    }
+    print(f"gpu.py on {env['device']}, torch {env['torch']}, {env['tokens']} tokens", flush=True)
+    rows = []
+    for shape in args.shapes:
+        rows.append(measure_shape(shape, args))
+        if args.device.startswith("cuda"):  # the last shape's weights are garbage now
+            torch.cuda.empty_cache()
+    env["total_s"] = time.perf_counter() - started
+    print(render(rows))
+    print(f"total {env['total_s']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"env": env, "shapes": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

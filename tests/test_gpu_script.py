@@ -1,0 +1,56 @@
+"""`benchmarks/gpu.py` in its CPU mode (`--device cpu --tiny`): the script a lent GPU runs
+cannot rot between devices, and its figures are checked where they have a known value."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorp.repair_stats import contiguous_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_cpu_run_writes_every_figure(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    gpu = load_script()
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--device", "cpu", "--tiny", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["env"]["tiny"] is True and report["env"]["device"] == "cpu"
+    rows = {r["shape"]: r for r in report["shapes"]}
+    assert set(rows) == {"llama-8b", "gemma3-4b"}
+    for r in rows.values():
+        n, k = r["blocks"], len(r["pruned_layers"])
+        assert (n, k) == (12, 8)
+        assert r["saved_blocks"] == n - k
+        assert r["speedup_bound"] == pytest.approx(12 / 4)
+        assert r["runs"] == [list(x) for x in contiguous_runs(r["pruned_layers"], n)]
+        # bf16 rounding moves S, but only in its third digit or later.
+        assert 0 < r["s_max_abs_diff_bf16_fp32"] < 2e-2
+        for fit in r["fits"]:
+            assert fit["residual"] < fit["unrepaired_residual"]
+        assert r["repair_sums_gib"] == pytest.approx(
+            8 * 64 * 64 * (len({s for s, _ in r["runs"]}) + len(r["runs"])) / 2**30
+        )
+    assert {f["form"] for f in rows["gemma3-4b"]["fits"]} == {"normed"}
+    assert {f["form"] for f in rows["llama-8b"]["fits"]} == {"full"}
+    table = capsys.readouterr().out
+    assert "| llama-8b" in table and "| gemma3-4b" in table
+
+
+def test_bad_sizes_fail_in_one_line() -> None:
+    gpu = load_script()
+    with pytest.raises(SystemExit, match="--samples must be >= 1, got 0"):
+        gpu.parse_args(["--device", "cpu", "--tiny", "--samples", "0"])
