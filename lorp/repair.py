@@ -168,6 +168,8 @@ def _regularised(A: torch.Tensor, B: torch.Tensor, T0: torch.Tensor, ridge: floa
 
 def residual_of(A: torch.Tensor, B: torch.Tensor, energy: float, T: torch.Tensor) -> float:
     """||X T - D||^2 / ||D||^2 from the sums: (c - 2 tr(T^T B) + tr(T^T A T)) / c."""
+    if not energy > 0:  # no gap to close: the blocks changed nothing on these tokens
+        return 0.0
     value = energy - 2 * float((T * B).sum()) + float((T * (A @ T)).sum())
     return max(value, 0.0) / energy
 
