@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from job_specs import tiny_job
 from job_specs import write_job as write_spec
 from mlflow.tracking import MlflowClient
+from processes import kill_started_by
 from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
@@ -26,7 +26,6 @@ from pipeline.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
-RAY = str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +132,10 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the job ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
+    # The driver and its embedded Ray (which would outlive it) are killed together: every
+    # process it started, found by process id; no other Ray on this machine is touched.
+    kill_started_by(proc.pid)
     proc.wait()
-    # The killed driver's embedded Ray outlives it; stop it as an operator would.
-    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
     before = read_catalog(run_dir / "catalog.parquet")
     assert 6 <= len(before) < points
 
