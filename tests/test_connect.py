@@ -16,10 +16,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
 from local_servers import free_port
+from processes import kill_started_by
 
 pytestmark = [pytest.mark.integration]
 
@@ -187,8 +189,7 @@ def test_auto_joins_the_head_that_ray_start_recorded(ray_tmp: Path) -> None:
     finally:
         # Only the head this test started: its own session, stopped by its process group.
         os.killpg(head.pid, signal.SIGTERM)
-        try:
+        with suppress(subprocess.TimeoutExpired):
             head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
+        kill_started_by(head.pid)  # whatever outlived it: its GCS, raylet and workers
+        head.wait(timeout=30)
