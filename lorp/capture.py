@@ -36,7 +36,8 @@ class _StopForward(Exception):
     """Raised by the last block's hook: nothing after it is needed."""
 
 
-def _unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+def unpack_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids, attention_mask or None) of a token tensor or a dict batch."""
     if isinstance(batch, torch.Tensor):
         return batch, None
     return batch["input_ids"], batch.get("attention_mask")
@@ -125,7 +126,7 @@ def capture_stats(
             # disable=None: a bar on a terminal only, never in logs or before an error line.
             bar = tqdm(batches, total=total, disable=None if progress else True, desc="capture")
             for batch in bar:
-                input_ids, attention_mask = _unpack(batch)
+                input_ids, attention_mask = unpack_batch(batch)
                 input_ids = input_ids.to(device)
                 if attention_mask is not None:
                     attention_mask = attention_mask.to(device)

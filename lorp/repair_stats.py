@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from lorp.architectures import architecture_of, decoder_blocks, decoder_stack
 from lorp.atomic import atomic_file
+from lorp.capture import unpack_batch
 from lorp.similarity import token_selection
 from lorp.surgery import blocks_dropped
 from lorp.version import __version__
@@ -416,7 +417,7 @@ def capture_repair_stats(
             for batch in tqdm(
                 batches, total=total, disable=None if progress else True, desc="repair"
             ):
-                ids, mask = _unpack(batch)
+                ids, mask = unpack_batch(batch)
                 ids = ids.to(device)
                 mask = None if mask is None else mask.to(device)
                 keep[0], _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
@@ -440,15 +441,3 @@ def capture_repair_stats(
         for h in handles:
             h.remove()
     return stats
-
-
-def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(batch, torch.Tensor):
-        return batch, None
-    return batch["input_ids"], batch.get("attention_mask")
-
-
-def memory_note(hidden: int, n_matrices: int) -> str:
-    """One line: what `n_matrices` d x d float64 sums cost at this width."""
-    gib = 8 * hidden * hidden * n_matrices / 2**30
-    return f"{n_matrices} sums of {hidden} x {hidden} float64 = {gib:.2f} GiB"
