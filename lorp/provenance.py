@@ -31,11 +31,14 @@ def provenance(
     grid_key: str | None = None,
     job: str | None = None,
     calibration: Mapping[str, Any] | None = None,
+    repair: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `lorp_pruning.json` record (plain JSON types; `kept` derived from `pruned`).
 
     `method` is a registered method's name, or "manual" for an explicit block list;
-    `stats_hash` is `lorp.fingerprint.stats_hash` of the statistics the selection used.
+    `stats_hash` is `lorp.fingerprint.stats_hash` of the statistics the selection used;
+    `repair` says how the gaps were closed (`lorp.repair`: method, ridge, one record per
+    run with its fit's residual), null for a plainly pruned checkpoint.
     """
     layers = sorted({int(i) for i in pruned})
     bad = [i for i in layers if not 0 <= i < n_blocks]
@@ -57,5 +60,6 @@ def provenance(
             "grid_key": grid_key,
             "job": job,
             "calibration": dict(calibration) if calibration is not None else None,
+            "repair": dict(repair) if repair is not None else None,
         }
     )

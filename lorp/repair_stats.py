@@ -181,6 +181,28 @@ class RepairStats:
         out.tokens = self.tokens + other.tokens
         return out
 
+    def subset(self, runs: Iterable[Run]) -> RepairStats:
+        """The sums of `runs` only (each must be one of this object's runs): what one
+        pruned variant needs of a model's statistics."""
+        wanted = sorted({(int(s), int(e)) for s, e in runs})
+        missing = [r for r in wanted if r not in self.cross]
+        if missing:
+            raise ValueError(f"repair stats hold no run {missing[0][0]}-{missing[0][1]}")
+        out = RepairStats(
+            self.n_blocks,
+            self.hidden,
+            wanted,
+            {r: self.forms[r] for r in wanted},
+            model_fingerprint=self.model_fingerprint,
+            calibration_fingerprint=self.calibration_fingerprint,
+            extra=self.extra,
+        )
+        out.gram = {s: self.gram[s] for s in out.starts}
+        out.cross = {r: self.cross[r] for r in wanted}
+        out.energy = {r: self.energy[r] for r in wanted}
+        out.tokens = self.tokens
+        return out
+
     @classmethod
     def merge_all(cls, parts: Iterable[RepairStats]) -> RepairStats:
         it = iter(parts)
@@ -191,6 +213,41 @@ class RepairStats:
         for part in it:
             total = total.merge(part)
         return total
+
+    @classmethod
+    def join(cls, groups: Sequence[RepairStats]) -> RepairStats:
+        """One object holding the runs of `groups`, statistics of the same model over the
+        same tokens whose runs were summed in separate passes (runs sharing a start
+        always travel together, so A_s comes from one group)."""
+        if not groups:
+            raise ValueError("join needs at least one RepairStats")
+        if len(groups) == 1:
+            return groups[0]
+        first = groups[0]
+        runs = [r for g in groups for r in g.runs]
+        if len(set(runs)) != len(runs):
+            raise ValueError("joined repair stats must hold disjoint runs")
+        for g in groups[1:]:
+            for field in ("n_blocks", "hidden", "tokens"):
+                if getattr(g, field) != getattr(first, field):
+                    raise ValueError(f"cannot join repair stats with different {field}")
+        out = cls(
+            first.n_blocks,
+            first.hidden,
+            runs,
+            {r: g.forms[r] for g in groups for r in g.runs},
+            model_fingerprint=first.model_fingerprint,
+            calibration_fingerprint=first.calibration_fingerprint,
+            extra=first.extra,
+        )
+        for g in groups:
+            _same("model", out.model_fingerprint, g.model_fingerprint)
+            _same("calibration", out.calibration_fingerprint, g.calibration_fingerprint)
+            out.gram.update(g.gram)
+            out.cross.update(g.cross)
+            out.energy.update(g.energy)
+        out.tokens = first.tokens
+        return out
 
     # -- persistence ----------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ CORE_SCHEMA = pa.schema(
         ("pruned_layers", pa.list_(pa.int64())),
         ("kept_layers", pa.list_(pa.int64())),
         ("stages", pa.string()),
+        ("repair", pa.string()),
+        ("repair_fits", pa.string()),
         ("rls", pa.float64()),
         ("k", pa.int64()),
         ("labels", pa.list_(pa.int64())),

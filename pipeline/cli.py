@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in summary.degraded:
         print(f"degraded     {line}")
+    for line in summary.refused:
+        print(f"not repaired {line}")
     for failure in summary.failed:
         print(f"failed: {failure}", file=sys.stderr)
     return 1 if summary.failed else 0

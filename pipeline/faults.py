@@ -14,9 +14,10 @@ import os
 from pathlib import Path
 from typing import Literal
 
-Site = Literal["capture", "point"]
+Site = Literal["capture", "repair", "point"]
 SITE_ENV: dict[str, str] = {
     "capture": "LORP_FAULT_CAPTURE_SHARD",
+    "repair": "LORP_FAULT_REPAIR_SHARD",
     "point": "LORP_FAULT_POINT_SUFFIX",
 }
 MARKER_ENV = "LORP_FAULT_MARKER"

@@ -17,7 +17,7 @@ from pipeline.plan import GridPoint
 from pipeline.records import PointResult, RowContext, catalog_row, headline, point_params
 from pipeline.records import provenance as point_provenance
 from pipeline.scheduler import first_line, make_pool, run_points, run_speed_pass, whole_node
-from pipeline.workers import PointTask, SpeedTask
+from pipeline.workers import PointTask, RepairTask, SpeedTask
 
 if TYPE_CHECKING:
     from pipeline.job import JobRun
@@ -37,7 +37,18 @@ def point_task(job: JobRun, point: GridPoint, backend: str) -> PointTask:
         evaluation=job.spec.evaluation,
         resources=job.spec.resources.grid,
         backend=backend,
+        repair=repair_task(job, point),
     )
+
+
+def repair_task(job: JobRun, point: GridPoint) -> RepairTask | None:
+    if point.repair == "none":
+        return None
+    from lorp.repair import DEFAULT_RIDGE
+
+    runs = tuple(point.runs)
+    refs = tuple(job.repair_refs[(point.model.label, r)] for r in runs)
+    return RepairTask(runs, refs, DEFAULT_RIDGE)
 
 
 def run_grid(job: JobRun, todo: list[GridPoint], backend: str) -> None:

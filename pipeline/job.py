@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from typing import Any
 
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
+from pipeline.calibration import CalibrationShards
 from pipeline.catalog import Catalog, slot
 from pipeline.losses import LossSelector
 from pipeline.plan import (
@@ -54,6 +56,9 @@ class JobRun:
         self.facts: dict[str, ModelFacts] = {}
         self.parents: dict[str, str] = {}
         self.run_ids: dict[str, str] = {}
+        self.shards: dict[str, CalibrationShards] = {}
+        self.repair_refs: dict[tuple[str, tuple[int, int]], Any] = {}
+        """(model label, run) -> ObjectRef of that run's `RepairStats`."""
 
     def open(self) -> None:
         """Repair what a killed predecessor left: stale MLflow runs, partial checkpoints."""
@@ -89,6 +94,8 @@ class JobRun:
             prof.rls, prof.k, list(prof.labels) if prof.labels is not None else None, ms.location
         )
         self.parents[plan.label] = parent
+        if ms.shards is not None:
+            self.shards[plan.label] = ms.shards
         loss_guided = LossSelector(self, plan, ms.stats, ms.file.stem, prof)
         plain = similarity_selector(ms.stats, prof)
 
@@ -96,10 +103,68 @@ class JobRun:
             guided = get_method(m.name).needs_evaluator
             return (loss_guided if guided else plain)(m, budget)
 
+        def refused(point: GridPoint, why: str) -> None:
+            self.summary.refused.append(f"{plan.label} {point.name}: {why}")
+            self.events("repair_refused", model=plan.label, point=point.name, reason=why)
+            self.progress.note(f"{plan.label} {point.name}: not repaired: {why}")
+
         try:
-            return plan_points(self.spec, plan, key, backend, select)
+            return plan_points(self.spec, plan, key, backend, select, refused)
         finally:
             loss_guided.close()
+
+    def prepare_repairs(self, todo: list[GridPoint]) -> list[GridPoint]:
+        """The repair sums of every run the repaired points to do need, per model (cached,
+        or one capture over S's shards), each run's sums put in the object store once.
+        A model whose repair capture fails fails its repaired points, with the reason;
+        the rest of `todo` is returned."""
+        import ray
+
+        from pipeline.scheduler import first_line
+        from pipeline.statistics import repair_statistics
+
+        by_model: dict[str, list[GridPoint]] = {}
+        for p in todo:
+            if p.repair != "none":
+                by_model.setdefault(p.model.label, []).append(p)
+        failed: set[str] = set()
+        for label, points in by_model.items():
+            plan = points[0].model
+            runs = sorted({r for p in points for r in p.runs})
+            try:
+                rs = repair_statistics(
+                    self.spec, plan, self.shards[label], runs, self.run_dir, self.force
+                )
+            except Exception as exc:  # noqa: BLE001 - the job goes on without this model's repairs
+                cause = first_line(exc)
+                for p in points:
+                    failed.add(p.key)
+                    self.summary.failed.append(f"{label}/{p.label}/{p.budget}: {cause}")
+                    self.events("point_failed", grid_key=p.key, error=str(exc)[-4000:], cause=cause)
+                self.progress.note(f"repair statistics of {label} failed: {cause}")
+                continue
+            for run in runs:
+                self.repair_refs[(label, run)] = ray.put(rs.stats.subset([run]))
+            self.events(
+                "repair_capture",
+                model=label,
+                source=rs.source,
+                runs=[list(r) for r in runs],
+                passes=rs.passes,
+                seconds=round(rs.seconds, 3),
+                tokens=rs.stats.tokens,
+                file=rs.location,
+            )
+            where = (
+                "from the cache"
+                if rs.source == "cache"
+                else (f"captured in {rs.seconds:.1f} s, {rs.passes} pass(es)")
+            )
+            self.progress.note(
+                f"repair statistics {label}: {len(runs)} run(s) for {len(points)} "
+                f"variant(s), {where}"
+            )
+        return [p for p in todo if p.key not in failed]
 
     def todo(self, points: list[GridPoint]) -> list[GridPoint]:
         """Points not yet in the catalog (all with `force`); replaced rows lose their run."""

@@ -59,7 +59,7 @@ TAG_COLUMNS = (
     "job", "model", "model_ref", "family", "fingerprint", "dtype", "n_blocks", "method",
     "method_label", "variant", "options", "budget", "pruned_layers", "kept_layers", "rls",
     "k", "stats_file", "calibration", "checkpoint", "params", "eval_backend", "acc_avg",
-    "speedup", "ppl_ratio", "degraded",
+    "speedup", "ppl_ratio", "degraded", "repair", "repair_residual",
 )  # fmt: skip
 
 

@@ -20,6 +20,9 @@ from typing import Any
 from lorp import Selection, select_layers
 from lorp.architectures import architecture_for
 from lorp.methods import resolve_budget, validate_options
+from lorp.repair import DEFAULT_RIDGE
+from lorp.repair_stats import FORMAT_VERSION as REPAIR_FORMAT
+from lorp.repair_stats import contiguous_runs
 from lorp.similarity import FORMAT_VERSION, SimilarityStats
 from lorp.sources import Kind, materialize, parse_model_ref, read_config
 from pipeline.spec import EvaluationSpec, JobSpec, MethodSpec, ModelSpec, SpecError
@@ -48,6 +51,8 @@ class ModelPlan:
     ref: str
     """The reference as parsed (a local path expanded), what every worker resolves."""
     kind: Kind
+    tied_embeddings: bool = False
+    """The LM head is the embedding matrix (a repair run from block 0 cannot fold)."""
 
     @property
     def label(self) -> str:
@@ -71,6 +76,8 @@ class GridPoint:
     selection: Selection | None
     select_s: float = 0.0
     """Wall time of the selection (loss-guided methods: their candidate evaluations)."""
+    repair: str = "none"
+    """none, or linear: the variant's gaps closed by `lorp.repair` (fitted in its task)."""
 
     @property
     def is_dense(self) -> bool:
@@ -82,7 +89,16 @@ class GridPoint:
 
     @property
     def label(self) -> str:
-        return self.method.key if self.method else "dense"
+        """The catalog's `method_label`: the method's key, `+linear` when repaired, so a
+        variant and its repaired twin are two slots side by side."""
+        if not self.method:
+            return "dense"
+        return self.method.key if self.repair == "none" else f"{self.method.key}+{self.repair}"
+
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        """The maximal runs of removed blocks (what a linear repair fits one map for)."""
+        return contiguous_runs(self.layers, self.model.n_blocks) if self.layers else []
 
     @property
     def budget(self) -> int:
@@ -127,8 +143,33 @@ def evaluation_key(spec: EvaluationSpec, backend: str) -> dict[str, Any]:
     return {**fields, "backend": backend}
 
 
-def grid_key(model_key: str, point: str, options: Mapping[str, Any], budget: int, ev: Any) -> str:
-    return content_key(model_key, point, dict(options), budget, ev)
+def grid_key(
+    model_key: str,
+    point: str,
+    options: Mapping[str, Any],
+    budget: int,
+    ev: Any,
+    repair: str = "none",
+) -> str:
+    """A point's key; an unrepaired point's key is what it was before repair existed, so
+    catalogs and caches of earlier runs stay valid."""
+    if repair == "none":
+        return content_key(model_key, point, dict(options), budget, ev)
+    fit = {"repair": repair, "ridge": DEFAULT_RIDGE, "fit": "one-pass", "format": REPAIR_FORMAT}
+    return content_key(model_key, point, dict(options), budget, ev, fit)
+
+
+def repair_refusal(plan: ModelPlan, layers: tuple[int, ...]) -> str | None:
+    """Why `layers` of `plan`'s model cannot be repaired (one line), or None. Every
+    supported family has an exact fold (`lorp.repair`); what remains is a run from block
+    0 when the embeddings are tied to the LM head (`lorp.repair.check_repairable`)."""
+    if layers and min(layers) == 0 and plan.tied_embeddings:
+        e = contiguous_runs(layers, plan.n_blocks)[0][1]
+        return (
+            f"run 0-{e} starts at block 0 and {plan.label} ties its embeddings to the LM "
+            "head: no weight takes the map without changing the logits"
+        )
+    return None
 
 
 # -- models ------------------------------------------------------------------------------
@@ -169,7 +210,16 @@ def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
             raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
     fingerprint = fingerprint_checkpoint(path)
     resolved = tuple(sorted(set(budgets)))
-    return ModelPlan(m, path, fingerprint, n, family, resolved, mref.ref, mref.kind)
+    tied = _tied_embeddings(path, m) if "linear" in spec.repair else False
+    return ModelPlan(m, path, fingerprint, n, family, resolved, mref.ref, mref.kind, tied)
+
+
+def _tied_embeddings(path: Path, m: ModelSpec) -> bool:
+    """From the model's config class (config.json may leave it to the class default)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=m.trust_remote_code)
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def _check_context(spec: JobSpec, m: ModelSpec, max_pos: int | None) -> None:
@@ -220,9 +270,16 @@ def similarity_selector(stats: SimilarityStats, profile: Any = None) -> Selector
 
 
 def plan_points(
-    spec: JobSpec, plan: ModelPlan, model_key: str, backend: str, select: Selector
+    spec: JobSpec,
+    plan: ModelPlan,
+    model_key: str,
+    backend: str,
+    select: Selector,
+    refused: Callable[[GridPoint, str], None] | None = None,
 ) -> list[GridPoint]:
-    """The dense point (when evaluating) and one point per budget x method, selected now."""
+    """The dense point (when evaluating) and one point per budget x method x repair, each
+    selection made once for all its repairs. A repaired point whose runs cannot fold is
+    left out and passed to `refused` with the reason."""
     ev = evaluation_key(spec.evaluation, backend) if spec.evaluation.enabled else None
     points = []
     if spec.evaluation.enabled:
@@ -230,6 +287,13 @@ def plan_points(
     for budget in plan.budgets:
         for m in spec.methods:
             sel, seconds = select(m, budget)
-            key = grid_key(model_key, m.name, sel.to_dict()["options"], budget, ev)
-            points.append(GridPoint(key, plan, m, sel, seconds))
+            options = sel.to_dict()["options"]
+            for repair in spec.repair:
+                key = grid_key(model_key, m.name, options, budget, ev, repair)
+                point = GridPoint(key, plan, m, sel, seconds, repair)
+                why = repair_refusal(plan, sel.layers) if repair != "none" else None
+                if why is None:
+                    points.append(point)
+                elif refused is not None:
+                    refused(point, why)
     return points

@@ -40,6 +40,8 @@ class PointResult:
     seconds: float = 0.0
     zero_shot: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per task: the split and item count scored (also `n_<task>` in `metrics`)."""
+    repair: list[dict[str, Any]] = field(default_factory=list)
+    """Per repaired run: `lorp.repair.RunFit.record()` (form, lambda, residuals)."""
 
 
 @dataclass
@@ -56,6 +58,8 @@ class RunSummary:
     skipped: int = 0
     failed: list[str] = field(default_factory=list)
     degraded: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    """Repaired variants not made, with the reason (`pipeline.plan.repair_refusal`)."""
     storage: str | None = None
     """The job's storage when it is not the run directory."""
 
@@ -113,7 +117,22 @@ def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
         grid_key=point.key,
         job=spec.name,
         calibration=asdict(spec.calibration),
+        repair=repair_record(point),
     )
+
+
+def repair_record(point: GridPoint) -> dict[str, Any] | None:
+    """How a repaired point's maps are fitted (the task adds each run's fit)."""
+    if point.repair == "none":
+        return None
+    from lorp.repair import DEFAULT_RIDGE
+
+    return {
+        "method": point.repair,
+        "ridge": DEFAULT_RIDGE,
+        "lambda": "ridge x tr(A_s) / d per run, pulling each map towards the unrepaired one",
+        "fit": "one pass of calibration statistics on dense inputs (pipeline capture workers)",
+    }
 
 
 def point_params(point: GridPoint) -> dict[str, Any]:
@@ -125,6 +144,7 @@ def point_params(point: GridPoint) -> dict[str, Any]:
         "budget": point.budget,
         "pruned_layers": list(point.layers),
         "kept_layers": kept_layers(point.model.n_blocks, point.layers),
+        "repair": point.repair,
     }
 
 
@@ -173,6 +193,8 @@ def catalog_row(
         "pruned_layers": list(point.layers),
         "kept_layers": result.kept,
         "stages": json.dumps(details["stages"]) if details.get("stages") else None,
+        "repair": point.repair if point.selection else None,
+        "repair_fits": json.dumps(result.repair) if result.repair else None,
         "rls": facts.rls,
         "k": int(k) if k is not None else None,
         "labels": facts.labels,
@@ -191,6 +213,8 @@ def catalog_row(
         "lorp_version": lorp.__version__,
     }
     row |= {"n_evals": float(point.n_evals), "select_s": point.select_s}
+    if result.repair:  # the worst run's share of its gap the repair left, on calibration
+        row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
 
 

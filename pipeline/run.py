@@ -2,7 +2,9 @@
 
 Per model: calibration shards once, S once (cached by content key), the model's profile
 (RLS, K, clusters) once; then per (budget, method) a selection in the driver
-(milliseconds) and a Ray task for surgery, saving and evaluation; then a speed pass that
+(milliseconds); the linear repair's sums for every run those selections remove, once per
+model on the capture workers (cached); and per (budget, method, repair) a Ray task for
+repair fit and fold, surgery, saving and evaluation; then a speed pass that
 times every variant against its dense model on a whole node. Points already in the catalog
 are skipped, so a rerun resumes; `force` redoes them. A point's catalog row is written
 before its MLflow run is closed, so a driver killed at any moment leaves a state the next
@@ -39,6 +41,7 @@ def run_job(spec: JobSpec, *, force: bool = False, progress: Progress | None = N
     job.events("grid", points=len(points), todo=len(todo), skipped=job.summary.skipped)
     job.progress.grid(len(todo), job.summary.skipped)
     try:
+        todo = job.prepare_repairs(todo)  # once per model, after its selections
         run_grid(job, todo, backend)
         run_speed(job, points)
         run_quality_gate(job, points)

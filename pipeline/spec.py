@@ -143,9 +143,16 @@ class ResourcesSpec:
     worker that never gets a node only goes unused."""
     speed: Resources | None = None
     """Per speed-pass task (one per model, after the grid); default: a whole node."""
+    repair_memory_gib: float = 4.0
+    """Memory of the repair sums one capture worker holds in a pass: one d x d float64
+    per run start and per run (134 MB each at d = 4096, 2.7 MB at d = 576). Runs beyond
+    it take further passes over the worker's shards, so a worker's memory stays bounded."""
 
     def __post_init__(self) -> None:
         _positive("max_concurrent_points", self.max_concurrent_points)
+        if not _is_number(self.repair_memory_gib) or not self.repair_memory_gib > 0:
+            value = self.repair_memory_gib
+            raise SpecError(f"repair_memory_gib: must be a number > 0, got {value!r}")
         if self.capture_workers is not None:
             _positive("capture_workers", self.capture_workers)
 
@@ -171,6 +178,7 @@ class TrackingSpec:
 
 
 BACKENDS = ("auto", "transformers", "vllm")
+REPAIRS = ("none", "linear")
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,11 @@ class JobSpec:
     """MLflow settings."""
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     """What to measure on every pruned checkpoint."""
+    repair: tuple[str, ...] = REPAIRS
+    """A grid dimension: `none` keeps each pruned variant as it is; `linear` also makes
+    its repaired twin (`lorp.repair`: one least-squares map per run of removed blocks,
+    fitted from calibration statistics and folded into block s-1's weights; same
+    architecture and parameter count). Both by default."""
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -285,6 +298,17 @@ class JobSpec:
         _unique("models", [m.label for m in self.models])
         _unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
         _unique("budgets", list(self.budgets))
+        if not self.repair:
+            raise SpecError("repair: at least one of none, linear is needed")
+        for i, r in enumerate(self.repair):
+            if r not in REPAIRS:
+                raise SpecError(f"repair[{i}]: must be one of {', '.join(REPAIRS)}, got {r!r}")
+        _unique("repair", list(self.repair))
+        for i, m in enumerate(self.methods):
+            if "+" in m.key:
+                raise SpecError(
+                    f"methods[{i}].label: {m.key!r} has a '+', which names repaired variants"
+                )
         if (
             self.evaluation.enabled
             and self.evaluation.backend == "vllm"

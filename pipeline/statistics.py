@@ -1,5 +1,7 @@
 """A model's similarity statistics S: calibration windows, the content-keyed cache, and
-the distributed capture when the cache misses. Once per model, whatever the grid.
+the distributed capture when the cache misses. Once per model, whatever the grid. Then,
+once the selections are known, the linear repair's sums for every run they remove, on
+the same shards and the same capture workers, cached the same way.
 
 The cache key covers the weights (fingerprint), the calibration set (corpus content,
 sampling, BOS policy), the capture dtype and the statistics format, so the same checkpoint
@@ -22,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from lorp.cache import cache_root
+from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
 from pipeline.calibration import CalibrationShards, read_shard, write_shards
 from pipeline.model_source import model_source
-from pipeline.plan import ModelPlan
+from pipeline.plan import ModelPlan, content_key
 from pipeline.spec import JobSpec
 from pipeline.storage import Storage
-from pipeline.workers import CaptureTask, Shard, distributed_capture
+from pipeline.workers import CaptureTask, Shard, distributed_capture, distributed_repair_capture
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class ModelStats:
     seconds: float
     location: str = ""
     """Where the cache keeps it (the catalog's `stats_file`): a path or a storage URI."""
+    shards: CalibrationShards | None = None
+    """The calibration shards S came from (the repair's sums read the same tokens)."""
 
 
 def stats_store(spec: JobSpec) -> Storage:
@@ -58,7 +63,7 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
     store, name = stats_store(spec), f"{plan.stats_key(shards.fingerprint)}.npz"
     local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
     if not force and store.get_file(name, local):
-        return ModelStats(_cached(local, plan), local, "cache", 0.0, store.uri(name))
+        return ModelStats(_cached(local, plan), local, "cache", 0.0, store.uri(name), shards)
     start = time.perf_counter()
     task = capture_task(spec, plan, shards)
     stats = distributed_capture(task, load_shards(shards), spec.resources.capture_workers)
@@ -66,7 +71,67 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
     stats.extra.update({"capture_seconds": seconds, "dtype": plan.spec.dtype})
     stats.to_file(local)
     store.put_file(local, name)
-    return ModelStats(stats, local, "computed", seconds, store.uri(name))
+    return ModelStats(stats, local, "computed", seconds, store.uri(name), shards)
+
+
+@dataclass(frozen=True)
+class ModelRepairStats:
+    stats: RepairStats
+    source: str
+    """"cache" or "computed"."""
+    seconds: float
+    passes: int
+    """Passes over the shards the capture made (0 from the cache)."""
+    location: str
+
+
+def repair_statistics(
+    spec: JobSpec,
+    plan: ModelPlan,
+    shards: CalibrationShards,
+    runs: list[tuple[int, int]],
+    run_dir: Path,
+    force: bool,
+) -> ModelRepairStats:
+    """The repair sums of every run `plan`'s repaired points need, over S's calibration
+    shards, from the cache or computed by capture workers: one model load per worker,
+    as few passes as `resources.repair_memory_gib` allows (runs deduplicated across
+    methods and budgets; runs from one start share A_s)."""
+    from lorp.repair_stats import FORMAT_VERSION, repair_passes
+
+    runs = sorted(set(runs))
+    key = content_key(plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs)
+    store, name = stats_store(spec), f"repair-{key}.npz"
+    local = store.local_path(name) or run_dir / "stats" / name
+    if not force and store.get_file(name, local):
+        stats = RepairStats.from_file(local)
+        if stats.model_fingerprint != plan.fingerprint or stats.runs != runs:
+            raise ValueError(f"cached repair statistics {str(local)!r} are not {plan.label}'s")
+        return ModelRepairStats(stats, "cache", 0.0, 0, store.uri(name))
+    start = time.perf_counter()
+    hidden = _hidden_size(plan)
+    budget = int(spec.resources.repair_memory_gib * 2**30)
+    try:
+        passes = repair_passes(runs, hidden, budget)
+    except ValueError as exc:
+        raise ValueError(f"resources.repair_memory_gib: {exc}") from None
+    task = capture_task(spec, plan, shards)
+    stats = distributed_repair_capture(
+        task, load_shards(shards), passes, spec.resources.capture_workers
+    )
+    seconds = time.perf_counter() - start
+    stats.extra.update({"capture_seconds": seconds, "passes": len(passes)})
+    stats.to_file(local)
+    store.put_file(local, name)
+    return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name))
+
+
+def _hidden_size(plan: ModelPlan) -> int:
+    from lorp.sources import read_config
+
+    config = read_config(plan.path)
+    text = config.get("text_config") or {}
+    return int(config.get("hidden_size") or text["hidden_size"])
 
 
 def capture_task(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> CaptureTask:

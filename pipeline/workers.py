@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
 from pipeline.faults import maybe_fail
 from pipeline.model_source import ModelSource, load_checked
@@ -91,30 +92,48 @@ class CaptureWorker:
         return True
 
     def capture(self, windows: np.ndarray, name: str) -> SimilarityStats:
-        import torch
-
         from lorp.capture import capture_stats
 
         maybe_fail("capture", name)
-        ids = torch.from_numpy(np.asarray(windows, dtype=np.int64))
-        size = self.task.batch_size
-        batches = [ids[i : i + size] for i in range(0, len(ids), size)]
         return capture_stats(
             self.model,
-            batches,
+            self._batches(windows),
             model_fingerprint=self.task.model.fingerprint,
             calibration_fingerprint=self.task.calibration,
             skip_prefix=self.task.skip_prefix,
             progress=False,
         )
 
+    def repair(self, windows: np.ndarray, name: str, runs: list[tuple[int, int]]) -> RepairStats:
+        """The partial repair sums of `runs` over one shard (dense inputs, one pass)."""
+        from lorp.repair_stats import capture_repair_stats
+
+        maybe_fail("repair", name)
+        return capture_repair_stats(
+            self.model,
+            self._batches(windows),
+            runs,
+            skip_prefix=self.task.skip_prefix,
+            model_fingerprint=self.task.model.fingerprint,
+            calibration_fingerprint=self.task.calibration,
+            progress=False,
+        )
+
+    def _batches(self, windows: np.ndarray) -> list[Any]:
+        import torch
+
+        ids = torch.from_numpy(np.asarray(windows, dtype=np.int64))
+        size = self.task.batch_size
+        return [ids[i : i + size] for i in range(0, len(ids), size)]
+
 
 @ray.remote(num_cpus=0)
-def merge_pair(a: SimilarityStats, b: SimilarityStats) -> SimilarityStats:
+def merge_pair(a: Any, b: Any) -> Any:
+    """Two partials of the same statistics (`SimilarityStats` or `RepairStats`) merged."""
     return a.merge(b)
 
 
-def tree_reduce(refs: list[Any]) -> SimilarityStats:
+def tree_reduce(refs: list[Any]) -> Any:
     """Merge partial statistics pairwise in Ray; the driver fetches only the result."""
     if not refs:
         raise ValueError("no partial statistics to merge")
@@ -130,12 +149,8 @@ def capture_workers(n_shards: int, workers: int | None) -> int:
     return max(1, min(n_shards, workers or n_shards))
 
 
-def distributed_capture(
-    task: CaptureTask, shards: list[Shard], workers: int | None = None
-) -> SimilarityStats:
-    """S over all shards, spread over capture workers (SPREAD: across nodes where it can)."""
-    n = capture_workers(len(shards), workers)
-    actors = [
+def _start_workers(task: CaptureTask, n: int) -> list[Any]:
+    return [
         CaptureWorker.options(
             num_cpus=task.resources.num_cpus,
             num_gpus=task.resources.num_gpus,
@@ -145,38 +160,75 @@ def distributed_capture(
         ).remote(task)
         for _ in range(n)
     ]
+
+
+def distributed_capture(
+    task: CaptureTask, shards: list[Shard], workers: int | None = None
+) -> SimilarityStats:
+    """S over all shards, spread over capture workers (SPREAD: across nodes where it can)."""
+    actors = _start_workers(task, capture_workers(len(shards), workers))
     try:
-        return tree_reduce(_dispatch(actors, shards))
+        jobs = [("capture", (ref, s.name)) for ref, s in _put(shards)]
+        return tree_reduce(_dispatch(actors, jobs))
     finally:
         for actor in actors:
             ray.kill(actor)
 
 
-def _dispatch(actors: list[Any], shards: list[Shard]) -> list[Any]:
-    """Each shard to the next free worker that has started; the partials' refs. Once all
-    shards are handed out, each worker that falls idle goes at once, and so do those
-    still starting: their CPUs let a restarted worker (retrying the shard it died on)
-    come back, and an autoscaler stops asking for nodes nobody needs."""
-    queue = deque((ray.put(s.windows), s.name) for s in shards)
+def distributed_repair_capture(
+    task: CaptureTask,
+    shards: list[Shard],
+    passes: list[list[tuple[int, int]]],
+    workers: int | None = None,
+) -> RepairStats:
+    """The repair sums of every run in `passes` over all shards: each worker loads the
+    model once and makes one pass per group of runs over each shard it takes (a group's
+    sums fit the worker's memory budget, `lorp.repair_stats.repair_passes`); each group's
+    partials merge in their own tree, and the groups join into one object."""
+    actors = _start_workers(task, capture_workers(len(shards), workers))
+    try:
+        put = _put(shards)
+        jobs = [("repair", (ref, s.name, runs)) for runs in passes for ref, s in put]
+        partials = _dispatch(actors, jobs)
+        n = len(put)
+        groups = [tree_reduce(partials[i * n : (i + 1) * n]) for i in range(len(passes))]
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    return RepairStats.join(groups)
+
+
+def _put(shards: list[Shard]) -> list[tuple[Any, Shard]]:
+    """Every shard's windows in the object store once, however many passes read them."""
+    return [(ray.put(s.windows), s) for s in shards]
+
+
+def _dispatch(actors: list[Any], jobs: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+    """Each job (a worker method and its arguments) to the next free worker that has
+    started; the results' refs, in job order. Once all jobs are handed out, each worker
+    that falls idle goes at once, and so do those still starting: their CPUs let a
+    restarted worker (retrying the job it died on) come back, and an autoscaler stops
+    asking for nodes nobody needs."""
+    queue = deque(enumerate(jobs))
     starting = {actor.ready.remote(): actor for actor in actors}
-    busy: dict[Any, Any] = {}
-    partials: list[Any] = []
+    busy: dict[Any, tuple[Any, int]] = {}
+    results: list[Any] = [None] * len(jobs)
     while queue or busy:
         ref = ray.wait([*starting, *busy], num_returns=1)[0][0]
         if ref in starting:
             actor = starting.pop(ref)
             ray.get(ref)  # a worker that cannot load the model fails the capture here
         else:
-            actor = busy.pop(ref)
-            partials.append(ref)
+            actor, i = busy.pop(ref)
+            results[i] = ref
         if queue:
-            windows, name = queue.popleft()
-            busy[actor.capture.remote(windows, name)] = actor
+            i, (method, args) = queue.popleft()
+            busy[getattr(actor, method).remote(*args)] = (actor, i)
             continue
         for idle in [actor, *starting.values()]:
             ray.kill(idle)  # its partial stays in the object store: the driver owns it
         starting.clear()
-    return partials
+    return results
 
 
 # -- grid points -------------------------------------------------------------------------
@@ -198,10 +250,24 @@ class PointTask:
     resources: Resources = field(default_factory=Resources)
     backend: str = "transformers"
     """none, transformers (the model in memory) or vllm (an engine over the checkpoint)."""
+    repair: RepairTask | None = None
+    """The point's linear repair; None: the blocks are only dropped."""
+
+
+@dataclass(frozen=True)
+class RepairTask:
+    """What a repaired point needs: its runs' statistics (object-store refs, one per run,
+    so a point fetches only the sums of its own runs) and the ridge."""
+
+    runs: tuple[tuple[int, int], ...]
+    stats: tuple[Any, ...]
+    """One ObjectRef of a one-run `RepairStats` per run, in `runs` order."""
+    ridge: float
 
 
 def execute_point(task: PointTask) -> PointResult:
-    """Drop the blocks, save the checkpoint, evaluate; `layers=()` is the dense model."""
+    """Fit and fold the repair (if any), drop the blocks, save the checkpoint, evaluate;
+    `layers=()` is the dense model."""
     from lorp.surgery import drop_layers
     from pipeline.speed import count_params
 
@@ -209,17 +275,47 @@ def execute_point(task: PointTask) -> PointResult:
     start = time.perf_counter()
     lm = load_checked(task.model, _device(task.resources))
     params_dense = count_params(lm.model)
+    fits = _repair(task, lm.model) if task.repair else []
     kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
     params = count_params(lm.model)
+    records = [f.record() for f in fits]
+    provenance = task.provenance
+    if task.repair:
+        provenance = {**provenance, "repair": {**(provenance.get("repair") or {}), "runs": records}}
     with scratch_dir() as scratch:
-        saved = _save_checkpoint(task, lm, scratch)
+        saved = _save_checkpoint(task, lm, scratch, provenance)
         metrics = _evaluate(task, lm, saved or lm.path)
     seconds = time.perf_counter() - start
     info = _zero_shot_info(task.evaluation, metrics)
-    return PointResult(task.grid_key, kept, int(params), int(params_dense), metrics, seconds, info)
+    return PointResult(
+        task.grid_key, kept, int(params), int(params_dense), metrics, seconds, info, records
+    )
 
 
-def _save_checkpoint(task: PointTask, lm: Any, scratch: Path) -> Path | None:
+def _repair(task: PointTask, model: Any) -> list[Any]:
+    """Fit every run's map from its statistics and fold it into the dense model, here,
+    where the checkpoint is made (the fits need the model's own norm weights)."""
+    from lorp.repair import check_repairable, fit_runs, fold
+
+    rt = task.repair
+    assert rt is not None
+    check_repairable(model, task.layers)  # RepairRefused: the point fails with its reason
+    fits = []
+    for run, ref in zip(rt.runs, rt.stats, strict=True):
+        stats = ray.get(ref)
+        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
+            raise ValueError(
+                f"repair statistics of run {run[0]}-{run[1]} belong to another model or run "
+                f"({stats.model_fingerprint}, {stats.runs})"
+            )
+        fits += fit_runs(model, stats, ridge=rt.ridge)
+    fold(model, fits)
+    return fits
+
+
+def _save_checkpoint(
+    task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any]
+) -> Path | None:
     """The saved checkpoint's local directory: in a filesystem storage itself (written
     atomically), else in this node's scratch, uploaded (marker last) before evaluation."""
     if not (task.checkpoint and task.layers):
@@ -229,7 +325,7 @@ def _save_checkpoint(task: PointTask, lm: Any, scratch: Path) -> Path | None:
     maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
-    save_pruned(lm.model, lm.tokenizer, local, task.provenance, overwrite=True)
+    save_pruned(lm.model, lm.tokenizer, local, provenance, overwrite=True)
     if storage.remote:
         storage.put_dir(local, task.checkpoint)
     return local

@@ -25,6 +25,7 @@ def tiny_job(root: Path, model: Path, name: str = "grid", **overrides: Any) -> d
             "batch_size": 2,
         },
         "evaluation": {"enabled": False},
+        "repair": ["none"],  # repaired twins are the repair tests' (test_pipeline_repair.py)
     }
     return spec | overrides
 

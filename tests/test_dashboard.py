@@ -49,6 +49,7 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
         # are written in by `with_gate_and_accuracy`, as accuracy is.
         "evaluation": {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         "save_checkpoints": False,
+        "repair": ["none"],
     }
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:

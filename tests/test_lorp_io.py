@@ -93,8 +93,10 @@ def test_provenance_has_one_layout() -> None:
             "grid_key",
             "job",
             "calibration",
+            "repair",
         }
     )
+    assert manual["repair"] is None  # set only by a repaired grid point
     assert manual["pruned"] == grid["pruned"] == [1, 4] and manual["kept"] == [0, 2, 3, 5]
     assert manual["lorp_version"] == lorp.__version__ and manual["grid_key"] is None
     assert grid["options"]["thresholds"] == [1.0, 0.7] and grid["details"] == {"rls": None}

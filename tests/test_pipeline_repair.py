@@ -1,0 +1,179 @@
+"""Linear repair as a grid dimension: sums on Ray capture workers, fit and fold in the
+point's task, and the repaired twin everywhere a variant shows (catalog, checkpoint,
+provenance, MLflow, registry), on a real local Ray and sqlite MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from job_specs import tiny_job
+from mlflow.tracking import MlflowClient
+from tiny_models import save_tiny_ptb
+from transformers import AutoModelForCausalLM
+
+from lorp.repair import fit_runs, fold
+from lorp.repair_stats import capture_repair_stats, contiguous_runs
+from lorp.surgery import drop_layers
+from pipeline.calibration import read_shard
+from pipeline.catalog import read_catalog
+from pipeline.faults import FAULT_MARKER_ENV, SITE_ENV
+from pipeline.plan import GridPoint, ModelPlan, plan_points
+from pipeline.records import EventLog
+from pipeline.run import run_job
+from pipeline.spec import SpecError, parse_spec
+
+pytestmark = [pytest.mark.integration]
+
+
+def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 (a norm after the MLP: the orthogonal fold, 1 + w weights, tied
+    embeddings). A repair worker dies on its first shard and is retried; the repaired
+    checkpoint still equals the dense model repaired in one process from the same
+    windows, so the sharded, retried sums are exactly one pass's."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv(SITE_ENV["repair"], "shard-0000.parquet")
+    monkeypatch.setenv(FAULT_MARKER_ENV, str(tmp_path / "fault"))
+    model = save_tiny_ptb("gemma3_text", tmp_path / "gemma3")
+    spec = tiny_job(
+        tmp_path,
+        model,
+        "repair",
+        budgets=[2],
+        methods=[{"name": "shortgpt"}, {"name": "streamline"}],
+        repair=["none", "linear"],
+        evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
+        ray={"num_cpus": 2},
+    )
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        summary = run_job(parse_spec(spec))
+        again = run_job(parse_spec(spec))
+    finally:
+        ray.shutdown()
+    assert summary.done == 5 and not summary.failed and not summary.refused
+    assert (tmp_path / "fault.repair").is_file()  # the worker did die once
+
+    run_dir = tmp_path / "repair"
+    rows = {r["method_label"]: r for r in read_catalog(run_dir / "catalog.parquet")}
+    assert sorted(rows) == [
+        "dense",
+        "shortgpt",
+        "shortgpt+linear",
+        "streamline",
+        "streamline+linear",
+    ]
+    events = EventLog(run_dir / "events.jsonl").read()
+    captures = [e for e in events if e["event"] == "repair_capture"]
+    wanted = sorted(
+        {tuple(r) for m in ("shortgpt", "streamline") for r in _runs(rows[m]["pruned_layers"])}
+    )
+    assert [tuple(r) for r in captures[0]["runs"]] == wanted  # deduplicated across methods
+    assert captures[0]["source"] == "computed" and captures[0]["passes"] == 1
+
+    windows = torch.cat(
+        [read_shard(p) for p in sorted((run_dir / "calibration").glob("*/shard-*.parquet"))]
+    )
+    for method in ("shortgpt", "streamline"):
+        twin, repaired = rows[method], rows[f"{method}+linear"]
+        assert (twin["repair"], repaired["repair"]) == ("none", "linear")
+        assert repaired["pruned_layers"] == twin["pruned_layers"]
+        assert repaired["params"] == twin["params"] < twin["params_dense"]
+        config = lambda r: json.loads(Path(r["checkpoint"], "config.json").read_text())  # noqa: E731
+        assert config(repaired) == config(twin)
+        fits = json.loads(repaired["repair_fits"])
+        assert [tuple(f["run"]) for f in fits] == [tuple(r) for r in _runs(twin["pruned_layers"])]
+        for f in fits:
+            assert f["form"] == "normed" and 0 <= f["residual"] < f["unrepaired_residual"]
+        assert repaired["repair_residual"] == max(f["residual"] for f in fits)
+        prov = json.loads(Path(repaired["checkpoint"], "lorp_pruning.json").read_text())
+        assert prov["repair"]["method"] == "linear" and prov["repair"]["runs"] == fits
+        assert (
+            json.loads(Path(twin["checkpoint"], "lorp_pruning.json").read_text())["repair"] is None
+        )
+        _same_logits(model, windows, twin["pruned_layers"], Path(repaired["checkpoint"]))
+
+    client = MlflowClient(summary.tracking_uri)
+    run = client.get_run(rows["shortgpt+linear"]["mlflow_run_id"])
+    assert run.data.params["repair"] == "linear" and run.info.run_name == "shortgpt+linear-b2"
+    versions = client.search_model_versions("name='lorp-tiny'")
+    tags = {v.tags["method_label"]: v.tags for v in versions}
+    assert tags["streamline+linear"]["repair"] == "linear"
+    assert float(tags["streamline+linear"]["repair_residual"]) == pytest.approx(
+        rows["streamline+linear"]["repair_residual"]
+    )
+
+    # A rerun does nothing, and needs no repair statistics for it.
+    assert (again.done, again.skipped) == (0, 5)
+    assert (
+        len(
+            [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "repair_capture"]
+        )
+        == 1
+    )
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    return contiguous_runs(layers, 6)
+
+
+@torch.no_grad()
+def _same_logits(model: Path, windows: torch.Tensor, layers: list[int], saved: Path) -> None:
+    """The saved checkpoint's logits equal the dense model's, repaired here in one pass."""
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    batches = [windows[i : i + 4] for i in range(0, len(windows), 4)]
+    stats = capture_repair_stats(ref, batches, _runs(layers), progress=False)
+    fold(ref, fit_runs(ref, stats))
+    drop_layers(ref, layers)
+    got = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    ids = windows[:2]
+    expect = ref(ids).logits
+    assert len(got.model.layers) == 6 - len(layers)
+    assert torch.allclose(got(ids).logits, expect, atol=1e-4 * float(expect.abs().max()))
+
+
+def test_a_run_from_block_0_is_not_repaired_where_embeddings_are_tied(tmp_path: Path) -> None:
+    """Planning leaves the repaired twin out, with the reason; the pruned variant stays."""
+    from lorp.methods.registry import Selection
+
+    model = save_tiny_ptb("gemma3_text", tmp_path / "gemma3")
+    spec = parse_spec(
+        tiny_job(
+            tmp_path, model, budgets=[2], methods=[{"name": "shortgpt"}], repair=["none", "linear"]
+        )
+    )
+    plan = ModelPlan(spec.models[0], model, "fp", 6, "gemma3", (2,), str(model), "local", True)
+    picks = {2: (0, 1)}
+
+    def select(m, budget):  # type: ignore[no-untyped-def]
+        return Selection(picks[budget], m.name, budget, 6), 0.0
+
+    refused: list[tuple[GridPoint, str]] = []
+    points = plan_points(spec, plan, "key", "none", select, lambda p, why: refused.append((p, why)))
+    assert [p.label for p in points] == ["shortgpt"]
+    assert [p.label for p, _ in refused] == ["shortgpt+linear"]
+    assert "run 0-1 starts at block 0" in refused[0][1] and "ties its embeddings" in refused[0][1]
+
+    untied = ModelPlan(spec.models[0], model, "fp", 6, "gemma3", (2,), str(model), "local", False)
+    both = plan_points(spec, untied, "key", "none", select)
+    assert [p.label for p in both] == ["shortgpt", "shortgpt+linear"]
+    assert both[0].key != both[1].key and both[1].runs == [(0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("repair", "message"),
+    [
+        (["lineer"], "repair[0]: must be one of none, linear, got 'lineer'"),
+        ([], "repair: at least one of none, linear is needed"),
+        (["linear", "linear"], "repair: 'linear' appears twice"),
+    ],
+)
+def test_bad_repair_lists_fail_with_the_field(tmp_path: Path, repair: list, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(tiny_job(tmp_path, tmp_path / "m", repair=repair))
+    assert str(info.value) == message
