@@ -33,19 +33,24 @@ ONE_PASS = ("lorp", "lorp-released", "lorp-stage2", "shortgpt", "streamline", "a
 SLEB_SLACK = 1.25  # lorp-loss should be within this factor of SLEB's perplexity
 
 
-def run(models: list[str] | None) -> Path:
+def run(models: list[str] | None, methods: list[str] | None = None) -> Path:
+    import dataclasses
+
     from pipeline.cli import talk
     from pipeline.run import run_job
     from pipeline.spec import load_spec
 
     spec = load_spec(ROOT / "jobs" / "quality.yaml")
     if models:
-        import dataclasses
-
         keep = tuple(m for m in spec.models if m.label in models)
         if not keep:
             raise SystemExit(f"--models: none of {models} is in jobs/quality.yaml")
         spec = dataclasses.replace(spec, models=keep)
+    if methods:
+        chosen = tuple(m for m in spec.methods if m.key in methods)
+        if not chosen:
+            raise SystemExit(f"--methods: none of {methods} is in jobs/quality.yaml")
+        spec = dataclasses.replace(spec, methods=chosen)
     talk(False)
     summary = run_job(spec)
     return summary.catalog
@@ -93,9 +98,40 @@ def model_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def repair_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Per budget: the best repaired variant against dense, and the repaired LoRP's gate."""
+    dense = next((_ppl(r) for r in rows if r["method"] == "dense"), math.nan)
+    out = []
+    for b in sorted({r["budget"] for r in rows if r["budget"]}):
+        fixed = [r for r in rows if r["budget"] == b and (r.get("repair") or "none") != "none"]
+        if not fixed or not math.isfinite(dense):
+            continue
+        best = min(fixed, key=_ppl)
+        plain = {r["method_label"]: _ppl(r) for r in rows if r["budget"] == b}
+        gains = [
+            plain[r["method_label"].split("+")[0]] / _ppl(r)
+            for r in fixed
+            if r["method_label"].split("+")[0] in plain
+        ]
+        line = (
+            f"at {b} blocks the best repaired variant is {best['method_label']} at "
+            f"{_ppl(best):,.1f} = {_ppl(best) / dense:.2f}x dense; repair divides perplexity "
+            f"by {min(gains):.2f}-{max(gains):.2f}x"
+            if gains
+            else ""
+        )
+        lorp = next((r for r in fixed if r["method_label"] == "lorp+linear"), None)
+        if lorp is not None:
+            verdict = "fails" if lorp.get("degraded") else "passes"
+            line += f"; repaired LoRP {verdict} the quality gate ({_ppl(lorp) / dense:.2f}x)"
+        out.append(line)
+    return out
+
+
 def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """Where the paper's ranking (LoRP ahead of ShortGPT and Streamline) holds here, and
-    how `lorp-loss` compares with the best one-pass method and with SLEB."""
+    """Where the paper's ranking (LoRP ahead of ShortGPT and Streamline) holds here, how
+    `lorp-loss` compares with the best one-pass method and with SLEB, and what the linear
+    repair recovers."""
     out = []
     for b in sorted({r["budget"] for r in rows if r["budget"]}):
         at = {r["method_label"]: _ppl(r) for r in rows if r["budget"] == b}
@@ -121,7 +157,7 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
                 f"at {b} blocks lorp-loss / SLEB = {ratio:.2f} ({verdict} {SLEB_SLACK}x; "
                 f"SLEB {at['sleb']:,.1f})"
             )
-    return out
+    return out + repair_findings(rows)
 
 
 def render(catalog: Path, models: list[str] | None = None) -> str:
@@ -174,6 +210,7 @@ def bos_check() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", help="restrict to these model labels")
+    parser.add_argument("--methods", nargs="*", help="restrict to these method labels")
     parser.add_argument("--readme", help="write the tables into this README")
     parser.add_argument("--bos-check", action="store_true", help="Gemma 3 with and without BOS")
     parser.add_argument(
@@ -185,7 +222,7 @@ def main() -> int:
         return 0
     if args.from_catalog and not Path(args.from_catalog).is_file():
         raise SystemExit(f"--from-catalog: no such file {args.from_catalog}")
-    catalog = Path(args.from_catalog) if args.from_catalog else run(args.models)
+    catalog = Path(args.from_catalog) if args.from_catalog else run(args.models, args.methods)
     text = render(catalog, args.models if args.from_catalog else None)
     print(text)
     if args.readme:

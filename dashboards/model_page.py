@@ -17,6 +17,7 @@ from dashboards.components import (
     interval_td,
     jobs_section,
     link,
+    num,
     page,
     row_class,
     sortable,
@@ -149,6 +150,54 @@ def perplexity_table(t: View) -> Markup | None:
     return _variant_table("Perplexity (Table 2 layout)", t, cells, head, caption)
 
 
+def repair_table(mv: View) -> Markup | None:
+    """Pruned vs repaired, side by side: what the linear repair bought each variant."""
+    pairs, metric = mv["repairs"], mv["repair_metric"]
+    if not pairs or not metric:
+        return None
+    head = [
+        th("method", left=True),
+        th("L", el("sub", "p"), "/L", el("sub", "t")),
+        th(f"pruned {metric}"),
+        th(f"repaired {metric}"),
+        th("gain"),
+        th("residual"),
+    ]
+
+    def verdict(value: float | None, degraded: bool | None) -> Markup:
+        if not degraded:
+            return value_td(value)
+        badge = el("span", "degraded", class_="badge degraded", title="failed the quality gate")
+        return td(num(value), " ", badge, data_v="" if value is None else value)
+
+    rows = [
+        el(
+            "tr",
+            td(f"{v['label']} +{v['repair']}", left=True),
+            td(f"{v['budget']}/{v['n_blocks']}"),
+            verdict(v["pruned"], v["pruned_degraded"]),
+            verdict(v["repaired"], v["repaired_degraded"]),
+            value_td(v["gain"], 2),
+            value_td(v["residual"], 3),
+            class_="repair-pair",
+        )
+        for v in pairs
+    ]
+    dense = mv["dense_metric"]
+    caption = (
+        "Each repaired variant beside its unrepaired twin (same blocks removed): one linear "
+        "map per run of removed blocks, fitted in closed form on the calibration tokens and "
+        "folded into block s-1's weights, so both have the same architecture and size. "
+        "Gain = pruned / repaired perplexity; residual = the worst run's share of its gap "
+        "the map leaves on calibration tokens (0: closed, 1: as pruned)."
+    )
+    if dense is not None:
+        caption += f" Dense: {dense:,.2f}."
+    return frag(
+        el("h2", "Pruned vs repaired"), sortable(head, rows), el("p", caption, class_="muted")
+    )
+
+
 def accuracy_table(t: View) -> Markup | None:
     if not t["acc_cols"]:
         return None
@@ -232,6 +281,7 @@ def model_page(mv: View, S: np.ndarray | None, profiles: Mapping[str, np.ndarray
         clusters(mv),
         layer_maps(mv),
         perplexity_table(t),
+        repair_table(mv),
         accuracy_table(t),
         speed_table(t),
         tradeoff_figures(mv),

@@ -357,6 +357,42 @@ def tradeoffs(dense: Row | None, points: Sequence[Row]) -> list[View]:
     return out
 
 
+def repair_of(row: Row) -> str:
+    """none or linear (`repair` column; catalogs older than the repair have none)."""
+    return str(row.get("repair") or "none")
+
+
+def repair_pairs(points: Sequence[Row], metric: str | None) -> list[View]:
+    """Every repaired variant beside its unrepaired twin (same method, budget and blocks):
+    the figure both have on `metric`, the gain (pruned / repaired), each one's gate
+    verdict and the fit's worst residual on calibration tokens. Empty without repairs."""
+    plain = {(r["method_label"], r["budget"]): r for r in points if repair_of(r) == "none"}
+    out = []
+    for r in points:
+        kind = repair_of(r)
+        if kind == "none":
+            continue
+        base = r["method_label"].removesuffix(f"+{kind}")
+        twin = plain.get((base, r["budget"]))
+        before = finite(twin.get(metric)) if twin and metric else None
+        after = finite(r.get(metric)) if metric else None
+        out.append(
+            {
+                "label": base,
+                "repair": kind,
+                "budget": r["budget"],
+                "n_blocks": r["n_blocks"],
+                "pruned": before,
+                "repaired": after,
+                "gain": before / after if before is not None and after else None,
+                "pruned_degraded": is_degraded(twin) if twin else None,
+                "repaired_degraded": is_degraded(r),
+                "residual": finite(r.get("repair_residual")),
+            }
+        )
+    return sorted(out, key=lambda v: (v["label"], v["budget"]))
+
+
 def model_view(
     model: str,
     rows: Sequence[Row],
@@ -381,5 +417,8 @@ def model_view(
         "variants": [variant_view(r, tracking, mlflow_ui) for r in points],
         "tables": metric_tables(ordered, tracking, mlflow_ui),
         "tradeoffs": tradeoffs(dense, points),
+        "repairs": repair_pairs(points, ppl_metric(rows)),
+        "repair_metric": ppl_metric(rows),
+        "dense_metric": finite(dense.get(ppl_metric(rows) or "")) if dense else None,
         "jobs": tracking_view({j: tracking.get(j, NO_TRACKING) for j in jobs}, mlflow_ui),
     }

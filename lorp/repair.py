@@ -174,6 +174,30 @@ def residual_of(A: torch.Tensor, B: torch.Tensor, energy: float, T: torch.Tensor
     return max(value, 0.0) / energy
 
 
+def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[Run, float]:
+    """For every run of `stats`: ||Y + X T - H_e||^2 / ||H_e||^2, the error its fitted
+    map leaves relative to the state it aims at, so runs at different depths compare.
+
+    No model needed: T0 comes from the statistics (`RepairStats.base`). The map is the
+    unconstrained one (one Cholesky solve per run), on post-MLP-norm families too, where
+    it is a lower bound of the foldable map's residual (a ranking, not a fit to apply)."""
+    out = {}
+    for run in stats.runs:
+        A = stats.gram[run[0]].double()
+        if stats.forms[run] == "normed":
+            if run[0] not in stats.base:
+                raise ValueError(f"run {run[0]}-{run[1]}: the statistics lack the norm's scale")
+            T0 = torch.diag(stats.base[run[0]].double())
+        else:
+            T0 = torch.eye(A.shape[0], dtype=torch.float64)
+        fit = fit_full(
+            A, stats.cross[run].double(), stats.energy[run], T0.to(A.device), ridge=ridge, run=run
+        )
+        scale = stats.state_energy[run]
+        out[run] = fit.residual * stats.energy[run] / scale if scale > 0 else float("inf")
+    return out
+
+
 def fit_full(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -420,6 +444,7 @@ __all__ = [
     "fit_normed",
     "fit_runs",
     "fold",
+    "window_scores",
     "full_fits",
     "prune_and_repair",
     "run_form",

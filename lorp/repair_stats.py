@@ -10,6 +10,8 @@ least-squares fit needs only
     A_s = X_s^T X_s        (d x d, one per run start s: runs from s share it)
     B_se = X_s^T D_se      (d x d, one per run)
     c_se = ||D_se||_F^2    (one scalar per run: the fit's residual without a second pass)
+    h_se = ||H_e||_F^2     (one scalar per run: the scale of the state it aims at, so
+                            windows at different depths compare by relative error)
 
 summed over calibration tokens, so shards of the calibration set are captured anywhere
 and merged by adding, as `SimilarityStats` is. Sums are float64 whatever the model's
@@ -41,7 +43,7 @@ from lorp.similarity import token_selection
 from lorp.surgery import blocks_dropped
 from lorp.version import __version__
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the target state's energy per run
 Run = tuple[int, int]
 Form = Literal["full", "normed"]
 
@@ -115,6 +117,12 @@ class RepairStats:
         self.gram: dict[int, torch.Tensor] = {s: zeros() for s in self.starts}
         self.cross: dict[Run, torch.Tensor] = {r: zeros() for r in runs}
         self.energy: dict[Run, float] = {r: 0.0 for r in runs}
+        self.state_energy: dict[Run, float] = {r: 0.0 for r in runs}
+        """||H_e||^2 per run: the scale a window's leftover error is judged at."""
+        self.base: dict[int, torch.Tensor] = {}
+        """Per `normed` start: the post-MLP norm's effective scale (weight + offset) at
+        capture, what the unrepaired model applies to X (T0 = diag(base)), so runs can be
+        fitted and compared without the model."""
 
     @property
     def starts(self) -> list[int]:
@@ -132,10 +140,14 @@ class RepairStats:
     # -- accumulation ---------------------------------------------------------------------
 
     def add(
-        self, features: Mapping[int, torch.Tensor], targets: Mapping[Run, torch.Tensor]
+        self,
+        features: Mapping[int, torch.Tensor],
+        targets: Mapping[Run, torch.Tensor],
+        states: Mapping[Run, torch.Tensor] | None = None,
     ) -> None:
         """Add one batch: X_s [T, d] for every start s and D_se [T, d] for every run, over
-        the same T tokens. Nothing is added unless every input is finite."""
+        the same T tokens, and optionally H_e [T, d], the state the run's map aims at.
+        Nothing is added unless every input is finite."""
         T = None
         for key, x in [*features.items(), *targets.items()]:
             if x.ndim != 2 or x.shape[1] != self.hidden or (T is not None and x.shape[0] != T):
@@ -151,6 +163,8 @@ class RepairStats:
             d = targets[r]
             self.cross[r] = self._on(self.cross[r], d) + _gram(features[r[0]], d)
             self.energy[r] += float(d.double().pow(2).sum())
+            if states is not None:
+                self.state_energy[r] += float(states[r].double().pow(2).sum())
         self.tokens += int(T or 0)
 
     @staticmethod
@@ -178,6 +192,8 @@ class RepairStats:
         out.gram = {s: self.gram[s].cpu() + other.gram[s].cpu() for s in self.starts}
         out.cross = {r: self.cross[r].cpu() + other.cross[r].cpu() for r in self.runs}
         out.energy = {r: self.energy[r] + other.energy[r] for r in self.runs}
+        out.state_energy = {r: self.state_energy[r] + other.state_energy[r] for r in self.runs}
+        out.base = {**other.base, **self.base}
         out.tokens = self.tokens + other.tokens
         return out
 
@@ -200,6 +216,8 @@ class RepairStats:
         out.gram = {s: self.gram[s] for s in out.starts}
         out.cross = {r: self.cross[r] for r in wanted}
         out.energy = {r: self.energy[r] for r in wanted}
+        out.state_energy = {r: self.state_energy[r] for r in wanted}
+        out.base = {s: self.base[s] for s in out.starts if s in self.base}
         out.tokens = self.tokens
         return out
 
@@ -246,6 +264,8 @@ class RepairStats:
             out.gram.update(g.gram)
             out.cross.update(g.cross)
             out.energy.update(g.energy)
+            out.state_energy.update(g.state_energy)
+            out.base.update(g.base)
         out.tokens = first.tokens
         return out
 
@@ -259,6 +279,7 @@ class RepairStats:
             "runs": [list(r) for r in self.runs],
             "forms": [self.forms[r] for r in self.runs],
             "energy": [self.energy[r] for r in self.runs],
+            "state_energy": [self.state_energy[r] for r in self.runs],
             "tokens": self.tokens,
             "model_fingerprint": self.model_fingerprint,
             "calibration_fingerprint": self.calibration_fingerprint,
@@ -273,6 +294,7 @@ class RepairStats:
             raise ValueError(f"repair stats file must end in .npz, got {str(path)!r}")
         arrays = {f"gram_{s}": self.gram[s].cpu().numpy() for s in self.starts}
         arrays |= {f"cross_{s}_{e}": self.cross[(s, e)].cpu().numpy() for s, e in self.runs}
+        arrays |= {f"base_{s}": v.cpu().numpy() for s, v in self.base.items()}
         with atomic_file(path) as tmp, open(tmp, "wb") as fh:
             np.savez(fh, metadata=np.array(json.dumps(self.metadata(), sort_keys=True)), **arrays)
         return path
@@ -299,9 +321,15 @@ class RepairStats:
                 )
                 out.gram = {s: torch.from_numpy(z[f"gram_{s}"].copy()) for s in out.starts}
                 out.cross = {(s, e): torch.from_numpy(z[f"cross_{s}_{e}"].copy()) for s, e in runs}
+                out.base = {
+                    s: torch.from_numpy(z[f"base_{s}"].copy())
+                    for s in out.starts
+                    if f"base_{s}" in z.files
+                }
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{str(path)!r} is not a lorp repair stats file ({exc})") from None
         out.energy = dict(zip(runs, (float(x) for x in meta["energy"]), strict=True))
+        out.state_energy = dict(zip(runs, (float(x) for x in meta["state_energy"]), strict=True))
         out.tokens = int(meta["tokens"])
         return out
 
@@ -310,6 +338,7 @@ class RepairStats:
         state = self.__dict__.copy()
         state["gram"] = {k: v.cpu() for k, v in self.gram.items()}
         state["cross"] = {k: v.cpu() for k, v in self.cross.items()}
+        state["base"] = {k: v.cpu() for k, v in self.base.items()}
         return state
 
     def __repr__(self) -> str:
@@ -455,6 +484,9 @@ def capture_repair_stats(
                 continue
             normed = stats.start_form(s) == "normed"
             site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
+            if normed:
+                weight = site.weight.detach().double().cpu()
+                stats.base[s] = weight + arch.norm_offset
             handles.append(site.register_forward_hook(site_hook(s)))
             handles.append(blocks[s - 1].register_forward_hook(out_hook(s), with_kwargs=True))
         target_blocks = decoder_blocks(target)
@@ -492,7 +524,8 @@ def capture_repair_stats(
                     + seen[("M", s)].float()
                     for s, e in stats.runs
                 }
-                stats.add(features, targets)
+                states = {(s, e): seen[("H", e + 1)] for s, e in stats.runs}
+                stats.add(features, targets, states)
                 seen.clear()
     finally:
         for h in handles:

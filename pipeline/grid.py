@@ -134,22 +134,52 @@ def speed_task(job: JobRun, points: list[GridPoint]) -> SpeedTask:
     )
 
 
+def twins(points: list[GridPoint]) -> dict[str, str]:
+    """repaired point's key -> its unrepaired twin's key, where the job has both. A
+    repair changes weights, never shapes: the twin's timing is the repaired variant's."""
+    plain = {(p.model.label, p.label, p.budget): p.key for p in points if p.repair == "none"}
+    out = {}
+    for p in points:
+        if p.repair != "none" and p.method is not None:
+            twin = plain.get((p.model.label, p.method.key, p.budget))
+            if twin is not None:
+                out[p.key] = twin
+    return out
+
+
 def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
-    """One task per model whose finished variants lack speed figures."""
+    """One task per model whose finished variants lack speed figures (a repaired variant
+    with an unrepaired twin in the job is not timed: it takes the twin's figures)."""
     ev, rows = job.spec.evaluation, job.catalog.by_key()
     if not (ev.enabled and ev.speed):
         return []
+    shared = twins(points)
     pending: dict[str, list[GridPoint]] = defaultdict(list)
     for p in points:
-        if p.key in rows and _missing(rows[p.key], "speedup"):
+        if p.key in rows and p.key not in shared and _missing(rows[p.key], "speedup"):
             pending[p.model.label].append(p)
     return [speed_task(job, ps) for ps in pending.values()]
+
+
+def share_twin_speed(job: JobRun, points: list[GridPoint]) -> None:
+    """Copy each timed twin's speed figures (latency, speed-up, spread) to its repaired
+    variant; peak memory too, the checkpoint being the same size."""
+    rows = job.catalog.by_key()
+    for key, twin in twins(points).items():
+        row, base = rows.get(key), rows.get(twin)
+        if row is None or base is None or _missing(base, "speedup"):
+            continue
+        values = {c: base[c] for c in SPEED_COLUMNS if not _missing(base, c)}
+        if any(row.get(c) != v for c, v in values.items()):
+            job.catalog.update(key, values)
+            job.tracker.log(row["mlflow_run_id"], metrics=values, tags={"speed_from": twin})
 
 
 def run_speed(job: JobRun, points: list[GridPoint]) -> None:
     """Time every finished variant against its dense model, one model at a time."""
     tasks = speed_tasks(job, points)
     if not tasks:
+        share_twin_speed(job, points)
         return
     job.progress.note(f"speed: {len(tasks)} model(s), each on a whole node")
 
@@ -174,6 +204,7 @@ def run_speed(job: JobRun, points: list[GridPoint]) -> None:
         job.progress.note(f"speed failed for {task.model.ref}: {first_line(exc)}")
 
     run_speed_pass(tasks, done, failed)
+    share_twin_speed(job, points)
 
 
 # -- quality gate ------------------------------------------------------------------------

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
+from lorp.repair_stats import RepairStats
 from pipeline.calibration import CalibrationShards
 from pipeline.catalog import Catalog, slot
 from pipeline.losses import LossSelector
@@ -26,6 +28,7 @@ from pipeline.plan import (
     ModelPlan,
     checkpoint_rel,
     plan_points,
+    repair_selector,
     similarity_selector,
 )
 from pipeline.progress import Progress
@@ -59,6 +62,8 @@ class JobRun:
         self.shards: dict[str, CalibrationShards] = {}
         self.repair_refs: dict[tuple[str, tuple[int, int]], Any] = {}
         """(model label, run) -> ObjectRef of that run's `RepairStats`."""
+        self.repair_known: dict[tuple[str, tuple[int, int]], RepairStats] = {}
+        """(model label, run) -> its sums, already captured to rank windows (`window`)."""
 
     def open(self) -> None:
         """Repair what a killed predecessor left: stale MLflow runs, partial checkpoints."""
@@ -98,10 +103,13 @@ class JobRun:
             self.shards[plan.label] = ms.shards
         loss_guided = LossSelector(self, plan, ms.stats, ms.file.stem, prof)
         plain = similarity_selector(ms.stats, prof)
+        by_repair = repair_selector(ms.stats, prof, self.repair_scorer(plan, ms.shards))
 
         def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
-            guided = get_method(m.name).needs_evaluator
-            return (loss_guided if guided else plain)(m, budget)
+            method = get_method(m.name)
+            if method.needs_repair:
+                return by_repair(m, budget)
+            return (loss_guided if method.needs_evaluator else plain)(m, budget)
 
         def refused(point: GridPoint, why: str) -> None:
             self.summary.refused.append(f"{plan.label} {point.name}: {why}")
@@ -112,6 +120,32 @@ class JobRun:
             return plan_points(self.spec, plan, key, backend, select, refused)
         finally:
             loss_guided.close()
+
+    def repair_scorer(
+        self, plan: ModelPlan, shards: CalibrationShards | None
+    ) -> Callable[[list[tuple[int, int]]], list[float]]:
+        """`repair_scores` for the repair-aware methods: the candidate runs' sums from
+        the capture workers (one pass per call, cached), ranked on the driver; the sums
+        are kept for the repaired points that will need them."""
+        from lorp.repair import window_scores
+        from pipeline.statistics import repair_statistics
+
+        def scores(runs: list[tuple[int, int]]) -> list[float]:
+            assert shards is not None
+            rs = repair_statistics(self.spec, plan, shards, runs, self.run_dir, self.force)
+            self.events(
+                "repair_scores",
+                model=plan.label,
+                source=rs.source,
+                runs=len(runs),
+                seconds=round(rs.seconds, 3),
+            )
+            for run in rs.stats.runs:
+                self.repair_known[(plan.label, run)] = rs.stats.subset([run])
+            ranked = window_scores(rs.stats)
+            return [ranked[(int(s), int(e))] for s, e in runs]
+
+        return scores
 
     def prepare_repairs(self, todo: list[GridPoint]) -> list[GridPoint]:
         """The repair sums of every run the repaired points to do need, per model (cached,
@@ -131,6 +165,14 @@ class JobRun:
         for label, points in by_model.items():
             plan = points[0].model
             runs = sorted({r for p in points for r in p.runs})
+            known = {
+                r: self.repair_known[(label, r)] for r in runs if (label, r) in self.repair_known
+            }
+            for run, stats in known.items():
+                self.repair_refs[(label, run)] = ray.put(stats)
+            runs = [r for r in runs if r not in known]
+            if not runs:
+                continue
             try:
                 rs = repair_statistics(
                     self.spec, plan, self.shards[label], runs, self.run_dir, self.force

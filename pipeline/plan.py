@@ -269,6 +269,22 @@ def similarity_selector(stats: SimilarityStats, profile: Any = None) -> Selector
     return select
 
 
+def repair_selector(
+    stats: SimilarityStats, profile: Any, scores: Callable[[list[tuple[int, int]]], list[float]]
+) -> Selector:
+    """Select with a repair-aware method (`needs_repair`): `scores` ranks candidate runs
+    by what their linear repair leaves (`JobRun.repair_scorer`)."""
+
+    def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
+        start = time.perf_counter()
+        sel = select_layers(
+            stats, budget, m.name, profile=profile, repair_scores=scores, **m.options
+        )
+        return sel, time.perf_counter() - start
+
+    return select
+
+
 def plan_points(
     spec: JobSpec,
     plan: ModelPlan,

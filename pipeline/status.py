@@ -23,6 +23,12 @@ class RunStatus:
     rows: int = 0
     speed_pending: int = 0
     per_model: dict[str, int] = field(default_factory=dict)
+    repaired: int = 0
+    """Catalog rows that are repaired twins (`repair` linear)."""
+    pruned: int = 0
+    """Catalog rows that are pruned and not repaired."""
+    refused: list[str] = field(default_factory=list)
+    """Repaired twins planning left out this attempt, with the reason."""
     last_event: str = ""
 
     @property
@@ -37,6 +43,9 @@ def run_status(run_dir: Path) -> RunStatus:
     events = read_events(run_dir / "events.jsonl")
     rows = read_catalog(run_dir / "catalog.parquet")
     st = RunStatus(rows=len(rows), per_model=dict(Counter(r["model"] for r in rows)))
+    pruned = [r for r in rows if r.get("method") != "dense"]
+    st.repaired = sum(1 for r in pruned if (r.get("repair") or "none") != "none")
+    st.pruned = len(pruned) - st.repaired
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
         return st
@@ -56,6 +65,10 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
             st.done += 1
         elif e["event"] == "point_failed":
             st.failed.append(e.get("cause", "?"))
+        elif e["event"] == "repair_refused":
+            st.refused.append(
+                f"{e.get('model', '?')} {e.get('point', '?')}: {e.get('reason', '?')}"
+            )
     if attempt[-1]["event"] == "end":
         st.state = "finished"
     else:
@@ -94,6 +107,12 @@ def format_status(st: RunStatus) -> list[str]:
         f"of {st.planned} to run",
         f"catalog      {st.rows} rows" + (f" ({models})" if st.rows else ""),
     ]
+    if st.repaired or st.refused:
+        lines.append(
+            f"repair       {st.repaired} repaired variant(s) beside {st.pruned} pruned"
+            + (f"; {len(st.refused)} not repaired" if st.refused else "")
+        )
+    lines += [f"not repaired {why}" for why in st.refused]
     if st.speed_pending:
         lines.append(f"speed        {st.speed_pending} rows await the speed pass")
     lines += [f"failed       {cause}" for cause in st.failed]

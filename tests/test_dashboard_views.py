@@ -286,3 +286,30 @@ def test_legacy_catalog_links_from_the_run_sqlite_store(tmp_path: Path) -> None:
     assert fallback == {"job-a": {"tracking_uri": uri, "experiment_id": exp}}
     assert run_url(old, job_tracking([old], fallback), UI) == f"{UI}/#/experiments/{exp}/runs/{run}"
     assert legacy_tracking(tmp_path / "elsewhere", [old]) == {}  # no store there: no links
+
+
+def test_repaired_variants_sit_beside_their_twins(tmp_path: Path) -> None:
+    """A pair per repaired row: the twin's and its own perplexity, gain, gate verdicts."""
+    rows = [row("m", "dense", 0, ppl_ptb=10.0)]
+    for label, budget, ppl, bad, fix in [
+        ("lorp", 2, 80.0, True, None),
+        ("lorp+linear", 2, 20.0, False, "linear"),
+        ("shortgpt", 2, 16.0, False, "none"),
+        ("shortgpt+linear", 2, 12.5, False, "linear"),
+        ("shortgpt", 4, 50.0, True, None),  # a twin without a repaired variant: no pair
+    ]:
+        extra = {"repair_residual": 0.25} if fix == "linear" else {}
+        r = row("m", label.split("+")[0], budget, ppl_ptb=ppl, degraded=bad, repair=fix, **extra)
+        rows.append(r | {"method_label": label, "grid_key": f"{label}-{budget}"})
+    pairs = views.repair_pairs(rows[1:], "ppl_ptb")
+    assert [(p["label"], p["budget"]) for p in pairs] == [("lorp", 2), ("shortgpt", 2)]
+    lorp, short = pairs
+    assert (lorp["pruned"], lorp["repaired"], lorp["gain"]) == (80.0, 20.0, 4.0)
+    assert (lorp["pruned_degraded"], lorp["repaired_degraded"]) == (True, False)
+    assert short["gain"] == pytest.approx(1.28) and short["residual"] == 0.25
+    assert views.repair_pairs([r for r in rows if "+" not in r["method_label"]], "ppl_ptb") == []
+
+    build_site(rows, tmp_path / "site")
+    page = (tmp_path / "site" / "model-m.html").read_text()
+    assert page.count('class="repair-pair"') == 2 and "Pruned vs repaired" in page
+    assert "Dense: 10.00." in page and 'data-v="4.0"' in page

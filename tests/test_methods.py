@@ -40,7 +40,9 @@ def test_builtin_methods_registered() -> None:
         "shortgpt",
         "sleb",
         "streamline",
+        "window",
     ]
+    assert get_method("window").needs_repair and not get_method("streamline").needs_repair
     assert get_method("shortgpt").needs_output_state
     assert not get_method("lorp").needs_output_state
     assert get_method("angular").needs_last_token and not get_method("lorp").needs_last_token
@@ -233,3 +235,19 @@ def test_a_method_that_evaluates_candidates(stats: SimilarityStats) -> None:
         assert select_layers(stats, 3, "shortgpt", losses=losses).layers
     finally:
         unregister_method("greedy-eval-test")
+
+
+def test_window_keeps_the_window_whose_repair_leaves_least(stats: SimilarityStats) -> None:
+    """Every allowed window is scored in one call; the lowest wins, ties to the shallower."""
+    asked: list[list[tuple[int, int]]] = []
+
+    def scores(runs: list[tuple[int, int]]) -> list[float]:
+        asked.append(runs)
+        return [0.5 if s in (4, 6) else 1.0 + s for s, _ in runs]
+
+    sel = select_layers(stats, 3, "window", repair_scores=scores)
+    assert asked == [[(s, s + 2) for s in range(1, 9)]]  # s >= 1, ends before block 11
+    assert sel.layers == (4, 5, 6) and sel.details["window_start"] == 4
+    assert sel.details["window_residual"][6] == 0.5
+    with pytest.raises(ValueError, match="ranks runs by their linear repair"):
+        select_layers(stats, 3, "window")

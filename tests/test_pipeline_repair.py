@@ -25,6 +25,7 @@ from pipeline.plan import GridPoint, ModelPlan, plan_points
 from pipeline.records import EventLog
 from pipeline.run import run_job
 from pipeline.spec import SpecError, parse_spec
+from pipeline.status import format_status, run_status
 
 pytestmark = [pytest.mark.integration]
 
@@ -45,7 +46,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         model,
         "repair",
         budgets=[2],
-        methods=[{"name": "shortgpt"}, {"name": "streamline"}],
+        methods=[{"name": "shortgpt"}, {"name": "streamline"}, {"name": "window"}],
         repair=["none", "linear"],
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         ray={"num_cpus": 2},
@@ -56,7 +57,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         again = run_job(parse_spec(spec))
     finally:
         ray.shutdown()
-    assert summary.done == 5 and not summary.failed and not summary.refused
+    assert summary.done == 7 and not summary.failed and not summary.refused
     assert (tmp_path / "fault.repair").is_file()  # the worker did die once
 
     run_dir = tmp_path / "repair"
@@ -67,19 +68,33 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         "shortgpt+linear",
         "streamline",
         "streamline+linear",
+        "window",
+        "window+linear",
     ]
-    events = EventLog(run_dir / "events.jsonl").read()
+    # The window method ranked its 3 candidate runs from one pass of sums; the repaired
+    # points then needed only the runs those sums lack, deduplicated across methods.
+    log = EventLog(run_dir / "events.jsonl").read()
+    second = [i for i, e in enumerate(log) if e["event"] == "start"][1]
+    events, later = log[:second], log[second:]
+    ranked = [e for e in events if e["event"] == "repair_scores"]
+    assert [(e["runs"], e["source"]) for e in ranked] == [(3, "computed")]
+    candidates = {(1, 2), (2, 3), (3, 4)}
+    scores = _window_scores(rows["window"])
+    best = min(candidates, key=lambda r: (scores[r[0]], r[0]))
+    assert _runs(rows["window"]["pruned_layers"]) == [best]
+    needed = {
+        r for m in ("shortgpt", "streamline", "window") for r in _runs(rows[m]["pruned_layers"])
+    }
     captures = [e for e in events if e["event"] == "repair_capture"]
-    wanted = sorted(
-        {tuple(r) for m in ("shortgpt", "streamline") for r in _runs(rows[m]["pruned_layers"])}
+    assert [sorted(tuple(r) for r in e["runs"]) for e in captures] == (
+        [sorted(needed - candidates)] if needed - candidates else []
     )
-    assert [tuple(r) for r in captures[0]["runs"]] == wanted  # deduplicated across methods
-    assert captures[0]["source"] == "computed" and captures[0]["passes"] == 1
+    assert all(e["source"] == "computed" and e["passes"] == 1 for e in captures)
 
     windows = torch.cat(
         [read_shard(p) for p in sorted((run_dir / "calibration").glob("*/shard-*.parquet"))]
     )
-    for method in ("shortgpt", "streamline"):
+    for method in ("shortgpt", "streamline", "window"):
         twin, repaired = rows[method], rows[f"{method}+linear"]
         assert (twin["repair"], repaired["repair"]) == ("none", "linear")
         assert repaired["pruned_layers"] == twin["pruned_layers"]
@@ -108,18 +123,24 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         rows["streamline+linear"]["repair_residual"]
     )
 
-    # A rerun does nothing, and needs no repair statistics for it.
-    assert (again.done, again.skipped) == (0, 5)
-    assert (
-        len(
-            [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "repair_capture"]
-        )
-        == 1
-    )
+    status = format_status(run_status(run_dir))
+    assert "repair       3 repaired variant(s) beside 3 pruned" in status
+
+    # A rerun does nothing: the window's scores come from the cached sums, and no
+    # repaired point is left to need any.
+    assert (again.done, again.skipped) == (0, 7)
+    assert not [e for e in later if e["event"] == "repair_capture"]
+    assert [e["source"] for e in later if e["event"] == "repair_scores"] == ["cache"]
 
 
 def _runs(layers: list[int]) -> list[tuple[int, int]]:
     return contiguous_runs(layers, 6)
+
+
+def _window_scores(row: dict) -> dict[int, float]:
+    """The window method's score per start, as its checkpoint's provenance records them."""
+    prov = json.loads(Path(row["checkpoint"], "lorp_pruning.json").read_text())
+    return {int(s): float(v) for s, v in prov["details"]["window_residual"].items()}
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from lorp.repair import (
     fold,
     full_fits,
     prune_and_repair,
+    window_scores,
 )
 from lorp.repair_stats import (
     RepairStats,
@@ -133,6 +134,32 @@ def test_sums_equal_brute_force_from_hidden_states() -> None:
     torch.testing.assert_close(stats.gram[2], M.T @ M, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(stats.cross[(2, 3)], M.T @ D, rtol=1e-5, atol=1e-3)
     assert stats.energy[(2, 3)] == pytest.approx(float((D * D).sum()), rel=1e-6)
+    assert stats.state_energy[(2, 3)] == pytest.approx(float((H[4] * H[4]).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_window_scores_are_the_repaired_states_relative_error(family: str) -> None:
+    """||Y + X T - H_e||^2 / ||H_e||^2 measured by running the dense model with the full
+    map applied at block s-1 by a hook, against the score from the sums alone (no model:
+    Gemma's T0 comes from the norm scale the statistics kept)."""
+    model = tiny_model(family)
+    x = windows(n=6)
+    runs = [(1, 2), (2, 3), (3, 4)]
+    stats = capture_repair_stats(model, [x], runs, progress=False)
+    scores = window_scores(stats)
+    if family == "gemma3_text":
+        norm = decoder_blocks(model)[0].post_feedforward_layernorm
+        torch.testing.assert_close(stats.base[1], norm.weight.double() + 1.0)
+    fits = {f.run: f for f in full_fits(model, stats)}
+    with torch.no_grad():
+        dense = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+        for (s, e), score in scores.items():
+            with applied_by_hooks(model, [fits[(s, e)]]):
+                got = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+            target = dense[e + 1].double()
+            error = float((got[s].double() - target).pow(2).sum() / target.pow(2).sum())
+            assert score == pytest.approx(error, rel=2e-3)
+    assert len(set(scores.values())) == 3  # the windows differ, so the ranking means something
 
 
 def test_normed_features_are_the_norm_input_before_its_weight() -> None:
@@ -157,6 +184,8 @@ def test_save_load_round_trip_keeps_fingerprints(tmp_path) -> None:  # type: ign
     )
     back = RepairStats.from_file(stats.to_file(tmp_path / "repair.npz"))
     assert (back.runs, back.forms, back.tokens) == (stats.runs, stats.forms, stats.tokens)
+    assert back.state_energy == stats.state_energy and stats.base  # olmo2: a normed family
+    assert all(torch.equal(back.base[s], stats.base[s]) for s in stats.base)
     assert (back.model_fingerprint, back.calibration_fingerprint) == ("m1", "c1")
     for r in stats.runs:
         assert torch.equal(back.cross[r], stats.cross[r])

@@ -10,12 +10,14 @@ from lorp.methods import (  # noqa: F401
     shortgpt,
     sleb,
     streamline,
+    window,
 )
 from lorp.methods.lorp_method import LorpExplanation, explain
 from lorp.methods.registry import (
     Losses,
     PruningMethod,
     RegisteredMethod,
+    RepairScores,
     Selection,
     available_methods,
     get_method,
@@ -31,6 +33,7 @@ __all__ = [
     "Losses",
     "PruningMethod",
     "RegisteredMethod",
+    "RepairScores",
     "Selection",
     "available_methods",
     "explain",

@@ -10,6 +10,12 @@ beyond the block-input matrix:
   a bare N x N matrix cannot serve it.
 - ``needs_last_token``: the last-token statistics (`LayerSimilarity.last_token*`), which
   only a `SimilarityStats` captured by `lorp.capture` (format 2) carries.
+- ``needs_repair``: the method ranks candidate runs of blocks by what a linear repair
+  (`lorp.repair`) leaves of the gap each would open. It then receives
+  ``repair_scores=``, a `RepairScores` callable: ``repair_scores(runs) -> values``, each
+  run an inclusive (s, e) pair of blocks, each value ||Y + X T - H_e||^2 / ||H_e||^2 of
+  its fitted map on calibration tokens (`lorp.repair.window_scores`; lower is better).
+  One call is one batch: the caller sums every run's statistics in one calibration pass.
 - ``needs_evaluator``: the method scores candidate pruned models itself (SLEB,
   Shortened-LLaMA's perplexity criterion, loss-guided LoRP). It then receives
   ``losses=``, a `Losses` callable supplied by whoever can build and run models (the
@@ -46,10 +52,12 @@ from lorp.surgery import kept_layers
 
 # losses(candidates) -> one mean calibration NLL per candidate set of blocks to drop.
 Losses = Callable[[list[tuple[int, ...]]], list[float]]
+# repair_scores(runs) -> one relative leftover error per (s, e) run after its linear repair.
+RepairScores = Callable[[list[tuple[int, int]]], list[float]]
 # check(options, n_blocks): raise ValueError("option 'x': ...") for a bad value. `options`
 # holds every option (defaults filled in); n_blocks is None when not known yet.
 OptionCheck = Callable[[Mapping[str, Any], int | None], None]
-NOT_OPTIONS = ("losses", "profile")
+NOT_OPTIONS = ("losses", "profile", "repair_scores")
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class RegisteredMethod:
     needs_evaluator: bool = False
     needs_last_token: bool = False
     takes_profile: bool = False
+    needs_repair: bool = False
     check: OptionCheck | None = None
 
     @property
@@ -111,6 +120,7 @@ def register_method(
     needs_output_state: bool = False,
     needs_evaluator: bool = False,
     needs_last_token: bool = False,
+    needs_repair: bool = False,
     check: OptionCheck | None = None,
 ) -> Callable[[Callable[..., Selection]], Callable[..., Selection]]:
     """Decorator: register `fn` as method `name`; a second registration of a name fails.
@@ -126,6 +136,8 @@ def register_method(
         names = {p.name for p in params}
         if needs_evaluator and "losses" not in names:
             raise TypeError(f"method {name!r} needs an evaluator but takes no 'losses' argument")
+        if needs_repair and "repair_scores" not in names:
+            raise TypeError(f"method {name!r} needs repair scores but takes no 'repair_scores'")
         _REGISTRY[name] = RegisteredMethod(
             name,
             fn,
@@ -134,6 +146,7 @@ def register_method(
             needs_evaluator=needs_evaluator,
             needs_last_token=needs_last_token,
             takes_profile="profile" in names,
+            needs_repair=needs_repair,
             check=check,
         )
         return fn
@@ -262,6 +275,7 @@ def select_layers(
     *,
     losses: Losses | None = None,
     profile: Profile | None = None,
+    repair_scores: RepairScores | None = None,
     **options: Any,
 ) -> Selection:
     """Choose `budget` blocks to prune with a registered method.
@@ -271,7 +285,8 @@ def select_layers(
     block count or a fraction of N. `losses` (a `Losses`) is required by, and only handed
     to, methods registered with ``needs_evaluator``. `profile` (`lorp.profile` of the same
     S) is handed to methods that take one and ignored by the others; the selection is the
-    same with or without it.
+    same with or without it. `repair_scores` (a `RepairScores`) is required by, and
+    only handed to, methods registered with ``needs_repair``.
     """
     spec = get_method(method)
     similarity = as_similarity(stats)
@@ -286,6 +301,13 @@ def select_layers(
                 "candidate sets of blocks to drop to their calibration losses"
             )
         kwargs["losses"] = losses
+    if spec.needs_repair:
+        if repair_scores is None:
+            raise ValueError(
+                f"method {method!r} ranks runs by their linear repair: pass repair_scores=, "
+                "a callable from (s, e) runs to their leftover error (lorp.repair.window_scores)"
+            )
+        kwargs["repair_scores"] = repair_scores
     if spec.takes_profile and profile is not None:
         kwargs["profile"] = profile
     chosen = spec.fn(similarity, n_budget, **kwargs)

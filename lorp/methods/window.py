@@ -1,0 +1,45 @@
+"""Repair-aware window (new here; none of the anchors has it): prune the contiguous window
+of n = budget blocks whose linear repair leaves the least error.
+
+Streamline keeps the window whose input and output agree most, then (in its original
+form) trains a layer to replace it; ReplaceMe (Shopkhoev et al., NeurIPS 2025) picks the
+window by cosine distance and then fits a linear map. Both choose before knowing how well
+the map will do. Here every candidate window [s, s+n) gets its map fitted from one pass
+of repair statistics (`lorp.repair_stats`), and the window kept is the one whose repaired
+output is closest to the dense model's state there, relative to that state:
+||Y + X T - H_e||^2 / ||H_e||^2 (`lorp.repair.window_scores`). Ties go to the shallower
+window.
+
+Windows: s >= 1, as Streamline's (block 0 stays, and with it every model whose embeddings
+are tied stays repairable), and by default ending before block N-1 (`last_block=True`
+allows the window that includes it). The selection is meant for `repair: linear`;
+unrepaired, a window is usually worse than a spread-out set.
+"""
+
+from __future__ import annotations
+
+from lorp.methods.registry import RepairScores, Selection, best_window, register_method
+from lorp.methods.streamline import window_starts
+from lorp.similarity import LayerSimilarity
+
+
+@register_method("window", needs_repair=True)
+def repair_window(
+    similarity: LayerSimilarity,
+    budget: int,
+    *,
+    last_block: bool = False,
+    repair_scores: RepairScores | None = None,
+) -> Selection:
+    """Repair-aware window: the contiguous blocks whose linear repair leaves the least error."""
+    assert repair_scores is not None  # select_layers hands it over or refuses
+    starts = window_starts(similarity.n_blocks, budget, 1, last_block)
+    runs = [(s, s + budget - 1) for s in starts]
+    scores = [float(x) for x in repair_scores(runs)]
+    if len(scores) != len(runs):
+        raise RuntimeError(f"repair_scores returned {len(scores)} values for {len(runs)} runs")
+    s = best_window([-x for x in scores], starts)
+    return Selection(
+        layers=tuple(range(s, s + budget)),
+        details={"window_start": s, "window_residual": dict(zip(starts, scores, strict=True))},
+    )
