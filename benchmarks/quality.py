@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.catalog import read_catalog  # noqa: E402
 
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
+REPAIR_BEGIN, REPAIR_END = "<!-- quality-repair:begin -->", "<!-- quality-repair:end -->"
 PAPER_METHODS = ("lorp", "shortgpt", "streamline")
 # Methods that decide from S (one calibration pass), against which `lorp-loss` is held.
 ONE_PASS = ("lorp", "lorp-released", "lorp-stage2", "shortgpt", "streamline", "angular")
@@ -96,6 +97,67 @@ def model_table(rows: list[dict[str, Any]]) -> list[str]:
             secs += r.get("select_s") or 0
         lines.append(f"| {label} | {' | '.join(cells)} | {int(evals)} | {secs:.1f} |")
     return lines
+
+
+def repair_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One model's variants pruned and repaired side by side: per budget the blocks
+    removed, the pruned perplexity and the repaired one (x dense), best repaired bold."""
+    budgets = sorted({r["budget"] for r in rows if r["budget"]})
+    dense = next((_ppl(r) for r in rows if r["method"] == "dense"), math.nan)
+    by: dict[str, dict[int, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["budget"]:
+            by[r["method_label"].split("+")[0]][r["budget"]][r.get("repair") or "none"] = r
+    best = {
+        b: min((by[m][b]["linear"] for m in by if "linear" in by[m][b]), key=_ppl, default=None)
+        for b in budgets
+    }
+    head = "| method | " + " | ".join(
+        f"{b} blocks: removed | pruned | repaired (x dense)" for b in budgets
+    )
+    lines = [head + " |", "| --- " * (3 * len(budgets) + 1) + "|"]
+    lines.append(f"| dense | {' | '.join(f'- | {dense:,.1f} | -' for _ in budgets)} |")
+
+    def fig(r: dict[str, Any] | None, bold: bool = False, ratio: bool = False) -> str:
+        if r is None:
+            return "-"
+        text = f"{_ppl(r):,.1f}" + (f" ({_ppl(r) / dense:.2f}x)" if ratio else "")
+        text = f"**{text}**" if bold else text
+        return text + (" (degraded)" if r.get("degraded") else "")
+
+    order = sorted(
+        by, key=lambda m: min(_ppl(v.get("linear") or v["none"]) for v in by[m].values())
+    )
+    for method in order:
+        cells = []
+        for b in budgets:
+            pair = by[method].get(b, {})
+            some = pair.get("none") or pair.get("linear")
+            removed = " ".join(str(x) for x in some["pruned_layers"]) if some else "-"
+            fixed = pair.get("linear")
+            cells += [removed, fig(pair.get("none")), fig(fixed, fixed is best[b], True)]
+        lines.append(f"| {method} | {' | '.join(cells)} |")
+    return lines
+
+
+def render_repair(catalog: Path, models: list[str] | None = None) -> str:
+    rows = [r for r in read_catalog(catalog) if not models or r["model"] in models]
+    if not any((r.get("repair") or "none") != "none" for r in rows):
+        raise SystemExit(f"no repaired variants in {catalog}")
+    parts = [
+        "Reproduce: `python benchmarks/quality.py --methods lorp shortgpt streamline window "
+        "--section repair --readme README.md` (`jobs/quality.yaml`, `repair: [none, "
+        "linear]`, through `lorp run`; the repair's sums from the same 32 x 256 calibration "
+        "tokens as S, one pass on the capture workers, fitted on dense inputs, ridge 1e-3).",
+        "",
+    ]
+    for model in sorted({r["model"] for r in rows}):
+        mrows = [r for r in rows if r["model"] == model]
+        n = mrows[0]["n_blocks"]
+        parts += [f"**{model}** (N = {n}; PTB test, 32 x 512, BOS per the tokenizer)", ""]
+        parts += repair_table(mrows) + [""]
+        parts += [f"- {line}" for line in repair_findings(mrows)] + [""]
+    return "\n".join(parts)
 
 
 def repair_findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -181,10 +243,13 @@ def render(catalog: Path, models: list[str] | None = None) -> str:
     return "\n".join(parts)
 
 
-def write_readme(path: Path, text: str) -> None:
+def write_readme(path: Path, text: str, section: str = "quality") -> None:
     from benchmarks.run import replace_section
 
-    replace_section(path, BEGIN, END, text, "Quality report")
+    if section == "repair":
+        replace_section(path, REPAIR_BEGIN, REPAIR_END, text, "Quality report with repair")
+    else:
+        replace_section(path, BEGIN, END, text, "Quality report")
 
 
 def bos_check() -> None:
@@ -214,6 +279,12 @@ def main() -> int:
     parser.add_argument("--readme", help="write the tables into this README")
     parser.add_argument("--bos-check", action="store_true", help="Gemma 3 with and without BOS")
     parser.add_argument(
+        "--section",
+        choices=("quality", "repair"),
+        default="quality",
+        help="quality: every method's Table 2; repair: pruned vs repaired side by side",
+    )
+    parser.add_argument(
         "--from-catalog", metavar="PARQUET", help="render this catalog; run nothing"
     )
     args = parser.parse_args()
@@ -223,10 +294,11 @@ def main() -> int:
     if args.from_catalog and not Path(args.from_catalog).is_file():
         raise SystemExit(f"--from-catalog: no such file {args.from_catalog}")
     catalog = Path(args.from_catalog) if args.from_catalog else run(args.models, args.methods)
-    text = render(catalog, args.models if args.from_catalog else None)
+    chosen = args.models if args.from_catalog else None
+    text = render_repair(catalog, chosen) if args.section == "repair" else render(catalog, chosen)
     print(text)
     if args.readme:
-        write_readme(Path(args.readme), text)
+        write_readme(Path(args.readme), text, args.section)
     return 0
 
 

@@ -300,7 +300,12 @@ class RepairStats:
         return path
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> RepairStats:
+    def from_file(
+        cls, path: str | os.PathLike[str], runs: Iterable[Run] | None = None
+    ) -> RepairStats:
+        """The statistics saved at `path`; with `runs`, only those runs' sums are read
+        (an .npz reads each array on demand), so a file of many candidate windows costs
+        the memory of the few a variant needs."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"repair stats file not found: {str(path)!r}")
@@ -309,18 +314,25 @@ class RepairStats:
                 meta = json.loads(str(z["metadata"]))
                 if meta.get("format_version") != FORMAT_VERSION:
                     raise ValueError(f"unsupported format_version {meta.get('format_version')!r}")
-                runs = [tuple(r) for r in meta["runs"]]
+                saved = [(int(r[0]), int(r[1])) for r in meta["runs"]]
+                wanted = saved if runs is None else sorted({(int(s), int(e)) for s, e in runs})
+                missing = sorted(set(wanted) - set(saved))
+                if missing:
+                    raise ValueError(f"no run {missing[0][0]}-{missing[0][1]} in the file")
+                index = {r: i for i, r in enumerate(saved)}
                 out = cls(
                     meta["n_blocks"],
                     meta["hidden"],
-                    runs,
-                    dict(zip(runs, meta["forms"], strict=True)),
+                    wanted,
+                    {r: meta["forms"][index[r]] for r in wanted},
                     model_fingerprint=meta.get("model_fingerprint"),
                     calibration_fingerprint=meta.get("calibration_fingerprint"),
                     extra=meta.get("extra") or {},
                 )
                 out.gram = {s: torch.from_numpy(z[f"gram_{s}"].copy()) for s in out.starts}
-                out.cross = {(s, e): torch.from_numpy(z[f"cross_{s}_{e}"].copy()) for s, e in runs}
+                out.cross = {
+                    (s, e): torch.from_numpy(z[f"cross_{s}_{e}"].copy()) for s, e in wanted
+                }
                 out.base = {
                     s: torch.from_numpy(z[f"base_{s}"].copy())
                     for s in out.starts
@@ -328,8 +340,8 @@ class RepairStats:
                 }
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{str(path)!r} is not a lorp repair stats file ({exc})") from None
-        out.energy = dict(zip(runs, (float(x) for x in meta["energy"]), strict=True))
-        out.state_energy = dict(zip(runs, (float(x) for x in meta["state_energy"]), strict=True))
+        out.energy = {r: float(meta["energy"][index[r]]) for r in wanted}
+        out.state_energy = {r: float(meta["state_energy"][index[r]]) for r in wanted}
         out.tokens = int(meta["tokens"])
         return out
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lorp import Selection, get_method
@@ -62,8 +63,9 @@ class JobRun:
         self.shards: dict[str, CalibrationShards] = {}
         self.repair_refs: dict[tuple[str, tuple[int, int]], Any] = {}
         """(model label, run) -> ObjectRef of that run's `RepairStats`."""
-        self.repair_known: dict[tuple[str, tuple[int, int]], RepairStats] = {}
-        """(model label, run) -> its sums, already captured to rank windows (`window`)."""
+        self.repair_known: dict[tuple[str, tuple[int, int]], Path] = {}
+        """(model label, run) -> the local file holding its sums, already captured to rank
+        windows (`window`); read back only for the runs a repaired point needs."""
 
     def open(self) -> None:
         """Repair what a killed predecessor left: stale MLflow runs, partial checkpoints."""
@@ -140,8 +142,10 @@ class JobRun:
                 runs=len(runs),
                 seconds=round(rs.seconds, 3),
             )
+            where = "from the cache" if rs.source == "cache" else f"captured in {rs.seconds:.1f} s"
+            self.progress.note(f"repair scores {plan.label}: {len(runs)} candidate runs, {where}")
             for run in rs.stats.runs:
-                self.repair_known[(plan.label, run)] = rs.stats.subset([run])
+                self.repair_known[(plan.label, run)] = rs.file
             ranked = window_scores(rs.stats)
             return [ranked[(int(s), int(e))] for s, e in runs]
 
@@ -168,8 +172,8 @@ class JobRun:
             known = {
                 r: self.repair_known[(label, r)] for r in runs if (label, r) in self.repair_known
             }
-            for run, stats in known.items():
-                self.repair_refs[(label, run)] = ray.put(stats)
+            for run, file in known.items():
+                self.repair_refs[(label, run)] = ray.put(RepairStats.from_file(file, [run]))
             runs = [r for r in runs if r not in known]
             if not runs:
                 continue

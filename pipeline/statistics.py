@@ -83,6 +83,8 @@ class ModelRepairStats:
     passes: int
     """Passes over the shards the capture made (0 from the cache)."""
     location: str
+    file: Path
+    """The local copy of the cached .npz."""
 
 
 def repair_statistics(
@@ -107,7 +109,7 @@ def repair_statistics(
         stats = RepairStats.from_file(local)
         if stats.model_fingerprint != plan.fingerprint or stats.runs != runs:
             raise ValueError(f"cached repair statistics {str(local)!r} are not {plan.label}'s")
-        return ModelRepairStats(stats, "cache", 0.0, 0, store.uri(name))
+        return ModelRepairStats(stats, "cache", 0.0, 0, store.uri(name), local)
     start = time.perf_counter()
     hidden = _hidden_size(plan)
     budget = int(spec.resources.repair_memory_gib * 2**30)
@@ -123,7 +125,7 @@ def repair_statistics(
     stats.extra.update({"capture_seconds": seconds, "passes": len(passes)})
     stats.to_file(local)
     store.put_file(local, name)
-    return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name))
+    return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name), local)
 
 
 def _hidden_size(plan: ModelPlan) -> int:

@@ -186,6 +186,12 @@ def test_save_load_round_trip_keeps_fingerprints(tmp_path) -> None:  # type: ign
     assert (back.runs, back.forms, back.tokens) == (stats.runs, stats.forms, stats.tokens)
     assert back.state_energy == stats.state_energy and stats.base  # olmo2: a normed family
     assert all(torch.equal(back.base[s], stats.base[s]) for s in stats.base)
+    one = RepairStats.from_file(tmp_path / "repair.npz", [stats.runs[-1]])  # reads one run
+    assert one.runs == [stats.runs[-1]] and list(one.gram) == [stats.runs[-1][0]]
+    assert torch.equal(one.cross[stats.runs[-1]], stats.cross[stats.runs[-1]])
+    assert one.energy == {stats.runs[-1]: stats.energy[stats.runs[-1]]}
+    with pytest.raises(ValueError, match="no run 0-0 in the file"):
+        RepairStats.from_file(tmp_path / "repair.npz", [(0, 0)])
     assert (back.model_fingerprint, back.calibration_fingerprint) == ("m1", "c1")
     for r in stats.runs:
         assert torch.equal(back.cross[r], stats.cross[r])
