@@ -18,6 +18,7 @@ import argparse
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +152,7 @@ def render_repair(catalog: Path, models: list[str] | None = None) -> str:
         "tokens as S, one pass on the capture workers, fitted on dense inputs, ridge 1e-3).",
         "",
     ]
-    for model in sorted({r["model"] for r in rows}):
-        mrows = [r for r in rows if r["model"] == model]
-        n = mrows[0]["n_blocks"]
-        parts += [f"**{model}** (N = {n}; PTB test, 32 x 512, BOS per the tokenizer)", ""]
-        parts += repair_table(mrows) + [""]
-        parts += [f"- {line}" for line in repair_findings(mrows)] + [""]
-    return "\n".join(parts)
+    return _per_model(parts, rows, repair_table, repair_findings)
 
 
 def repair_findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -234,12 +229,20 @@ def render(catalog: Path, models: list[str] | None = None) -> str:
         "resumed from the loss memo after an interrupted run counts only its last run.",
         "",
     ]
+    return _per_model(parts, rows, model_table, findings)
+
+
+Lines = Callable[[list[dict[str, Any]]], list[str]]
+
+
+def _per_model(parts: list[str], rows: list[dict[str, Any]], table: Lines, notes: Lines) -> str:
+    """`parts`, then per model: its heading, `table` of its rows and `notes` as bullets."""
     for model in sorted({r["model"] for r in rows}):
         mrows = [r for r in rows if r["model"] == model]
         n = mrows[0]["n_blocks"]
         parts += [f"**{model}** (N = {n}; PTB test, 32 x 512, BOS per the tokenizer)", ""]
-        parts += model_table(mrows) + [""]
-        parts += [f"- {line}" for line in findings(mrows)] + [""]
+        parts += table(mrows) + [""]
+        parts += [f"- {line}" for line in notes(mrows)] + [""]
     return "\n".join(parts)
 
 

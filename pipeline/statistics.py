@@ -131,9 +131,7 @@ def repair_statistics(
 def _hidden_size(plan: ModelPlan) -> int:
     from lorp.sources import read_config
 
-    config = read_config(plan.path)
-    text = config.get("text_config") or {}
-    return int(config.get("hidden_size") or text["hidden_size"])
+    return int(read_config(plan.path)["hidden_size"])  # read_config unnests text_config
 
 
 def capture_task(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> CaptureTask:
