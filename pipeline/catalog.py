@@ -1,4 +1,14 @@
-"""The parquet catalog: one row per grid point, written atomically after every point.
+"""The parquet catalog: one row per grid point, recorded atomically as every point ends.
+
+A finished point costs one small file, whatever the catalog's size: each change (a row
+put, figures added to a row) is a JSON *part* in `catalog.parts/`, written by atomic
+rename (or, in a remote storage, as one object), named by time so parts apply in order.
+`read_catalog` reads the parquet file and applies the parts after it; every reader
+(`lorp status`, the dashboard, `lorp catalog merge`) goes through it. `Catalog.compact`
+folds the parts into `catalog.parquet` (atomic rename) and then deletes them, at the
+start and the end of a job: a crash between the two leaves parts that apply again to a
+file that already has them, which changes nothing (a put replaces its grid key's row,
+an update sets the same values).
 
 Core columns are typed (`CORE_SCHEMA`); metric columns (`ppl_<corpus>`, `acc_<task>`,
 `latency_ms`, ...) are float64 and appear as evaluations add them. `merge_catalogs`
@@ -8,7 +18,10 @@ newest wins).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,8 +77,16 @@ CORE_SCHEMA = pa.schema(
 CORE = set(CORE_SCHEMA.names)
 
 
+PARTS = "catalog.parts"
+
+
+def parts_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory of a catalog file's parts."""
+    return Path(path).parent / PARTS
+
+
 def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of a catalog file; [] when there is none.
+    """The rows of a catalog file, its parts applied; [] when there is none.
 
     The bytes are read in one go: a writer replaces the file by rename at any moment, and
     pyarrow reading by path takes the size from one look and the pages from another, so
@@ -74,8 +95,37 @@ def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        rows = []
+    else:
+        rows = pq.read_table(pa.BufferReader(data)).to_pylist()
+    return apply_parts(rows, _read_parts(parts_dir(path)))
+
+
+def _read_parts(directory: Path) -> list[dict[str, Any]]:
+    if not directory.is_dir():
         return []
-    return pq.read_table(pa.BufferReader(data)).to_pylist()
+    parts = []
+    for f in sorted(directory.glob("*.json")):
+        try:
+            parts.append(json.loads(f.read_bytes()))
+        except (FileNotFoundError, json.JSONDecodeError):  # compacted away meanwhile
+            continue
+    return parts
+
+
+def apply_parts(
+    rows: list[dict[str, Any]], parts: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Rows after each change in order: `put` (a row, replacing its key or slot) or
+    `update` (columns of one row)."""
+    for part in parts:
+        if part["op"] == "put":
+            rows = upsert(rows, part["row"])
+        else:
+            for r in rows:
+                if r["grid_key"] == part["key"]:
+                    r.update(part["values"])
+    return rows
 
 
 def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
@@ -109,38 +159,65 @@ def upsert(rows: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str,
 
 
 class Catalog:
-    """A job's catalog file and its rows in memory; every change is written at once.
+    """A job's catalog and its rows in memory; every change is recorded at once, as one
+    part (see the module docstring), and folded into the parquet file by `compact`.
 
-    With a `mirror` (the job's storage, when it is not the run directory) the local file
-    is a working copy: the storage's catalog replaces it at the start, so a job resumes
-    from storage on any machine, and every write is copied back to storage."""
+    With a `mirror` (the job's storage, when it is not the run directory) the local files
+    are a working copy: the storage's catalog and parts replace them at the start, so a
+    job resumes from storage on any machine, and every part is copied to storage."""
 
     NAME = "catalog.parquet"
 
     def __init__(self, path: Path, mirror: Storage | None = None) -> None:
         self.path, self.mirror = path, mirror
+        self.parts = parts_dir(path)
+        self.n = 0
         if mirror is not None:
             mirror.get_file(self.NAME, path)
+            shutil.rmtree(self.parts, ignore_errors=True)
+            for name in mirror.list(PARTS):
+                mirror.get_file(f"{PARTS}/{name}", self.parts / name)
         self.rows = read_catalog(path)
-
-    def _write(self) -> None:
-        write_catalog(self.path, self.rows)
-        if self.mirror is not None:
-            self.mirror.put_file(self.path, self.NAME)
 
     def by_key(self) -> dict[str, dict[str, Any]]:
         return {r["grid_key"]: r for r in self.rows}
 
     def put(self, row: Mapping[str, Any]) -> None:
         self.rows = upsert(self.rows, row)
-        self._write()
+        self._record({"op": "put", "row": dict(row)})
 
     def update(self, grid_key: str, values: Mapping[str, Any]) -> dict[str, Any]:
         """Add or replace columns of one row (figures measured after the point)."""
         row = self.by_key()[grid_key]
         row.update(values)
-        self._write()
+        self._record({"op": "update", "key": grid_key, "values": dict(values)})
         return row
+
+    def _record(self, part: dict[str, Any]) -> None:
+        self.n += 1
+        name = f"{time.time_ns():020d}-{os.getpid()}-{self.n:06d}.json"
+        with atomic_file(self.parts / name) as tmp:
+            tmp.write_bytes(json.dumps(part, default=_plain).encode())
+        if self.mirror is not None:
+            self.mirror.put_file(self.parts / name, f"{PARTS}/{name}")
+
+    def compact(self) -> None:
+        """Fold the parts into the parquet file (atomically), then delete them."""
+        done = sorted(self.parts.glob("*.json")) if self.parts.is_dir() else []
+        if not done:
+            return
+        write_catalog(self.path, self.rows)
+        if self.mirror is not None:
+            self.mirror.put_file(self.path, self.NAME)
+        for f in done:
+            if self.mirror is not None:
+                self.mirror.delete(f"{PARTS}/{f.name}")
+            f.unlink(missing_ok=True)
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python numbers; anything else as text."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 def merge_catalogs(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:

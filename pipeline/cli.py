@@ -35,14 +35,22 @@ def talk(quiet: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.progress import Progress
-    from pipeline.run import run_job
+    from pipeline.run import Stopped, run_job
     from pipeline.spec import load_spec
     from pipeline.tracking import redact
 
     spec = load_spec(args.spec)
     talk(args.quiet)
     progress = Progress(bar=False if args.quiet else None)
-    summary = run_job(spec, force=args.force, progress=progress)
+    try:
+        summary = run_job(spec, force=args.force, progress=progress)
+    except Stopped as stop:
+        done = getattr(stop, "summary", "")
+        print(
+            f"stopped by {stop.name}: {done}; `lorp run {args.spec}` resumes from here",
+            file=sys.stderr,
+        )
+        return stop.exit_code
     uri = redact(summary.tracking_uri)
     print(f"catalog      {summary.catalog.resolve()}")
     print(f"mlflow       {uri}")

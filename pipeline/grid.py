@@ -1,5 +1,5 @@
-"""The grid stages of a job: run the points and record each one as it ends, then the speed
-pass and the quality gate, which add figures to rows already written.
+"""What the fleet (`pipeline.fleet`) records for a model's stages: each point as it ends,
+its speed figures, its quality gate; and the tasks those stages send to Ray.
 
 Recording order for a point: catalog row first, then the MLflow run is closed, so a killed
 driver never leaves a FINISHED run without its row (the next start closes the rest).
@@ -14,15 +14,24 @@ from typing import TYPE_CHECKING, Any
 from pipeline.evaluation import metric_name
 from pipeline.model_source import model_source
 from pipeline.plan import GridPoint
-from pipeline.records import PointResult, RowContext, catalog_row, headline, point_params
+from pipeline.records import PointResult, RowContext, catalog_row, headline
 from pipeline.records import provenance as point_provenance
-from pipeline.scheduler import first_line, make_pool, run_points, run_speed_pass, whole_node
+from pipeline.scheduler import first_line, whole_node
 from pipeline.workers import PointTask, RepairTask, SpeedTask
 
 if TYPE_CHECKING:
     from pipeline.job import JobRun
 
-SPEED_COLUMNS = ("latency_ms", "latency_dense_ms", "speedup", "speedup_std", "peak_mem_gib")
+SPEED_COLUMNS = (
+    "latency_ms",
+    "latency_dense_ms",
+    "speedup",
+    "speedup_std",
+    "speedup_measured",
+    "speed_runs",
+    "speed_resolved",
+    "peak_mem_gib",
+)
 
 
 def point_task(job: JobRun, point: GridPoint, backend: str) -> PointTask:
@@ -38,6 +47,7 @@ def point_task(job: JobRun, point: GridPoint, backend: str) -> PointTask:
         resources=job.spec.resources.grid,
         backend=backend,
         repair=repair_task(job, point),
+        name=point.name,
     )
 
 
@@ -49,29 +59,6 @@ def repair_task(job: JobRun, point: GridPoint) -> RepairTask | None:
     runs = tuple(point.runs)
     refs = tuple(job.repair_refs[(point.model.label, r)] for r in runs)
     return RepairTask(runs, refs, DEFAULT_RIDGE)
-
-
-def run_grid(job: JobRun, todo: list[GridPoint], backend: str) -> None:
-    """Every point to do, `max_concurrent_points` at once, each recorded as it ends."""
-    if not todo:
-        return
-    spec = job.spec
-    capacity = max(1, min(len(todo), spec.resources.max_concurrent_points))
-    pool = make_pool(backend, capacity, spec.resources.grid)
-    items = [(p, point_task(job, p, backend)) for p in todo]
-
-    def on_start(p: GridPoint) -> None:
-        run_id = job.tracker.start_point(spec.name, job.parents[p.model.label], p.key, p.name)
-        job.tracker.log(run_id, params=point_params(p))
-        job.run_ids[p.key] = run_id
-
-    run_points(
-        items,
-        pool,
-        on_start,
-        lambda p, r: record_point(job, p, r, backend),
-        lambda p, e: record_failure(job, p, e),
-    )
 
 
 def record_point(job: JobRun, point: GridPoint, result: PointResult, backend: str) -> None:
@@ -131,6 +118,7 @@ def speed_task(job: JobRun, points: list[GridPoint]) -> SpeedTask:
         seq_len=ev.seq_len,
         pairs=ev.speed_repeats,
         resources=whole_node(job.spec.resources.speed, job.spec.resources.grid.num_gpus),
+        n_blocks=plan.n_blocks,
     )
 
 
@@ -156,7 +144,7 @@ def speed_tasks(job: JobRun, points: list[GridPoint]) -> list[SpeedTask]:
     shared = twins(points)
     pending: dict[str, list[GridPoint]] = defaultdict(list)
     for p in points:
-        if p.key in rows and p.key not in shared and _missing(rows[p.key], "speedup"):
+        if p.key in rows and p.key not in shared and _missing(rows[p.key], "latency_ms"):
             pending[p.model.label].append(p)
     return [speed_task(job, ps) for ps in pending.values()]
 
@@ -167,44 +155,38 @@ def share_twin_speed(job: JobRun, points: list[GridPoint]) -> None:
     rows = job.catalog.by_key()
     for key, twin in twins(points).items():
         row, base = rows.get(key), rows.get(twin)
-        if row is None or base is None or _missing(base, "speedup"):
+        if row is None or base is None or _missing(base, "latency_ms"):
             continue
-        values = {c: base[c] for c in SPEED_COLUMNS if not _missing(base, c)}
-        if any(row.get(c) != v for c, v in values.items()):
+        values = {c: base[c] for c in SPEED_COLUMNS if c in base}
+        if any(not _same(row.get(c), v) for c, v in values.items()):
             job.catalog.update(key, values)
             job.tracker.log(row["mlflow_run_id"], metrics=values, tags={"speed_from": twin})
 
 
-def run_speed(job: JobRun, points: list[GridPoint]) -> None:
-    """Time every finished variant against its dense model, one model at a time."""
-    tasks = speed_tasks(job, points)
-    if not tasks:
-        share_twin_speed(job, points)
-        return
-    job.progress.note(f"speed: {len(tasks)} model(s), each on a whole node")
+def record_speed(job: JobRun, model: str, figures: dict[str, dict[str, float]]) -> None:
+    """A model's speed figures into its rows and runs."""
+    for key, values in figures.items():
+        row = job.catalog.update(key, values)
+        job.tracker.log(row["mlflow_run_id"], metrics=values)
+    job.events("speed", model=model, variants=len(figures))
+    resolved = [v["speedup"] for v in figures.values() if _finite(v.get("speedup"))]
+    unresolved = len(figures) - len(resolved)
+    top = f"top speed-up {max(resolved):.2f}x" if resolved else "no speed-up resolved"
+    job.progress.note(
+        f"speed {model}: {len(figures)} variants timed ({top}"
+        + (f"; {unresolved} not resolved" if unresolved else "")
+        + ")"
+    )
 
-    left = [len(tasks)]
 
-    def done(task: SpeedTask, figures: dict[str, dict[str, float]]) -> None:
-        model = ""
-        for key, values in figures.items():
-            row = job.catalog.update(key, values)
-            job.tracker.log(row["mlflow_run_id"], metrics=values)
-            model = row["model"]
-        left[0] -= 1
-        job.events("speed", model=model, variants=len(figures))
-        best = max(v["speedup"] for v in figures.values())
-        job.progress.note(
-            f"speed {model}: {len(figures)} variants timed (top speed-up "
-            f"{best:.2f}x); {left[0]} model(s) left"
-        )
+def _same(a: Any, b: Any) -> bool:
+    """Equal, NaN equal to NaN (an unresolved speed-up stays NaN)."""
+    nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return nan or a == b
 
-    def failed(task: SpeedTask, exc: BaseException) -> None:
-        job.events("speed_failed", model=task.model.ref, cause=first_line(exc))
-        job.progress.note(f"speed failed for {task.model.ref}: {first_line(exc)}")
 
-    run_speed_pass(tasks, done, failed)
-    share_twin_speed(job, points)
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 # -- quality gate ------------------------------------------------------------------------

@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,21 @@ from pipeline.records import EventLog, ModelFacts, RunSummary
 from pipeline.spec import JobSpec, MethodSpec
 from pipeline.storage import Storage
 from pipeline.tracking import Tracker, default_tracking_uri
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model ready for its grid points: S, profile, every point, those still to do."""
+
+    plan: ModelPlan
+    ms: Any
+    """`pipeline.statistics.ModelStats`."""
+    profile: Any
+    key: str
+    """The model key (weights, calibration, dtype): its parent run's identity."""
+    points: list[GridPoint]
+    pending: list[GridPoint]
+    skipped: int
 
 
 class JobRun:
@@ -69,6 +86,7 @@ class JobRun:
 
     def open(self) -> None:
         """Repair what a killed predecessor left: stale MLflow runs, partial checkpoints."""
+        self.catalog.compact()  # what a killed predecessor recorded, folded in
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
         closed = self.tracker.close_stale_runs(self.spec.name, completed)
         ckpt_root = self.storage.local_path(CHECKPOINTS)  # remote: unmarked, ignored
@@ -84,23 +102,18 @@ class JobRun:
             host=socket.gethostname(),
         )
 
-    def prepare_model(self, plan: ModelPlan, backend: str) -> list[GridPoint]:
-        """S (cached or captured), the model's profile and parent run, and its points."""
+    def prepare_model(self, plan: ModelPlan, backend: str) -> PreparedModel:
+        """S (cached or captured), the model's profile, its points (every selection made)
+        and, for the points still to do, the repair sums they need. Runs in a thread of
+        the fleet (`pipeline.fleet`) beside other models' stages: it records events and
+        log lines, never MLflow or the catalog (`adopt` does, on the driver's thread)."""
         from pipeline.statistics import describe, model_statistics
 
+        start = time.time()
         ms = model_statistics(self.spec, plan, self.run_dir, self.force)
-        self.summary.captured += ms.source == "computed"
-        self.summary.cached += ms.source == "cache"
         self.events("capture", model=plan.label, **describe(ms))
         self.progress.capture(plan.label, ms.source, ms.seconds, ms.stats.tokens)
         prof = lorp_profile(ms.stats.matrix())
-        key = plan.model_key(ms.stats.calibration_fingerprint)
-        parent = self.tracker.model_run(self.spec.name, key, plan.label)
-        self.tracker.record_model(parent, self.spec, plan, ms, prof)
-        self.facts[plan.label] = ModelFacts(
-            prof.rls, prof.k, list(prof.labels) if prof.labels is not None else None, ms.location
-        )
-        self.parents[plan.label] = parent
         if ms.shards is not None:
             self.shards[plan.label] = ms.shards
         loss_guided = LossSelector(self, plan, ms.stats, ms.file.stem, prof)
@@ -118,10 +131,39 @@ class JobRun:
             self.events("repair_refused", model=plan.label, point=point.name, reason=why)
             self.progress.note(f"{plan.label} {point.name}: not repaired: {why}")
 
+        key = plan.model_key(ms.stats.calibration_fingerprint)
         try:
-            return plan_points(self.spec, plan, key, backend, select, refused)
+            points = plan_points(self.spec, plan, key, backend, select, refused)
         finally:
             loss_guided.close()
+        pending, skipped = self.pending(points)
+        pending = self.prepare_repairs(pending)
+        seconds = time.time() - start
+        self.events(
+            "span",
+            stage="prepare",
+            model=plan.label,
+            start=start,
+            end=start + seconds,
+            node="driver",
+            worker="driver",
+            slots={},
+        )
+        return PreparedModel(plan, ms, prof, key, points, pending, skipped)
+
+    def adopt(self, prep: PreparedModel) -> None:
+        """A prepared model's records on the driver's thread: its parent MLflow run (S,
+        profile, heatmap), the facts its rows share, the capture counters."""
+        plan, ms, prof = prep.plan, prep.ms, prep.profile
+        self.summary.captured += ms.source == "computed"
+        self.summary.cached += ms.source == "cache"
+        self.summary.skipped += prep.skipped
+        parent = self.tracker.model_run(self.spec.name, prep.key, plan.label)
+        self.tracker.record_model(parent, self.spec, plan, ms, prof)
+        self.facts[plan.label] = ModelFacts(
+            prof.rls, prof.k, list(prof.labels) if prof.labels is not None else None, ms.location
+        )
+        self.parents[plan.label] = parent
 
     def repair_scorer(
         self, plan: ModelPlan, shards: CalibrationShards | None
@@ -212,20 +254,23 @@ class JobRun:
             )
         return [p for p in todo if p.key not in failed]
 
-    def todo(self, points: list[GridPoint]) -> list[GridPoint]:
-        """Points not yet in the catalog (all with `force`); replaced rows lose their run."""
+    def pending(self, points: list[GridPoint]) -> tuple[list[GridPoint], int]:
+        """Points not yet in the catalog (all with `force`), and how many are skipped."""
+        if self.force:
+            return list(points), 0
         done = self.catalog.by_key()
-        slots = {slot(r): r for r in self.catalog.rows}
-        todo = []
-        for p in points:
-            if p.key in done and not self.force:
-                self.summary.skipped += 1
-                continue
-            old = done.get(p.key) or slots.get((self.spec.name, p.model.label, p.label, p.budget))
-            if old and old.get("mlflow_run_id"):
-                self.tracker.delete(old["mlflow_run_id"])  # the redo replaces the old run
-            todo.append(p)
-        return todo
+        todo = [p for p in points if p.key not in done]
+        return todo, len(points) - len(todo)
+
+    def replace_old(self, point: GridPoint) -> None:
+        """A point about to run replaces its slot's old row: the old MLflow run goes."""
+        done = self.catalog.by_key()
+        old = done.get(point.key)
+        if old is None:
+            slots = {slot(r): r for r in self.catalog.rows}
+            old = slots.get((self.spec.name, point.model.label, point.label, point.budget))
+        if old and old.get("mlflow_run_id"):
+            self.tracker.delete(old["mlflow_run_id"])
 
     def checkpoint(self, point: GridPoint) -> str | None:
         """The point's checkpoint below the storage; None when it is not saved."""

@@ -33,6 +33,7 @@ import ray
 
 from lorp import Selection
 from lorp.methods.registry import jsonable
+from pipeline import timeline
 from pipeline.model_source import ModelSource, load_checked, model_source
 from pipeline.spec import Resources
 from pipeline.storage import Storage
@@ -64,14 +65,25 @@ class LossWorker:
 
         torch.set_num_threads(max(1, int(task.resources.num_cpus)))
         device = "cuda" if task.resources.num_gpus > 0 else "cpu"
-        lm = load_checked(task.model, device)
+        self.label = task.model.label
+        with timeline.span("load", model=self.label, of="losses"):
+            lm = load_checked(task.model, device)
         windows = torch.from_numpy(task.windows.astype(np.int64))
         self.evaluator = LossEvaluator(lm.model, windows, batch_size=task.batch_size)
 
-    def score(self, candidates: list[tuple[int, ...]]) -> tuple[list[float], dict[str, Any]]:
+    def ready(self) -> bool:
+        """Answers once the model is loaded: the worker can take candidates."""
+        return True
+
+    def score(
+        self, candidates: list[tuple[int, ...]], selection: str = "", step: int = 0
+    ) -> tuple[list[float], dict[str, Any]]:
         start = time.time()
         losses = self.evaluator(candidates)
-        span = {"pid": os.getpid(), "start": start, "end": time.time(), "n": len(candidates)}
+        end = time.time()
+        labels = {"model": self.label, "selection": selection, "step": step, "n": len(candidates)}
+        timeline.report("losses", start, end, **labels)
+        span = {"pid": os.getpid(), "start": start, "end": end, "n": len(candidates)}
         return losses, span
 
 
@@ -108,6 +120,9 @@ class RayLosses:
             ).remote(task)
             for _ in range(max(1, n))
         ]
+        self.starting = {actor.ready.remote(): actor for actor in self.actors}
+        self.created = time.monotonic()
+        self.started: list[Any] = []
         self.events, self.memo, self.n_evals = events, memo, 0
         self.note = note  # one progress line per scored batch: a SLEB step can take an hour
         self.name, self.steps = "losses", 0  # the selection being made; its requests so far
@@ -120,12 +135,17 @@ class RayLosses:
         self.steps += 1
         start = time.perf_counter()
         if todo:
-            shares = [todo[i :: len(self.actors)] for i in range(len(self.actors))]
-            refs = [a.score.remote(s) for a, s in zip(self.actors, shares, strict=True) if s]
+            actors = self._started()
+            shares = [todo[i :: len(actors)] for i in range(len(actors))]
+            refs = [
+                a.score.remote(s, self.name, self.steps)
+                for a, s in zip(actors, shares, strict=True)
+                if s
+            ]
             results = ray.get(refs)
             out: list[float] = [0.0] * len(todo)
             for i, (losses, _) in enumerate(results):
-                out[i :: len(self.actors)] = losses
+                out[i :: len(actors)] = losses
             self.memo.add(todo, out)
             spans = [s for _, s in results]
         self.n_evals += len(todo)
@@ -139,6 +159,23 @@ class RayLosses:
                 f"{'s' if len(spans) > 1 else ''}{memo}"
             )
         return [self.memo.losses[c] for c in candidates]
+
+    def _started(self) -> list[Any]:
+        """The actors that have loaded their model (waiting for the first when none has):
+        a share never waits on an actor still queued for a slot, which other models'
+        work may hold for as long as this selection runs."""
+        if self.starting:
+            grace = 0.0
+            if not self.started:  # the first to load; the others get as long again (<= 30 s)
+                ray.wait(list(self.starting), num_returns=1)
+                grace = min(30.0, max(5.0, time.monotonic() - self.created))
+            n = len(self.starting)
+            ready, _ = ray.wait(list(self.starting), num_returns=n, timeout=grace)
+            for ref in ready:
+                actor = self.starting.pop(ref)
+                ray.get(ref)  # an actor that cannot load the model fails the selection here
+                self.started.append(actor)
+        return self.started
 
     def close(self) -> None:
         for actor in self.actors:

@@ -39,6 +39,8 @@ class ModelSource:
     dtype: str = "float32"
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    label: str = ""
+    """The job's name for the model (timeline spans, log lines); not part of loading."""
 
 
 def model_source(plan: ModelPlan) -> ModelSource:
@@ -51,6 +53,7 @@ def model_source(plan: ModelPlan) -> ModelSource:
         dtype=plan.spec.dtype,
         trust_remote_code=plan.spec.trust_remote_code,
         allow_pickle=plan.spec.allow_pickle,
+        label=plan.label,
     )
 
 

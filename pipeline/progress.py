@@ -43,14 +43,28 @@ class Progress:
         how = "from cache" if source == "cache" else f"captured in {duration(seconds)}"
         log.info("S %-24s %s (%s calibration tokens)", model, how, f"{tokens:,}")
 
-    def grid(self, total: int, skipped: int) -> None:
-        self.total = total
-        self.start = self.clock()  # the ETA is the grid's pace, not capture's or selection's
-        log.info("grid: %d points to run, %d already done", total, skipped)
-        if self.want_bar and total:
+    def fleet(self, models: int, in_flight: int, points_at_once: int) -> None:
+        """The job's shape: how many models, how many at once, points at once."""
+        at_once = "all in flight" if in_flight >= models else f"{in_flight} in flight"
+        log.info("fleet: %d model(s), %s, %d point(s) at once", models, at_once, points_at_once)
+
+    def add_points(self, model: str, n: int, skipped: int, preparing: int) -> None:
+        """A model is ready: `n` more points to run. The first one starts the grid's
+        clock: the ETA is the grid's pace, not capture's or selection's."""
+        if self.total == 0 and self.done + self.failed == 0:
+            self.start = self.clock()
+        self.total += n
+        self._write(
+            f"{model} ready: {n} points to run, {skipped} already done; "
+            f"{preparing} model(s) still preparing"
+        )
+        if self.want_bar and n and self.bar is None:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc="points", unit="pt", leave=False)
+            self.bar = tqdm(total=self.total, desc="points", unit="pt", leave=False)
+        elif self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
 
     def point(self, name: str, figure: str, seconds: float, ok: bool = True) -> None:
         self.done += ok

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -72,20 +73,23 @@ class EventLog:
     event, except the frequent `losses` batches, which travel with the next one."""
 
     NAME = "events.jsonl"
-    UNSYNCED = frozenset({"losses"})
+    UNSYNCED = frozenset({"losses", "span", "begin", "finish"})
 
     def __init__(self, path: Path, mirror: Storage | None = None) -> None:
         self.path, self.mirror = path, mirror
+        self.lock = threading.Lock()  # the fleet's model threads and the driver write here
         path.parent.mkdir(parents=True, exist_ok=True)
         if mirror is not None:
             mirror.get_file(self.NAME, path)
 
     def __call__(self, event: str, **data: Any) -> None:
         record = {"time": now(), "event": event, **data}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record, default=str) + "\n")
-        if self.mirror is not None and event not in self.UNSYNCED:
-            self.mirror.put_file(self.path, self.NAME)
+        line = json.dumps(record, default=str) + "\n"
+        with self.lock:
+            with open(self.path, "a") as fh:
+                fh.write(line)
+            if self.mirror is not None and event not in self.UNSYNCED:
+                self.mirror.put_file(self.path, self.NAME)
 
     def read(self) -> list[dict[str, Any]]:
         return read_events(self.path)

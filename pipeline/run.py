@@ -1,28 +1,36 @@
-"""The job driver: (models x budgets x methods) -> pruned, recorded, catalogued variants.
+"""The job driver: (models x budgets x methods x repairs) -> pruned, recorded, catalogued
+variants, for a fleet of models at once.
 
-Per model: calibration shards once, S once (cached by content key), the model's profile
-(RLS, K, clusters) once; then per (budget, method) a selection in the driver
-(milliseconds); the linear repair's sums for every run those selections remove, once per
-model on the capture workers (cached); and per (budget, method, repair) a Ray task for
-repair fit and fold, surgery, saving and evaluation; then a speed pass that
-times every variant against its dense model on a whole node. Points already in the catalog
-are skipped, so a rerun resumes; `force` redoes them. A point's catalog row is written
-before its MLflow run is closed, so a driver killed at any moment leaves a state the next
-start repairs exactly.
+Per model, a chain of stages (`pipeline.fleet`): calibration shards once, S once (cached
+by content key), the model's profile (RLS, K, clusters) once; per (budget, method) a
+selection (milliseconds in the driver; loss-guided ones on Ray actors, cached); the linear
+repair's sums for every run those selections remove, once per model (cached); per (budget,
+method, repair) a Ray task for repair fit and fold, surgery, saving and evaluation; then
+the model's speed task on a whole node, its quality gate and its registry versions. Every
+model's chain is in flight at once, each waiting only for slots.
 
-Where things live: planning and keys in `plan`, the run's context in `job`, S in
-`statistics`, the grid stages in `grid`, Ray queues in `scheduler`, rows and provenance
-in `records`, log lines in `progress`, joining or starting Ray in `connect`.
+Points already in the catalog are skipped, so a rerun resumes; `force` redoes them. A
+point's catalog row is written before its MLflow run is closed, so a driver killed at any
+moment leaves a state the next start repairs exactly. A stopped driver (SIGTERM, Ctrl-C)
+ends its points in flight as KILLED and says what a rerun will do.
+
+Where things live: planning and keys in `plan`, the run's context in `job`, the schedule
+in `fleet`, S in `statistics`, what each stage records in `grid`, Ray pools in
+`scheduler`, worker code in `workers`, spans and busy fractions in `timeline`, rows and
+provenance in `records`, log lines in `progress`, joining or starting Ray in `connect`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from pipeline import timeline
 from pipeline.connect import init_ray
-from pipeline.grid import run_grid, run_quality_gate, run_speed
+from pipeline.fleet import Fleet, Stopped
 from pipeline.job import JobRun
-from pipeline.model_registry import register_variants
 from pipeline.plan import plan_models, resolve_backend
 from pipeline.progress import Progress
 from pipeline.records import RunSummary
@@ -30,28 +38,52 @@ from pipeline.spec import JobSpec
 
 
 def run_job(spec: JobSpec, *, force: bool = False, progress: Progress | None = None) -> RunSummary:
-    """Run a job spec end to end; returns what was done, skipped and failed."""
+    """Run a job spec end to end; returns what was done, skipped and failed. A stop
+    signal raises `Stopped` once the points in flight are closed as KILLED."""
     plans = plan_models(spec)  # every input error surfaces here, before any file
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
     job = JobRun(spec, force, progress or Progress(bar=False))
     job.open()
     init_ray(spec)
-    points = [p for plan in plans for p in job.prepare_model(plan, backend)]
-    todo = job.todo(points)
-    job.events("grid", points=len(points), todo=len(todo), skipped=job.summary.skipped)
-    job.progress.grid(len(todo), job.summary.skipped)
+    kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"
+    job.events("cluster", kind=kind, slots=timeline.cluster_slots(), models=len(plans))
+    fleet = Fleet(job, plans, backend)
     try:
-        todo = job.prepare_repairs(todo)  # once per model, after its selections
-        run_grid(job, todo, backend)
-        run_speed(job, points)
-        run_quality_gate(job, points)
-        if spec.tracking.register:
-            register_variants(job, points)
+        with stop_signals(fleet):
+            fleet.run()
+    except (Stopped, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, Stopped) else Stopped(signal.SIGINT)
+        stop.summary = fleet.status_line()  # type: ignore[attr-defined]
+        job.events("stopped", signal=stop.name, done=job.summary.done)
+        raise stop from None
     finally:
         job.progress.close()
+        job.catalog.compact()
     s = job.summary
     job.events("end", done=s.done, skipped=s.skipped, failed=len(s.failed))
     return s
 
 
-__all__ = ["init_ray", "run_job"]
+@contextmanager
+def stop_signals(fleet: Fleet) -> Iterator[None]:
+    """SIGTERM and SIGINT ask the fleet to stop (`Fleet.stop_requested`); its loop raises
+    `Stopped` where nothing is half-recorded. Ray's own handler would print a C++ stack
+    trace and abort. A second signal changes nothing; the old handlers come back after."""
+
+    def handler(signum: int, frame: object) -> None:
+        fleet.stop_requested = fleet.stop_requested or signum
+
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only (a driver embedded in a thread)
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+__all__ = ["Stopped", "init_ray", "run_job"]

@@ -143,6 +143,10 @@ class ResourcesSpec:
     worker that never gets a node only goes unused."""
     speed: Resources | None = None
     """Per speed-pass task (one per model, after the grid); default: a whole node."""
+    max_models_in_flight: int | None = None
+    """Models whose stages (capture, selections, points, speed, gate, registry) run at
+    once; default: all of them, each waiting only for slots. Bounds the driver's memory
+    (each model in flight holds its S and selections); 1 runs one model after another."""
     repair_memory_gib: float = 4.0
     """Memory of the repair sums one capture worker holds in a pass: one d x d float64
     per run start and per run (134 MB each at d = 4096, 2.7 MB at d = 576). Runs beyond
@@ -155,6 +159,8 @@ class ResourcesSpec:
             raise SpecError(f"repair_memory_gib: must be a number > 0, got {value!r}")
         if self.capture_workers is not None:
             _positive("capture_workers", self.capture_workers)
+        if self.max_models_in_flight is not None:
+            _positive("max_models_in_flight", self.max_models_in_flight)
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,17 @@ can be trusted.
 - Prefill latency: one forward at batch 1 over `seq_len` tokens with the KV cache off and
   logits for the last position only (`logits_to_keep=1`), as a generation prefill does; a
   full-sequence LM head (Gemma 3's has 262k rows) would time the head, not the blocks.
-- `interleaved_speedup` times the dense and the pruned model alternately in one process
-  (warm-ups, then pairs in ABBA... order) and reports medians and the spread of the per-pair
-  ratio, so drift in machine load hits both sides alike. The pipeline runs it in a
-  dedicated pass after the grid, one model at a time on a whole node.
+- `timed_speedup` times the dense and the pruned model alternately in one process
+  (warm-ups, then rounds in ABBA... order) and takes each side's latency as the minimum
+  of its runs, as `timeit` recommends: interference (other processes, a collection, a
+  migrating thread) only ever adds time, so a minimum cannot be flattered by it while a
+  median or mean of a noisy side can. It keeps timing until the estimate is resolved:
+  on each side two runs agree on the floor (the second-smallest time within 2% of the
+  smallest) and the ratio of the minima is within 5% of the bound below; a ratio above
+  that is never published. The pipeline runs it in a dedicated pass after the grid, one
+  model at a time on a whole node.
+- `interleaved_speedup`, the earlier estimator (medians and the median per-pair ratio),
+  is kept for callers that have not moved to `timed_speedup`.
 - Peak memory of a variant is measured in a fresh process (`peak_memory_fresh`, forked
   from a server that has imported torch once): load
   its saved checkpoint (or the dense model, then drop and free the blocks), reset the
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import multiprocessing
 import resource
 import statistics
@@ -66,6 +74,116 @@ def prefill_latency(
     return {
         "latency_ms": statistics.fmean(times),
         "latency_std_ms": statistics.stdev(times) if len(times) > 1 else 0.0,
+    }
+
+
+BOUND_SLACK = 1.05
+"""A measured speed-up more than 5% above N/(N-k) is a broken timing, never a result."""
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def timed_speedup(
+    dense: Any,
+    pruned: Any | None,
+    seq_len: int,
+    *,
+    n_blocks: int,
+    removed: int,
+    min_runs: int = 5,
+    max_runs: int = 30,
+    budget_s: float | None = None,
+    warmup: int = 2,
+    tolerance: float = 0.02,
+) -> dict[str, float]:
+    """Prefill latencies of `dense` and `pruned` (the minimum of each side's runs) and
+    their ratio, timed alternately until the estimate is resolved.
+
+    After `warmup` untimed rounds, rounds of one prefill per model (ABBA... order) are
+    added until, after at least `min_runs` rounds, the estimate is resolved: on each
+    side the second-smallest time is within `tolerance` of the smallest (two runs agree
+    on the floor), and min(dense) / min(pruned) is at most 1.05 x
+    `speedup_bound(n_blocks, removed)`. Timing stops unresolved after `max_runs` rounds,
+    or once `budget_s` seconds (from the call, warm-ups included) are spent; a budget
+    that ends it before `min_runs` rounds leaves it unresolved. The garbage collector is
+    off while timing, as in `timeit`.
+
+    Returns (all floats, as catalog metric columns are):
+    - `latency_ms`, `latency_dense_ms`: the pruned and the dense minimum;
+    - `speedup_measured`: min(dense) / min(pruned), always;
+    - `speedup`: the same when resolved, else NaN (a ratio above the bound never is);
+    - `speedup_std`: the ratio's half-width from the floors' agreement: with g the
+      relative gap between a side's two smallest times, half the width of
+      [r / (1 + g_pruned), r * (1 + g_dense)], the range r spans if either floor were
+      that side's second-smallest time (NaN with fewer than two runs a side);
+    - `speed_runs`: rounds timed (runs per side);
+    - `speed_resolved`: 1.0 or 0.0.
+
+    `pruned=None` times the dense model alone: speed-up 1 by definition, resolved when
+    its own floor is stable."""
+    ids = _ids(dense, seq_len)
+    models = [dense] if pruned is None else [dense, pruned]
+    bound = speedup_bound(n_blocks, removed) if removed < n_blocks else math.inf
+    need = max(2, min(min_runs, max_runs))  # one run cannot show a stable floor
+    times: list[list[float]] = [[] for _ in models]
+    start = _now()
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            for _ in range(warmup):
+                for m in models:
+                    _time_ms(m, ids)
+            for i in range(max(max_runs, 1)):
+                for side, t in zip(times, _pair(models, ids, flip=i % 2 == 1), strict=True):
+                    side.append(t)
+                if i + 1 >= need and _resolved(times, bound, tolerance):
+                    break
+                if budget_s is not None and _now() - start >= budget_s:
+                    break
+    finally:
+        if was_enabled:
+            gc.enable()
+    resolved = len(times[0]) >= need and _resolved(times, bound, tolerance)
+    return _minima(times, resolved)
+
+
+def _floor_gap(times: list[float]) -> float:
+    """How far the second-smallest time is above the smallest, relative (inf: one run)."""
+    if len(times) < 2:
+        return math.inf
+    first, second = sorted(times)[:2]
+    return (second - first) / first if first > 0 else math.inf
+
+
+def _resolved(times: list[list[float]], bound: float, tolerance: float) -> bool:
+    if any(_floor_gap(side) > tolerance for side in times):
+        return False
+    return len(times) == 1 or min(times[0]) / min(times[1]) <= BOUND_SLACK * bound
+
+
+def _minima(times: list[list[float]], resolved: bool) -> dict[str, float]:
+    dense_ms = min(times[0])
+    pruned_ms = min(times[-1])
+    gaps = [_floor_gap(side) for side in times]
+    if len(times) == 1:  # the dense model alone: 1 by definition
+        ratio, spread = 1.0, 0.0
+    else:
+        ratio = dense_ms / pruned_ms
+        spread = (ratio * (1 + gaps[0]) - ratio / (1 + gaps[1])) / 2
+    if not all(math.isfinite(g) for g in gaps):
+        spread = math.nan
+    return {
+        "latency_ms": pruned_ms,
+        "latency_dense_ms": dense_ms,
+        "speedup": ratio if resolved or len(times) == 1 else math.nan,
+        "speedup_measured": ratio,
+        "speedup_std": spread,
+        "speed_runs": float(len(times[0])),
+        "speed_resolved": 1.0 if resolved else 0.0,
     }
 
 

@@ -22,6 +22,9 @@ class RunStatus:
     failed: list[str] = field(default_factory=list)
     rows: int = 0
     speed_pending: int = 0
+    """Rows that want speed figures and have not been timed yet."""
+    speed_unresolved: int = 0
+    """Rows timed whose speed-up was not resolved (`speed_resolved` 0): no figure."""
     per_model: dict[str, int] = field(default_factory=dict)
     repaired: int = 0
     """Catalog rows that are repaired twins (`repair` linear)."""
@@ -30,6 +33,10 @@ class RunStatus:
     refused: list[str] = field(default_factory=list)
     """Repaired twins planning left out this attempt, with the reason."""
     last_event: str = ""
+    busy: str = ""
+    """How busy the attempt kept its slots (`pipeline.timeline`), one line."""
+    now: list[str] = field(default_factory=list)
+    """What runs now: units the driver started and has not seen end."""
 
     @property
     def left(self) -> int:
@@ -51,7 +58,9 @@ def run_status(run_dir: Path) -> RunStatus:
         return st
     attempt = events[starts[-1] :]
     _read_attempt(st, attempt)
+    _read_timeline(st, attempt)
     st.speed_pending = sum(1 for r in rows if _no_speed(r))
+    st.speed_unresolved = sum(1 for r in rows if _unresolved_speed(r))
     return st
 
 
@@ -59,12 +68,14 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
     st.job = attempt[0].get("job", "?")
     st.last_event = f"{attempt[-1]['event']} at {attempt[-1]['time']}"
     for e in attempt:
-        if e["event"] == "grid":
-            st.planned = int(e["todo"])
+        if e["event"] == "grid":  # one per model as it is ready
+            st.planned += int(e["todo"])
         elif e["event"] == "point":
             st.done += 1
         elif e["event"] == "point_failed":
             st.failed.append(e.get("cause", "?"))
+        elif e["event"] == "model_failed":
+            st.failed.append(f"{e.get('model', '?')}: {e.get('cause', '?')}")
         elif e["event"] == "repair_refused":
             st.refused.append(
                 f"{e.get('model', '?')} {e.get('point', '?')}: {e.get('reason', '?')}"
@@ -74,6 +85,36 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
     else:
         alive = _driver_alive(attempt[0].get("pid"), attempt[0].get("host"))
         st.state = {True: "running", False: "interrupted", None: "running or interrupted"}[alive]
+
+
+def _read_timeline(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
+    import time
+
+    from pipeline.progress import duration
+    from pipeline.timeline import running_now, summarise
+
+    u = summarise(attempt)
+    if u is not None:
+        st.busy = (
+            f"{u.utilisation:.0%} of {u.slots:g} {u.kind} slot(s) over {duration(u.makespan)}"
+            f" ({u.busy / 3600:.2f} busy slot-hours; makespan {u.makespan_ratio:.2f}x its"
+            f" lower bound)"
+        )
+    if st.state not in ("running", "running or interrupted"):
+        return
+    for e in running_now(attempt):
+        since = _age(e.get("time"), time.time())
+        what = " ".join(str(e[k]) for k in ("model", "point") if e.get(k))
+        st.now.append(f"{e.get('stage', '?'):8s} {what} (for {duration(since)})")
+
+
+def _age(stamp: str | None, now: float) -> float:
+    from datetime import datetime
+
+    try:
+        return max(now - datetime.fromisoformat(str(stamp)).timestamp(), 0.0)
+    except ValueError:
+        return 0.0
 
 
 def _driver_alive(pid: int | None, host: str | None) -> bool | None:
@@ -92,11 +133,20 @@ def _driver_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
+def _missing(value: Any) -> bool:
+    return value is None or value != value  # None or NaN
+
+
 def _no_speed(row: dict[str, Any]) -> bool:
-    value = row.get("speedup")
+    """Awaiting the speed pass: speed wanted, and neither a speed-up nor a latency. A row
+    with a latency was timed (its speed-up may be NaN: not resolved)."""
     evaluation = row.get("evaluation") or ""
     wants = '"speed": true' in evaluation and '"enabled": true' in evaluation
-    return wants and (value is None or value != value)
+    return wants and _missing(row.get("speedup")) and _missing(row.get("latency_ms"))
+
+
+def _unresolved_speed(row: dict[str, Any]) -> bool:
+    return row.get("speed_resolved") == 0.0
 
 
 def format_status(st: RunStatus) -> list[str]:
@@ -115,5 +165,12 @@ def format_status(st: RunStatus) -> list[str]:
     lines += [f"not repaired {why}" for why in st.refused]
     if st.speed_pending:
         lines.append(f"speed        {st.speed_pending} rows await the speed pass")
+    if st.speed_unresolved:
+        lines.append(f"speed        {st.speed_unresolved} figure(s) not resolved")
+    if st.busy:
+        lines.append(f"busy         {st.busy}")
+    lines += [f"now          {what}" for what in st.now[:12]]
+    if len(st.now) > 12:
+        lines.append(f"now          ... and {len(st.now) - 12} more")
     lines += [f"failed       {cause}" for cause in st.failed]
     return lines

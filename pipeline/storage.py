@@ -267,6 +267,13 @@ class Storage:
             fh.write(data)
         return self.uri(rel)
 
+    def delete(self, rel: str) -> None:
+        """Remove the file `rel`; nothing when there is none."""
+        if not self.remote:
+            self._local(rel).unlink(missing_ok=True)
+            return
+        self._delete(self._path(rel))
+
     # -- the remote filesystem -----------------------------------------------------------
 
     def _read(self, path: str) -> bytes | None:

@@ -41,6 +41,7 @@ from pipeline.model_source import ModelSource, load_checked
 from pipeline.records import PointResult
 from pipeline.spec import EvaluationSpec, Resources
 from pipeline.storage import Storage, scratch_dir
+from pipeline.timeline import span
 
 
 def _pin_threads(num_cpus: float) -> None:
@@ -84,7 +85,8 @@ class CaptureWorker:
 
     def __init__(self, task: CaptureTask) -> None:
         _pin_threads(task.resources.num_cpus)
-        self.model = load_checked(task.model, _device(task.resources)).model
+        with span("load", model=task.model.label, of="capture"):
+            self.model = load_checked(task.model, _device(task.resources)).model
         self.task = task
 
     def ready(self) -> bool:
@@ -95,29 +97,31 @@ class CaptureWorker:
         from lorp.capture import capture_stats
 
         maybe_fail("capture", name)
-        return capture_stats(
-            self.model,
-            self._batches(windows),
-            model_fingerprint=self.task.model.fingerprint,
-            calibration_fingerprint=self.task.calibration,
-            skip_prefix=self.task.skip_prefix,
-            progress=False,
-        )
+        with span("capture", model=self.task.model.label, shard=name):
+            return capture_stats(
+                self.model,
+                self._batches(windows),
+                model_fingerprint=self.task.model.fingerprint,
+                calibration_fingerprint=self.task.calibration,
+                skip_prefix=self.task.skip_prefix,
+                progress=False,
+            )
 
     def repair(self, windows: np.ndarray, name: str, runs: list[tuple[int, int]]) -> RepairStats:
         """The partial repair sums of `runs` over one shard (dense inputs, one pass)."""
         from lorp.repair_stats import capture_repair_stats
 
         maybe_fail("repair", name)
-        return capture_repair_stats(
-            self.model,
-            self._batches(windows),
-            runs,
-            skip_prefix=self.task.skip_prefix,
-            model_fingerprint=self.task.model.fingerprint,
-            calibration_fingerprint=self.task.calibration,
-            progress=False,
-        )
+        with span("repair_sums", model=self.task.model.label, shard=name, runs=len(runs)):
+            return capture_repair_stats(
+                self.model,
+                self._batches(windows),
+                runs,
+                skip_prefix=self.task.skip_prefix,
+                model_fingerprint=self.task.model.fingerprint,
+                calibration_fingerprint=self.task.calibration,
+                progress=False,
+            )
 
     def _batches(self, windows: np.ndarray) -> list[Any]:
         import torch
@@ -252,6 +256,8 @@ class PointTask:
     """none, transformers (the model in memory) or vllm (an engine over the checkpoint)."""
     repair: RepairTask | None = None
     """The point's linear repair; None: the blocks are only dropped."""
+    name: str = ""
+    """The point as log lines and the timeline name it (method, budget, repair)."""
 
 
 @dataclass(frozen=True)
@@ -268,10 +274,15 @@ class RepairTask:
 def execute_point(task: PointTask) -> PointResult:
     """Fit and fold the repair (if any), drop the blocks, save the checkpoint, evaluate;
     `layers=()` is the dense model."""
+    _pin_threads(task.resources.num_cpus)
+    with span("point", model=task.model.label, point=task.name, unit=task.grid_key):
+        return _execute_point(task)
+
+
+def _execute_point(task: PointTask) -> PointResult:
     from lorp.surgery import drop_layers
     from pipeline.speed import count_params
 
-    _pin_threads(task.resources.num_cpus)
     start = time.perf_counter()
     lm = load_checked(task.model, _device(task.resources))
     params_dense = count_params(lm.model)
@@ -398,16 +409,20 @@ class SpeedTask:
     """(grid key, pruned blocks, saved checkpoint below `storage` or None); () is dense."""
     seq_len: int
     pairs: int = 5
+    """Rounds of dense/pruned prefills at least; up to 3x as many until the minima agree."""
     resources: Resources = field(default_factory=Resources)
+    n_blocks: int = 0
+    """The dense model's blocks (the speed-up's bound N / (N - k))."""
 
 
 def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
-    """Per grid key: interleaved dense/pruned prefill timing and the variant's peak memory
-    in a fresh process."""
+    """Per grid key: the dense/pruned prefill timing (`pipeline.speed.timed_speedup`, the
+    minimum of alternating runs per side, unresolved figures marked) and the variant's
+    peak memory in a fresh process."""
     import copy
 
     from lorp.surgery import drop_layers
-    from pipeline.speed import interleaved_speedup
+    from pipeline.speed import timed_speedup
 
     _pin_threads(task.resources.num_cpus)
     lm = load_checked(task.model, _device(task.resources))
@@ -421,7 +436,15 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
         if layers:  # a pruned copy shares nothing with the dense model it is timed against
             pruned = copy.deepcopy(dense)
             drop_layers(pruned, layers)
-        timing = interleaved_speedup(dense, pruned, task.seq_len, pairs=task.pairs)
+        timing = timed_speedup(
+            dense,
+            pruned,
+            task.seq_len,
+            n_blocks=task.n_blocks or len(layers) + 1,
+            removed=len(layers),
+            min_runs=task.pairs,
+            max_runs=3 * task.pairs,
+        )
         del pruned
         out[key] = timing | _peak_memory(task, dense_dir, layers, checkpoint)
     return out
@@ -443,4 +466,5 @@ def _peak_memory(
 
 @ray.remote(max_retries=1)
 def run_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
-    return measure_speed(task)
+    with span("speed", model=task.model.label, variants=len(task.variants)):
+        return measure_speed(task)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from lorp import SimilarityStats
 from pipeline.calibration import read_shard
 from pipeline.catalog import read_catalog
 from pipeline.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
+from pipeline.records import read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
@@ -178,3 +180,60 @@ def test_unwritable_output_directory(model: Path, tmp_path: Path) -> None:
     assert out.returncode == 2 and "Not a directory" in out.stderr, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1
     assert blocker.read_text() == "a file"
+
+
+def test_sigterm_mid_grid_stops_cleanly_beside_a_second_job(model: Path, tmp_path: Path) -> None:
+    """A scheduler's SIGTERM mid-grid: the driver ends its points in flight as KILLED, says
+    in one line what was done and that a rerun resumes, exits 143; a second job on the
+    same machine (its own local Ray) finishes untouched; the rerun lands every point once."""
+    job = write_job(
+        tmp_path, model, "stopped", budgets=[1, 2, 3],
+        methods=[{"name": m} for m in ("lorp", "shortgpt", "streamline", "angular")],
+        resources={"max_concurrent_points": 2},
+    )  # fmt: skip
+    beside = write_job(tmp_path, model, "beside", budgets=[1, 2], methods=[{"name": "lorp"}])
+    run_dir, points = tmp_path / "stopped", 1 + 3 * 4
+    logs = {name: (tmp_path / f"{name}.err").open("w+") for name in ("stopped", "beside")}
+    proc, other = (
+        subprocess.Popen([LORP, "run", str(j)], stderr=logs[n], start_new_session=True)
+        for n, j in (("stopped", job), ("beside", beside))
+    )
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:  # stop with a point in flight
+            events = read_events(run_dir / "events.jsonl")
+            begun = {e["unit"] for e in events if e["event"] == "begin" and e["stage"] == "point"}
+            ended = {e["unit"] for e in events if e["event"] == "finish"}
+            if sum(e["event"] == "point" for e in events) >= 3 and begun - ended:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the job ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        assert other.wait(timeout=900) == 0, (tmp_path / "beside.err").read_text()[-3000:]
+    finally:
+        kill_started_by(proc.pid)  # whatever the stop left (nothing, when it works)
+        kill_started_by(other.pid)
+    stderr = (tmp_path / "stopped.err").read_text()
+    assert proc.returncode == 143, stderr[-3000:]
+    said = [x for x in stderr.splitlines() if x.startswith("stopped by SIGTERM")]
+    assert len(said) == 1 and "resumes" in said[0] and "point(s) done" in said[0], stderr
+    assert "logging.cc" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    before = read_catalog(run_dir / "catalog.parquet")
+    assert 3 <= len(before) < points
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("stopped")
+    runs = [
+        r for r in client.search_runs([exp.experiment_id]) if r.data.tags["lorp.kind"] == "point"
+    ]
+    status = Counter(r.info.status for r in runs)
+    assert status["KILLED"] >= 1 and status["RUNNING"] == 0, status
+    assert status["FINISHED"] == len(before)
+
+    assert len(read_catalog(tmp_path / "beside" / "catalog.parquet")) == 1 + 2
+
+    out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_catalog(run_dir / "catalog.parquet")
+    assert len({r["grid_key"] for r in rows}) == len(rows) == points
+    assert {r["grid_key"] for r in before} <= {r["grid_key"] for r in rows}

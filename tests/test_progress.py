@@ -13,13 +13,15 @@ def test_eta_counts_from_the_grid_not_from_capture_and_selection() -> None:
     now = iter([0.0, 3600.0, 3610.0, 3640.0, 3641.0, 3700.0])
     with progress_lines() as lines:
         progress = Progress(bar=False, clock=lambda: next(now))  # 0: created
-        progress.grid(4, 1)  # 3600: the grid starts
+        progress.fleet(2, 2, 2)
+        progress.add_points("m", 4, 1, 0)  # 3600: the first model is ready, the grid starts
         progress.point("m lorp-b4", "ppl_ptb 12.5", 2.0)  # 3610: 10 s for 1 point, 3 left
         progress.point("m sleb-b4", "boom", 1.0, ok=False)  # 3640: 40 s for 2, 2 left
         progress.point("m lorp-b8", "ppl_ptb 30.1", 1.0)  # 3641
         progress.point("m sleb-b8", "ppl_ptb 31.0", 59.4)  # 3700: the last point
     assert lines == [
-        "grid: 4 points to run, 1 already done",
+        "fleet: 2 model(s), all in flight, 2 point(s) at once",
+        "m ready: 4 points to run, 1 already done; 0 model(s) still preparing",
         "[1/4] m lorp-b4: ppl_ptb 12.5 (2s); 3 left, ETA 30s",  # not 3h: capture's hour
         "[2/4] m sleb-b4: FAILED: boom (1s); 2 left, ETA 40s",
         "[3/4] m lorp-b8: ppl_ptb 30.1 (1s); 1 left, ETA 14s",  # 41 s / 3 points

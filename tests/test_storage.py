@@ -247,7 +247,7 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     (plan,) = plan_models(spec)
     job = JobRun(spec, False, Progress(bar=False))
     job.open()
-    points = job.prepare_model(plan, "transformers")  # capture on Ray actors
+    points = job.prepare_model(plan, "transformers").points  # capture on Ray actors
     shards = load_shards(calibration_shards(spec, plan, job.run_dir))
     tok = AutoTokenizer.from_pretrained(plan.path)
     calls = [

@@ -1,0 +1,95 @@
+"""The fleet scheduler on a real local Ray: models' stages overlap (read from the job's own
+timeline, not from timing), one model at a time does not, and the timeline's figures
+follow from its spans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+from job_specs import tiny_job
+from tiny_models import save_tiny_ptb
+
+from pipeline.records import read_events
+from pipeline.run import run_job
+from pipeline.spec import parse_spec
+from pipeline.status import format_status, run_status
+from pipeline.timeline import spans_of, summarise
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def local_ray():  # type: ignore[no-untyped-def]
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "a": save_tiny_ptb("llama", root / "a", n_blocks=6),
+        "b": save_tiny_ptb("qwen3", root / "b", n_blocks=8),
+    }
+
+
+def fleet_job(tmp_path: Path, models: dict[str, Path], name: str, **resources) -> dict:  # type: ignore[no-untyped-def]
+    spec = tiny_job(tmp_path, models["a"], name, budgets=[1, 2])
+    spec["models"] = [{"ref": str(p), "name": n} for n, p in models.items()]
+    spec["methods"] = [{"name": "lorp"}, {"name": "shortgpt"}]
+    spec["resources"] = {"max_concurrent_points": 2, "capture_workers": 2, **resources}
+    return spec
+
+
+def worker_spans(run_dir: Path, model: str) -> list[dict]:  # type: ignore[type-arg]
+    spans = spans_of(read_events(run_dir / "events.jsonl"))
+    return [s for s in spans if s.get("model") == model and s.get("slots")]
+
+
+def overlap(a: list[dict], b: list[dict]) -> bool:  # type: ignore[type-arg]
+    """Some unit of `a` and some unit of `b` ran at the same time."""
+    return any(x["start"] < y["end"] and y["start"] < x["end"] for x in a for y in b)
+
+
+def test_two_models_stages_overlap_and_one_at_a_time_does_not(
+    local_ray, models: dict[str, Path], tmp_path: Path
+) -> None:
+    together = parse_spec(fleet_job(tmp_path, models, "together"))
+    summary = run_job(together)
+    assert summary.done == 2 * 4 and not summary.failed
+    run_dir = tmp_path / "together"
+    a, b = worker_spans(run_dir, "a"), worker_spans(run_dir, "b")
+    # every stage a worker ran is on the timeline, with where it ran and what it held
+    assert {s["stage"] for s in a} >= {"load", "capture", "point"}, {s["stage"] for s in a}
+    assert sum(s["stage"] == "point" for s in a + b) == 8
+    assert all(s["node"] and s["worker"].startswith("pid ") for s in a + b)
+    assert all(s["slots"] == {"CPU": 1.0} for s in a + b)
+    assert overlap(a, b), "model b's stages waited for model a's"
+
+    serial = parse_spec(fleet_job(tmp_path, models, "serial", max_models_in_flight=1))
+    assert run_job(serial).done == 8
+    run_dir = tmp_path / "serial"
+    a, b = worker_spans(run_dir, "a"), worker_spans(run_dir, "b")
+    assert a and b and max(s["end"] for s in a) <= min(s["start"] for s in b)
+
+    # the figures follow from the spans: busy slot-seconds, makespan, the bound
+    events = read_events(tmp_path / "together" / "events.jsonl")
+    u = summarise(events)
+    assert u is not None and u.kind == "CPU" and u.slots == 4.0
+    spans = [s for s in spans_of(events) if s.get("slots")]
+    busy = sum(s["slots"]["CPU"] * (s["end"] - s["start"]) for s in spans)
+    assert u.busy == pytest.approx(busy)
+    assert u.makespan == pytest.approx(
+        max(s["end"] for s in spans_of(events)) - min(s["start"] for s in spans_of(events))
+    )
+    assert u.lower_bound <= u.makespan and 0 < u.utilisation <= 1.0
+    fleet = [e for e in events if e["event"] == "fleet"][-1]
+    assert fleet["points"] == 8 and fleet["driver_ms_per_point"] > 0
+
+    lines = format_status(run_status(tmp_path / "together"))
+    busy_line = next(x for x in lines if x.startswith("busy"))
+    assert "of 4 CPU slot(s)" in busy_line and f"{u.utilisation:.0%}" in busy_line, lines
+    assert not any(x.startswith("now") for x in lines)  # finished: nothing runs

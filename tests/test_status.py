@@ -1,0 +1,47 @@
+"""`lorp status` from a hand-written catalog and event log: which rows await the speed
+pass, and how many speed figures came back unresolved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.catalog import write_catalog
+from pipeline.status import format_status, run_status
+
+SPEED = json.dumps({"enabled": True, "speed": True}, sort_keys=True)
+NO_SPEED = json.dumps({"enabled": True, "speed": False}, sort_keys=True)
+
+
+def _row(key: str, evaluation: str = SPEED, **metrics: float) -> dict:
+    return {"grid_key": key, "job": "j", "model": "m", "method": key, "budget": 1,
+            "evaluation": evaluation, **metrics}  # fmt: skip
+
+
+def _run_dir(tmp_path: Path, rows: list[dict]) -> Path:
+    write_catalog(tmp_path / "catalog.parquet", rows)
+    events = [{"time": "t0", "event": "start", "job": "j"}, {"time": "t1", "event": "end"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return tmp_path
+
+
+def test_timed_rows_do_not_await_the_speed_pass_and_unresolved_ones_are_counted(
+    tmp_path: Path,
+) -> None:
+    nan = float("nan")
+    rows = [
+        _row("dense", speedup=1.0, latency_ms=10.0, speed_resolved=1.0),
+        _row("untimed", ppl_ptb=12.0),  # awaits the pass
+        _row("unresolved", latency_ms=7.0, speedup=nan, speedup_measured=1.9, speed_resolved=0.0),
+        _row("older", speedup=1.2),  # a catalog from before latency and speed_resolved
+        _row("no-speed", NO_SPEED, ppl_ptb=13.0),  # the job asked for no timing
+    ]
+    st = run_status(_run_dir(tmp_path, rows))
+    assert (st.state, st.speed_pending, st.speed_unresolved) == ("finished", 1, 1)
+    lines = format_status(st)
+    assert "speed        1 rows await the speed pass" in lines
+    assert "speed        1 figure(s) not resolved" in lines
+
+    resolved = [r for r in rows if r["grid_key"] not in ("untimed", "unresolved")]
+    lines = format_status(run_status(_run_dir(tmp_path / "all-timed", resolved)))
+    assert not [line for line in lines if line.startswith("speed")]
