@@ -19,6 +19,13 @@ figure{display:inline-block;margin:8px 16px 8px 0;vertical-align:top;max-width:5
 figcaption{font-size:12px;color:#555;margin-top:4px}
 .maps td{text-align:left}.filters{margin:8px 0}.filters label{margin-right:12px}
 .muted{color:#777}a{color:#1b6ca8}code{font-size:12px}
+nav.pages{margin:4px 0 12px}table.headline td{border:none;padding:1px 12px 1px 0}
+figure.wide,svg.gantt{max-width:none}svg.gantt text{font-family:system-ui,sans-serif}
+ul.legend{list-style:none;padding:0;margin:6px 0}ul.legend li{display:inline-block;
+margin-right:14px;font-size:12px}.swatch{display:inline-block;width:12px;height:10px;
+margin-right:4px;vertical-align:middle;border:1px solid transparent}
+.swatch.failed{border:2px solid;background:repeating-linear-gradient(45deg,#fff 0 2px,
+#b3263a 2px 3px)}
 """
 
 # Sorting (click a header; a cell's data-v is its sort key) and filtering (selects over

@@ -40,7 +40,12 @@ def write(args: argparse.Namespace, run_dir: Path, out: Path) -> Path:
     catalogs = args.catalog or [str(run_dir / "catalog.parquet")]
     rows = merge_catalogs(catalogs)
     # Rows name their own store and experiment; only older catalogs need RUN_DIR's store.
-    return build_site(rows, out, fallback_tracking=legacy_tracking(run_dir, rows))
+    return build_site(
+        rows,
+        out,
+        fallback_tracking=legacy_tracking(run_dir, rows),
+        events_file=run_dir / "events.jsonl",  # the timeline page (copied here when remote)
+    )
 
 
 def run_remote(args: argparse.Namespace) -> int:
@@ -53,9 +58,14 @@ def run_remote(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
         run_dir = Path(args.run_dir)
         if is_remote(args.run_dir):
+            from pipeline.catalog import PARTS, Catalog
+
             run_dir, store = Path(tmp) / "run", Storage(args.run_dir)
-            if not store.get_file("catalog.parquet", run_dir / "catalog.parquet"):
+            Catalog(run_dir / Catalog.NAME, store)  # the file and its parts, a running job's too
+            if not (run_dir / Catalog.NAME).is_file() and not (run_dir / PARTS).is_dir():
                 raise FileNotFoundError(f"no catalog.parquet in {store.uri()}")
+            for name in ("events.jsonl",):
+                store.get_file(name, run_dir / name)
         index = write(args, run_dir, Path(tmp) / "site")
         out = Storage(args.out) if args.out else Storage(args.run_dir).sub("dashboard")
         uri = out.put_dir(index.parent)

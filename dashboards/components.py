@@ -108,7 +108,10 @@ def interval_td(iv: View) -> Markup:
 
 
 def speed_tds(sv: View) -> list[Markup]:
-    """Speed-up +- spread, and the bound N / (N - k) next to it; over-bound is flagged."""
+    """Speed-up +- spread, and the bound N / (N - k) next to it; over-bound is flagged,
+    an unresolved timing says so (the measured ratio in small text, not sortable)."""
+    if not sv.get("resolved", True):
+        return [unresolved_td(sv), value_td(sv["bound"])]
     if sv["speedup"] is None:
         return [value_td(None), value_td(sv["bound"])]
     text = fmt(sv["speedup"]) + (f" {PM} {fmt(sv['std'])}" if sv["std"] is not None else "")
@@ -122,6 +125,27 @@ def speed_tds(sv: View) -> list[Markup]:
         )
     speed = td(text, flag, data_v=sv["speedup"], cls="over-bound" if sv["exceeds"] else None)
     return [speed, value_td(sv["bound"])]
+
+
+def unresolved_td(sv: View) -> Markup:
+    """'not resolved', why, and the measured ratio in small text; no sort key."""
+    measured = sv.get("measured")
+    if sv.get("measured_exceeds"):
+        title = "the measured ratio is more than 5% above N/(N-k): not a result"
+    else:
+        title = "the timing did not settle: two runs did not agree on each side's fastest time"
+    note = None
+    if measured is not None:
+        title += f"; measured {fmt(measured, 3)}x"
+        note = el("small", f" ({fmt(measured)} measured)", class_="muted")
+    return td(
+        el("span", "not resolved", class_="badge unresolved"),
+        note,
+        data_v="",
+        data_measured="" if measured is None else measured,
+        cls="unresolved",
+        title=title,
+    )
 
 
 # -- pages -------------------------------------------------------------------------------

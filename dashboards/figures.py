@@ -9,9 +9,12 @@ from __future__ import annotations
 import html
 import io
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from dashboards.markup import Markup, el
 
 PALETTE = ["#1b6ca8", "#d1495b", "#2e933c", "#edae49", "#6a4c93", "#00798c", "#8c564b"]
 
@@ -148,4 +151,178 @@ def layer_map_svg(
         f'<svg class="layer-map" data-label="{html.escape(label)}" data-pruned="{len(drop)}" '
         f'data-degraded="{str(degraded).lower()}" width="{n_blocks * cell}" height="{cell}">'
         f"{cells}</svg>"
+    )
+
+
+# -- the job's timeline (Gantt chart) ------------------------------------------------------
+
+STAGE_COLOURS = {
+    "load": "#8c8c8c",
+    "capture": "#1b6ca8",
+    "repair_sums": "#6a4c93",
+    "losses": "#edae49",
+    "point": "#2e933c",
+    "speed": "#00798c",
+    "prepare": "#8c564b",
+    "gate": "#d1495b",
+}
+OTHER_STAGE = "#c7c7c7"
+FAILED = "#b3263a"
+
+
+@dataclass(frozen=True)
+class Gantt:
+    """Where a timeline's bars go: a label column, then `plot` px for the makespan; one
+    row per worker, of as many lanes (`row_h` each) as its overlapping spans need."""
+
+    makespan: float
+    lanes: tuple[int, ...]
+    """Lanes of each row."""
+    label: float = 170.0
+    plot: float = 880.0
+    row_h: float = 18.0
+    bar_h: float = 13.0
+    axis_h: float = 28.0
+
+    @property
+    def scale(self) -> float:
+        """px per second (a zero makespan is drawn as one second)."""
+        return self.plot / (self.makespan if self.makespan > 0 else 1.0)
+
+    def x(self, t: float) -> float:
+        return self.label + t * self.scale
+
+    def top(self, row: int) -> float:
+        return sum(self.lanes[:row]) * self.row_h
+
+    def y(self, row: int, lane: int = 0) -> float:
+        return self.top(row) + lane * self.row_h + (self.row_h - self.bar_h) / 2
+
+    @property
+    def bottom(self) -> float:
+        return sum(self.lanes) * self.row_h
+
+    @property
+    def width(self) -> float:
+        return self.label + self.plot + 20.0
+
+    @property
+    def height(self) -> float:
+        return self.bottom + self.axis_h
+
+
+def stage_colour(stage: str) -> str:
+    return STAGE_COLOURS.get(stage, OTHER_STAGE)
+
+
+NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 86400)
+
+
+def time_ticks(makespan: float, most: int = 10) -> list[tuple[float, str]]:
+    """Ticks 0, step, 2 step... over the makespan (at most `most`+1 of them), labelled in
+    s, or in min from a 2-minute makespan on, or in h from 3 hours on."""
+    span = makespan if makespan > 0 else 1.0
+    unit, div = ("h", 3600.0) if span >= 3 * 3600 else ("min", 60.0) if span >= 120 else ("s", 1.0)
+    floor = 0.0 if unit == "s" else div / 2  # ticks of at least 0.5 min, 0.5 h
+    steps = [s for s in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, *NICE_STEPS) if s >= floor]
+    step = next((s for s in steps if span / s <= most), span / most)
+    count = int(span / step + 1e-9)
+    return [(i * step, f"{i * step / div:.4g} {unit}") for i in range(count + 1)]
+
+
+def _gantt_axis(g: Gantt) -> list[Markup]:
+    top, bottom = 0.0, g.bottom
+    out = [
+        el("line", x1=g.label, x2=g.label + g.plot, y1=bottom, y2=bottom, stroke="#999"),
+    ]
+    for t, text in time_ticks(g.makespan):
+        x = round(g.x(t), 2)
+        out.append(el("line", x1=x, x2=x, y1=top, y2=bottom + 4, stroke="#e4e4e4"))
+        out.append(
+            el("text", text, x=x, y=bottom + 16, font_size=10, text_anchor="middle", class_="tick")
+        )
+    return out
+
+
+def _gantt_rows(g: Gantt, rows: Sequence[Mapping[str, Any]]) -> list[Markup]:
+    out = []
+    for i, r in enumerate(rows):
+        y, h = g.top(i), g.lanes[i] * g.row_h
+        if i % 2:
+            out.append(el("rect", x=0, y=y, width=g.label + g.plot, height=h, fill="#f7f7f7"))
+        out.append(
+            el(
+                "text",
+                el("title", f"{r['key']}: busy {r['busy']:.1f} s"),
+                r["key"],
+                x=g.label - 6,
+                y=y + g.row_h - 5,
+                font_size=11,
+                text_anchor="end",
+                class_="worker",
+            )
+        )
+    return out
+
+
+def gantt_bar(g: Gantt, bar: Mapping[str, Any]) -> list[Markup]:
+    """One span: a rect where its times say (data-stage, data-row, data-start, data-end);
+    a failed one outlined in red and hatched."""
+    x, y = round(g.x(bar["start"]), 2), round(g.y(bar["row"], bar.get("lane", 0)), 2)
+    w = round(max((bar["end"] - bar["start"]) * g.scale, 1.0), 2)
+    failed = bar["failed"]
+    rect = el(
+        "rect",
+        el("title", bar["tip"]),
+        x=x,
+        y=y,
+        width=w,
+        height=g.bar_h,
+        fill=stage_colour(bar["stage"]),
+        stroke=FAILED if failed else None,
+        stroke_width=2 if failed else None,
+        data_stage=bar["stage"],
+        data_row=bar["row"],
+        data_lane=bar.get("lane", 0),
+        data_start=round(bar["start"], 3),
+        data_end=round(bar["end"], 3),
+        data_failed="true" if failed else None,
+    )
+    if not failed:
+        return [rect]
+    hatch = el(
+        "rect", x=x, y=y, width=w, height=g.bar_h, fill="url(#gantt-failed)", pointer_events="none"
+    )
+    return [rect, hatch]
+
+
+HATCH = el(
+    "defs",
+    el(
+        "pattern",
+        el("path", d="M0 6 L6 0", stroke=FAILED, stroke_width=1.5),
+        id="gantt-failed",
+        width=6,
+        height=6,
+        patternUnits="userSpaceOnUse",
+    ),
+)
+
+
+def gantt_svg(tv: Mapping[str, Any]) -> Markup:
+    """The timeline (`timeline_view`): one row per worker, one bar per span, time axis."""
+    g = Gantt(tv["makespan"], tuple(r.get("lanes", 1) for r in tv["rows"]))
+    bars = [part for b in tv["bars"] for part in gantt_bar(g, b)]
+    return el(
+        "svg",
+        HATCH,
+        _gantt_rows(g, tv["rows"]),
+        _gantt_axis(g),
+        bars,
+        class_="gantt",
+        width=round(g.width),
+        height=round(g.height),
+        viewBox=f"0 0 {round(g.width)} {round(g.height)}",
+        data_bars=len(tv["bars"]),
+        data_rows=len(tv["rows"]),
     )

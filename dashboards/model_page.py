@@ -227,13 +227,18 @@ def speed_table(t: View) -> Markup | None:
         return [value_td(x) for x in r["size"]] + (speed_tds(r["speed"]) if t["speed"] else [])
 
     caption = (
-        "Parameters; prefill latency at batch 1 with the cache off (median over dense/pruned "
-        "pairs timed interleaved in one process on a whole node, after the grid); speed-up = "
-        f"the median per-pair ratio, {PM} its spread; bound = N/(N-k), the most that removing "
-        "k of N equal blocks can give (embedding and head make the real bound lower). A "
-        "speed-up more than 5% above it is flagged \u2018above bound\u2019: timing noise or a "
-        "fault, not a result. Peak memory: the variant's own peak, measured in a fresh "
-        "process (CUDA peak on GPU, resident high-water mark on CPU)."
+        "Parameters; prefill latency at batch 1 with the cache off (the fastest of the runs "
+        "of dense and pruned timed alternately in one process on a whole node, after the "
+        "grid: interference only adds time); speed-up = dense / pruned of those minima, "
+        f"{PM} the half-width implied by each side's two fastest runs; bound = N/(N-k), the "
+        "most that removing k of N equal blocks can give (embedding and head make the real "
+        "bound lower). A speed-up is published only once two runs agree on each side's "
+        "floor (within 2%) and the ratio is at most 5% above the bound; otherwise it reads "
+        "\u2018not resolved\u2019, the measured ratio in small text, and it is not sorted by "
+        "or plotted. A published speed-up more than 5% above the bound (older catalogs) is "
+        "flagged \u2018above bound\u2019: timing noise or a fault, not a result. Peak memory: "
+        "the variant's own peak, measured in a fresh process (CUDA peak on GPU, resident "
+        "high-water mark on CPU)."
     )
     return _variant_table("Size and speed (Appendix A)", t, cells, head, caption)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,8 +99,22 @@ DECAY_CAPTION = (
 )
 
 
-def overview_page(ov: View, profiles: Mapping[str, np.ndarray]) -> str:
-    """The whole fleet page from `views.overview` and every model's S."""
+def nav_bar(nav: Sequence[tuple[str, str]]) -> Markup | None:
+    """Links to the site's other pages (text, href), e.g. the job's timeline."""
+    if not nav:
+        return None
+    links = [
+        frag(" \u00b7 " if i else None, el("a", text, href=href))
+        for i, (text, href) in enumerate(nav)
+    ]
+    return el("nav", "Pages: ", links, class_="pages")
+
+
+def overview_page(
+    ov: View, profiles: Mapping[str, np.ndarray], nav: Sequence[tuple[str, str]] = ()
+) -> str:
+    """The whole fleet page from `views.overview` and every model's S; `nav` links the
+    site's other pages (text, href)."""
     metric = ov["metric"] or "metric"
     filters = [
         _select("family", ov["families"]),
@@ -116,6 +130,7 @@ def overview_page(ov: View, profiles: Mapping[str, np.ndarray]) -> str:
     return page(
         "lorp fleet",
         el("h1", f"lorp fleet: {len(ov['rows'])} models, {ov['n_points']} pruned variants"),
+        nav_bar(nav),
         el("div", filters, class_="filters"),
         overview_table(ov),
         el("p", note, class_="muted"),

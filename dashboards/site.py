@@ -5,12 +5,14 @@ filterable; links to model pages and MLflow runs; how to browse each job's MLflo
 with the paper's Table 1 and Fig. 2, and one page per model with Fig. 1 (S), Fig. 2, the
 cluster labels along depth, Fig. 4 (the pruned-block map of every method and budget),
 Tables 2-3 (perplexity, accuracy with intervals, with the dense row), size and speed
-against the N/(N-k) bound, and the quality/cost trade-off. Everything is inline: no
-network at view time.
+against the N/(N-k) bound, and the quality/cost trade-off; and the job's timeline (a
+Gantt chart of every span per worker slot, with the utilisation figures) from the run
+directory's events.jsonl. Everything is inline: no network at view time.
 
-This module only orchestrates: `views` shapes the data, `overview` and `model_page`
-render it, and this writes the files. It is also the only place that reads files (each
-model's S, once) or asks an MLflow store (older catalogs only).
+This module only orchestrates: `views` and `timeline_view` shape the data, `overview`,
+`model_page` and `timeline_page` render it, and this writes the files. It is also the
+only place that reads files (each model's S, once; the events) or asks an MLflow store
+(older catalogs only).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from dashboards.links import job_tracking
 from dashboards.model_page import model_page
 from dashboards.overview import overview_page
 from dashboards.shapes import Row
+from dashboards.timeline_page import PAGE as TIMELINE
+from dashboards.timeline_page import timeline_page
+from dashboards.timeline_view import timeline_view
 
 MLFLOW_UI = "http://127.0.0.1:5000"
 log = logging.getLogger(__name__)
@@ -63,17 +68,23 @@ def build_site(
     *,
     mlflow_ui: str = MLFLOW_UI,
     fallback_tracking: Mapping[str, Row] | None = None,
+    events_file: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write index.html and one page per model into `out_dir`; returns index.html.
+    """Write index.html, one page per model and the job's timeline.html into `out_dir`;
+    returns index.html.
 
     MLflow links come from each row's `tracking_uri` and `experiment_id`;
     `fallback_tracking` (job -> {tracking_uri, experiment_id}, see `legacy_tracking`)
-    fills in for catalogs written before those columns existed.
+    fills in for catalogs written before those columns existed. `events_file` is the run
+    directory's `events.jsonl`: the timeline page's spans (when the file is missing or has
+    no spans, the page says so in one line), linked from the overview when the file has
+    events; no timeline page without it.
     """
     if not rows:
         raise ValueError("the catalog is empty: nothing to show")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    has_events = write_timeline(events_file, out / TIMELINE)
     by_model = views.group_by_model(rows)
     S_of = {m: load_S(rs[0]) for m, rs in by_model.items()}
     profiles = {m: S for m, S in S_of.items() if S is not None}
@@ -83,8 +94,25 @@ def build_site(
         page = model_page(view, S_of[model], profiles)
         (out / f"model-{views.slug(model)}.html").write_text(page)
     index = out / "index.html"
-    index.write_text(overview_page(views.overview(by_model, tracking, mlflow_ui), profiles))
+    nav = [("job timeline", TIMELINE)] if has_events else []
+    ov = views.overview(by_model, tracking, mlflow_ui)
+    index.write_text(overview_page(ov, profiles, nav=nav))
     return index
+
+
+def write_timeline(events_file: str | os.PathLike[str] | None, path: Path) -> bool:
+    """The timeline page from the run's events (or the line saying there is none; no page
+    when no run directory was named); whether the file had any event."""
+    from pipeline.records import read_events
+
+    if events_file is None:
+        return False
+    if not Path(events_file).is_file():
+        path.write_text(timeline_page(None, "no events.jsonl in the run directory"))
+        return False
+    events = read_events(Path(events_file))
+    path.write_text(timeline_page(timeline_view(events)))
+    return bool(events)
 
 
 def experiment_ids(tracking_uri: str, rows: Sequence[Row]) -> dict[str, str]:

@@ -8,11 +8,15 @@ they return. The honesty rules live here:
   comparable to the paper, an unknown count is flagged and gets no interval;
 - a variant marked `degraded` by the quality gate is never a "best" variant;
 - a speed-up is shown with its spread and the physical bound N / (N - k) (k of N equal
-  blocks removed), and one above the bound by more than 5% is flagged, not hidden.
+  blocks removed), and one above the bound by more than 5% is flagged, not hidden;
+- a timing that was not resolved (`speed_resolved` 0, or a `speedup_measured` with no
+  `speedup`) shows as "not resolved" with the measured ratio beside it, and is never
+  ranked, sorted by or plotted as a speed.
 
 Missing columns (older catalogs) degrade gracefully: no `degraded` = not degraded, no
-`n_<task>` = items unknown, no `speedup_std` = no spread, no `labels` = recomputed from S,
-no `tracking_uri`/`experiment_id` = the caller's fallback (`links.py`).
+`n_<task>` = items unknown, no `speedup_std` = no spread, no `speed_resolved` = resolved,
+no `labels` = recomputed from S, no `tracking_uri`/`experiment_id` = the caller's
+fallback (`links.py`).
 """
 
 from __future__ import annotations
@@ -144,16 +148,38 @@ def speed_bound(n_blocks: Any, budget: Any) -> float | None:
     return n / (n - k)
 
 
+def speed_resolved(row: Row) -> bool:
+    """Whether the row's timing was resolved: false when `speed_resolved` is 0, or when
+    there is a measured ratio (`speedup_measured`) but no published speed-up. Catalogs
+    older than those columns have only resolved rows."""
+    flag = finite(row.get("speed_resolved"))
+    if flag is not None:
+        return flag != 0.0
+    return finite(row.get("speedup")) is not None or finite(row.get("speedup_measured")) is None
+
+
 def speed_view(row: Row) -> View:
-    """{speedup, std, bound, exceeds}: exceeds = speed-up above the bound by more than 5%."""
-    speedup, bound = finite(row.get("speedup")), speed_bound(row.get("n_blocks"), row["budget"])
-    exceeds = speedup is not None and bound is not None and speedup > bound * (1 + BOUND_TOLERANCE)
+    """{speedup, std, bound, exceeds, resolved, measured, measured_exceeds}: exceeds =
+    speed-up above the bound by more than 5%. An unresolved timing has no speed-up (None:
+    never ranked or plotted), only the measured ratio, to be shown as such;
+    measured_exceeds says whether that ratio is above the bound by more than 5%."""
+    resolved = speed_resolved(row)
+    speedup = finite(row.get("speedup")) if resolved else None
+    measured = finite(row.get("speedup_measured"))
+    bound = speed_bound(row.get("n_blocks"), row["budget"])
     return {
         "speedup": speedup,
-        "std": finite(row.get("speedup_std")),
+        "std": finite(row.get("speedup_std")) if resolved else None,
         "bound": bound,
-        "exceeds": exceeds,
+        "exceeds": _above(speedup, bound),
+        "resolved": resolved,
+        "measured": measured,
+        "measured_exceeds": _above(measured, bound),
     }
+
+
+def _above(speedup: float | None, bound: float | None) -> bool:
+    return speedup is not None and bound is not None and speedup > bound * (1 + BOUND_TOLERANCE)
 
 
 # -- clusters ----------------------------------------------------------------------------
@@ -289,7 +315,7 @@ def metric_tables(rows: Sequence[Row], tracking: Mapping[str, View], mlflow_ui: 
         "ppl_ratio": bool(_present(rows, ["ppl_ratio"])),
         "acc_cols": tasks + (["avg"] if with_avg else []),
         "size_cols": _present(rows, ["params", "latency_ms", "peak_mem_gib"]),
-        "speed": bool(_present(rows, ["speedup"])),
+        "speed": bool(_present(rows, ["speedup", "speedup_measured"])),
         "rows": [],
     }
     for r in rows:
@@ -321,6 +347,8 @@ def tradeoff_lines(points: Sequence[Row], quality: str, cost: str) -> dict[str, 
     tasks = accuracy_tasks(points)
     lines: dict[str, list[tuple]] = defaultdict(list)
     for r in points:
+        if cost in SPEED_COSTS and not speed_resolved(r):
+            continue  # an unresolved timing is no latency to plot
         x, y = finite(r.get(cost)), finite(r.get(quality))
         if x is not None and y is not None:
             lines[r["method_label"]].append(
@@ -330,6 +358,7 @@ def tradeoff_lines(points: Sequence[Row], quality: str, cost: str) -> dict[str, 
 
 
 COSTS = (("params", "parameters"), ("latency_ms", "prefill latency (ms)"))
+SPEED_COSTS = {"latency_ms"}
 
 
 def tradeoffs(dense: Row | None, points: Sequence[Row]) -> list[View]:

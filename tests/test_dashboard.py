@@ -79,13 +79,23 @@ def _site(catalog, out: Path) -> Path:  # type: ignore[no-untyped-def]
     rows, root = catalog
     rows = with_gate_and_accuracy(rows)
     # As `lorp dashboard` does: the rows' own tracking columns, else the run's sqlite store.
-    return build_site(rows, out, fallback_tracking=legacy_tracking(root / "run", rows))
+    return build_site(
+        rows,
+        out,
+        fallback_tracking=legacy_tracking(root / "run", rows),
+        events_file=root / "run" / "events.jsonl",  # the job's timeline page
+    )
 
 
 def test_site_files_and_content(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     index = _site(catalog, tmp_path / "site")
     pages = sorted(p.name for p in (tmp_path / "site").iterdir())
-    assert pages == ["index.html", "model-tiny-llama.html", "model-tiny-qwen3.html"]
+    assert pages == [
+        "index.html",
+        "model-tiny-llama.html",
+        "model-tiny-qwen3.html",
+        "timeline.html",
+    ]
     text = index.read_text()
     # Nothing fetched at view time: no external src/href (MLflow links point at loopback).
     assert not re.findall(r'(?:src|href)="https?://(?!127\.0\.0\.1)', text)
@@ -127,6 +137,11 @@ def test_pages_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: i
         page.click("text=tiny-qwen3")
         check_model_page(page)
         page.screenshot(path=str(ARTIFACTS / "dashboard-model.png"), full_page=True)
+
+        page.go_back()
+        page.click("nav.pages >> text=job timeline")
+        check_timeline_page(page, catalog[1] / "run" / "events.jsonl")
+        page.screenshot(path=str(ARTIFACTS / "dashboard-timeline.png"), full_page=True)
         browser.close()
     assert errors == []
     assert (ARTIFACTS / "dashboard-overview.png").stat().st_size > 10_000
@@ -163,3 +178,33 @@ def check_model_page(page) -> None:  # type: ignore[no-untyped-def]
     # Sorting a later table sorts by its own column (the header index is per table).
     acc.locator("th", has_text="acc_boolq").click()
     assert acc.locator("tbody tr").count() == 7
+
+
+def check_timeline_page(page, events_file: Path) -> None:  # type: ignore[no-untyped-def]
+    """The job's Gantt chart: one bar per span of the latest attempt, the utilisation
+    figure `summarise` gives, the driver's row last."""
+    from pipeline.records import read_events
+    from pipeline.timeline import attempt, spans_of, summarise
+
+    events = read_events(events_file)
+    spans = spans_of(attempt(events))
+    assert page.url.endswith("/timeline.html") and len(spans) > 0
+    bars = page.locator("svg.gantt rect[data-stage]")
+    assert bars.count() == len(spans)
+    assert page.locator("svg.gantt").get_attribute("data-bars") == str(len(spans))
+    assert {"load", "capture", "point"} <= set(page.locator("ul.legend li").all_inner_texts())
+    util = summarise(events)
+    assert util is not None
+    shown = page.locator('td[data-figure="utilisation"]').inner_text()
+    assert shown.startswith(f"{100 * util.utilisation:.1f}% ")
+    slots = f"{util.slots:g} {util.kind}"
+    assert page.locator('td[data-figure="slots"]').inner_text() == slots
+    assert util.chain_model in page.locator('td[data-figure="chain"]').inner_text()
+    assert page.locator("h1").inner_text() == "Timeline: dash"
+    names = "els => els.map(e => e.lastChild.textContent)"  # the label after its <title>
+    workers = page.eval_on_selector_all("svg.gantt text.worker", names)
+    assert workers[-1] == "driver" and len(workers) >= 2
+    # Bars are on screen, each with its tooltip.
+    first = bars.first
+    assert first.is_visible() and first.locator("title").text_content()
+    assert page.locator("#timeline-models tbody tr").count() == 2  # one row per model

@@ -131,6 +131,48 @@ def test_speed_bound_and_flag() -> None:
     assert not views.speed_view(row(n_blocks=6, budget=1))["exceeds"]  # no speed measured
 
 
+def test_unresolved_speed_is_shown_as_such_and_never_ranked_or_plotted() -> None:
+    from dashboards.components import speed_tds
+    from dashboards.model_page import speed_table
+
+    nan = float("nan")
+    # The estimator's row: speed-up NaN, the measured ratio (above 1.05 x 6/5) kept.
+    over = row("m", "shortgpt", 1, n_blocks=6, speedup=nan, speedup_measured=1.4,
+               speedup_std=0.02, speed_resolved=0.0, latency_ms=7.0, ppl_ptb=12.0)  # fmt: skip
+    sv = views.speed_view(over)
+    assert (sv["resolved"], sv["speedup"], sv["std"], sv["exceeds"]) == (False, None, None, False)
+    assert sv["measured"] == 1.4 and sv["measured_exceeds"]
+    # A settled-looking speed-up on a row marked unresolved is not shown either.
+    stale = row("m", "lorp", 1, n_blocks=6, speedup=1.1, speed_resolved=0.0, latency_ms=9.0)
+    assert views.speed_view(stale)["speedup"] is None
+    # No `speed_resolved` column, but a measured ratio and no speed-up: unresolved too.
+    bare = views.speed_view(row(n_blocks=6, speedup=nan, speedup_measured=1.1))
+    assert not bare["resolved"] and not bare["measured_exceeds"]
+    # A resolved row, and an old catalog's row (no new columns): a speed-up, as before.
+    ok = row("m", "lorp", 2, n_blocks=6, speedup=1.3, speedup_std=0.01, speedup_measured=1.3,
+             speed_resolved=1.0, latency_ms=8.0, ppl_ptb=15.0)  # fmt: skip
+    assert views.speed_view(ok)["speedup"] == 1.3
+    old = views.speed_view(row(n_blocks=6, speedup=1.25))
+    assert old["resolved"] and old["speedup"] == 1.25 and old["measured"] is None
+
+    cell = str(speed_tds(sv)[0])
+    assert "not resolved" in cell and "(1.40 measured)" in cell and 'data-v=""' in cell
+    assert "above N/(N-k)" in cell and "\u00b1" not in cell and "above bound" not in cell
+    assert "did not settle" in str(speed_tds(bare)[0])
+    assert "not resolved" not in str(speed_tds(views.speed_view(ok))[0])
+    # All rows unresolved: the column is still drawn, every cell saying so.
+    only = views.metric_tables([over], {}, UI)
+    assert only["speed"] and str(speed_table(only)).count("not resolved</span>") == 1
+    # The latency plot leaves unresolved timings out; the parameter plot keeps them.
+    points = [over, stale, ok]
+    assert views.tradeoff_lines(points, "ppl_ptb", "latency_ms") == {
+        "lorp": [(8.0, 15.0, None, False)]
+    }
+    assert (
+        len(views.tradeoff_lines([dict(r, params=1.0) for r in points], "ppl_ptb", "params")) == 2
+    )
+
+
 # -- clusters ----------------------------------------------------------------------------
 
 
@@ -313,3 +355,169 @@ def test_repaired_variants_sit_beside_their_twins(tmp_path: Path) -> None:
     page = (tmp_path / "site" / "model-m.html").read_text()
     assert page.count('class="repair-pair"') == 2 and "Pruned vs repaired" in page
     assert "Dense: 10.00." in page and 'data-v="4.0"' in page
+
+
+# -- the job's timeline ------------------------------------------------------------------
+
+
+def _span(stage: str, model: str, start: float, end: float, node: str, worker: str, **kw: Any):  # type: ignore[no-untyped-def]
+    slots = {} if worker == "driver" else {"CPU": 1.0}
+    return dict(event="span", stage=stage, model=model, start=start, end=end, node=node,
+                worker=worker, slots=slots, **kw)  # fmt: skip
+
+
+def timeline_events() -> list[dict]:
+    """An earlier attempt (ignored), then 4 CPU slots: workers n1/pid 1 and n1/pid 2, one
+    on n2, the driver (preparing a and b at once); b's point failed; one unit running."""
+    t = 1000.0
+    return [
+        {"event": "start", "job": "old"},
+        _span("load", "a", 900.0, 950.0, "old", "pid 9"),
+        {"event": "start", "job": "tl<job>"},
+        {"event": "cluster", "kind": "CPU", "slots": {"CPU": 4.0, "GPU": 0.0}, "models": 2},
+        {"event": "begin", "unit": "u1", "stage": "point", "model": "b", "point": "p2"},
+        {"event": "begin", "unit": "u0", "stage": "point", "model": "b", "point": "p1"},
+        {"event": "finish", "unit": "u0"},
+        _span("prepare", "a", t, t + 1, "driver", "driver"),
+        _span("prepare", "b", t + 0.5, t + 3, "driver", "driver"),  # overlaps: a 2nd lane
+        _span("load", "a", t, t + 10, "n1", "pid 1", of="capture"),
+        _span("capture", "a", t + 10, t + 30, "n1", "pid 1", shard="shard-0000.parquet"),
+        _span("load", "b", t + 2, t + 12, "n1", "pid 2", of="point"),
+        _span("point", "b", t + 12, t + 40, "n1", "pid 2", point="p1", failed=True),
+        _span("losses", "a", t + 30, t + 40, "n2", "pid 7", selection="lorp", step=2),
+        _span("gate", "a", t + 40, t + 42, "driver", "driver"),
+        {"event": "span", "stage": "load", "model": "c", "start": None, "end": t},  # cut
+    ]
+
+
+def test_timeline_view_rows_bars_and_figures() -> None:
+    from dashboards.timeline_view import timeline_view
+    from pipeline.timeline import summarise
+
+    events = timeline_events()
+    tv = timeline_view(events)
+    assert tv is not None and tv["job"] == "tl<job>"
+    # One row per worker, by node then first start; the driver's row last.
+    assert [r["key"] for r in tv["rows"]] == ["n1/pid 1", "n1/pid 2", "n2/pid 7", "driver"]
+    assert tv["rows"][1]["busy"] == 38.0 and tv["rows"][3]["busy"] == 0.0
+    assert tv["makespan"] == 42.0 and tv["t0"] == 1000.0
+    # Bars: seconds since the attempt's first span, on their worker's row.
+    bars = {(b["stage"], b["model"]): b for b in tv["bars"]}
+    assert len(tv["bars"]) == 8  # the earlier attempt's span and the cut one are not drawn
+    assert (bars["point", "b"]["row"], bars["point", "b"]["start"], bars["point", "b"]["end"]) == (
+        1, 12.0, 40.0)  # fmt: skip
+    assert bars["point", "b"]["failed"] and not bars["load", "b"]["failed"]
+    assert (bars["gate", "a"]["row"], bars["losses", "a"]["row"]) == (3, 2)
+    # Overlapping spans on one row (the driver's prepares) take a lane each; a later span
+    # goes back to the first free lane.
+    assert [r["lanes"] for r in tv["rows"]] == [1, 1, 1, 2]
+    lanes = [bars[k]["lane"] for k in [("prepare", "a"), ("prepare", "b"), ("gate", "a")]]
+    assert lanes == [0, 1, 0]
+    tip = bars["point", "b"]["tip"]
+    assert tip.startswith("b p1: point, 28.00 s (from 12.00 s) on n1/pid 2") and "FAILED" in tip
+    assert "selection lorp, step 2" in bars["losses", "a"]["tip"]
+    assert tv["stages"] == ["load", "capture", "losses", "point", "prepare", "gate"]
+    # Headline figures are summarise's: busy 78 slot-s over 4 slots x 42 s; chain a = 40 s.
+    u = summarise(events[:-1])  # summarise itself expects every span to have its times
+    h = tv["headline"]
+    assert h["utilisation"] == u.utilisation == pytest.approx(78 / 168)
+    assert (h["slots"], h["kind"], h["busy"], h["lower_bound"]) == (4.0, "CPU", 78.0, 40.0)
+    assert (h["chain"], h["chain_model"], h["ratio"]) == (40.0, "a", pytest.approx(42 / 40))
+    a, b = tv["models"]
+    assert (a["model"], a["first"], a["last"], a["busy"], a["spans"]) == ("a", 0.0, 42.0, 40.0, 5)
+    assert a["stages"] == ["prepare", "load", "capture", "losses", "gate"]
+    assert (b["first"], b["last"], b["busy"], b["failed"]) == (0.5, 40.0, 38.0, 1)
+    assert b["stages"] == ["prepare", "load", "point"]
+    assert [r["unit"] for r in tv["running"]] == ["u1"]
+    # No span in the latest attempt (an old run, or one just started): no view.
+    assert timeline_view(events[:2] + [{"event": "start"}]) is None
+    assert timeline_view([]) is None
+
+
+def test_gantt_bars_sit_where_their_times_say() -> None:
+    import xml.etree.ElementTree as ET
+
+    from dashboards.figures import Gantt, gantt_svg, stage_colour, time_ticks
+    from dashboards.timeline_view import timeline_view
+
+    tv = timeline_view(timeline_events())
+    svg = ET.fromstring(gantt_svg(tv))
+    assert (svg.get("data-bars"), svg.get("data-rows")) == ("8", "4")
+    rects = [r for r in svg.iter("rect") if r.get("data-stage")]
+    assert len(rects) == 8
+    g = Gantt(42.0, (1, 1, 1, 2))  # the driver's overlapping spans take two lanes
+    assert float(svg.get("height")) == 5 * g.row_h + g.axis_h
+    px = g.plot / 42.0
+    for r in rects:
+        start, end, row = (
+            float(r.get("data-start")),
+            float(r.get("data-end")),
+            int(r.get("data-row")),
+        )
+        assert float(r.get("x")) == pytest.approx(g.label + start * px, abs=0.01)
+        assert float(r.get("width")) == pytest.approx((end - start) * px, abs=0.01)
+        lane = int(r.get("data-lane"))
+        top = min(row, 3) * g.row_h + lane * g.row_h  # rows above: one lane each
+        assert float(r.get("y")) == pytest.approx(top + (g.row_h - g.bar_h) / 2)
+        assert r.get("fill") == stage_colour(r.get("data-stage"))
+        assert r.find("title").text  # a tooltip on every bar
+    point = next(r for r in rects if r.get("data-stage") == "point")
+    assert float(point.get("x")) == pytest.approx(170 + 12 * 880 / 42, abs=0.01)  # 421.43
+    assert float(point.get("width")) == pytest.approx(28 * 880 / 42, abs=0.01)  # 586.67
+    assert point.get("data-row") == "1" and point.get("data-failed") == "true"
+    assert point.get("stroke") == "#b3263a"
+    prep_b = next(
+        r for r in rects if r.get("data-stage") == "prepare" and r[0].text.startswith("b:")
+    )
+    assert float(prep_b.get("y")) == pytest.approx(4 * 18 + 2.5)  # the driver's 2nd lane
+    assert sum(r.get("fill") == "url(#gantt-failed)" for r in svg.iter("rect")) == 1  # hatched
+    # Row labels, bottom to top the driver last; tick labels in s under a 2-minute span.
+    labels = [t.find("title").tail for t in svg.iter("text") if t.get("class") == "worker"]
+    assert labels == ["n1/pid 1", "n1/pid 2", "n2/pid 7", "driver"]
+    ticks = [t.text for t in svg.iter("text") if t.get("class") == "tick"]
+    assert ticks == ["0 s", "5 s", "10 s", "15 s", "20 s", "25 s", "30 s", "35 s", "40 s"]
+    assert time_ticks(600.0)[1] == (60, "1 min") and time_ticks(4 * 3600.0)[1] == (1800, "0.5 h")
+
+
+def test_timeline_page_in_the_site(tmp_path: Path) -> None:
+    import json
+
+    from pipeline.timeline import summarise
+
+    rows = [row("a", "dense", 0, ppl_ptb=10.0), row("a", "lorp", 1, ppl_ptb=11.0)]
+    events = tmp_path / "run" / "events.jsonl"
+    events.parent.mkdir()
+    events.write_text("".join(json.dumps(e) + "\n" for e in timeline_events()) + '{"cut')
+    index = build_site(rows, tmp_path / "site", events_file=events)
+    assert sorted(p.name for p in index.parent.iterdir()) == [
+        "index.html",
+        "model-a.html",
+        "timeline.html",
+    ]
+    assert '<nav class="pages">Pages: <a href="timeline.html">job timeline</a></nav>' in (
+        index.read_text()
+    )
+    page = (tmp_path / "site" / "timeline.html").read_text()
+    assert "<h1>Timeline: tl&lt;job&gt;</h1>" in page  # names escaped
+    # The utilisation printed is summarise's, to 0.1%: 78 / 168 = 46.4%.
+    shown = f"{100 * summarise(timeline_events()[:-1]).utilisation:.1f}%"
+    assert shown == "46.4%"
+    assert f'<td class="l" data-figure="utilisation">{shown} ' in page
+    assert '<td class="l" data-figure="slots">4 CPU</td>' in page
+    assert "makespan / bound 1.05" in page and "40.0 s (a)" in page
+    assert page.count("data-stage=") == 8 and page.count('data-failed="true"') == 1
+    assert "Running now (1): b p2 point" in page
+    assert '<td data-v="38.0"><span>38.0</span></td>' in page  # b's busy slot-seconds
+    assert not re.findall(r'(?:src|href)="https?://', page)
+    # An old run: events without spans; no events file at all. The site builds either way.
+    events.write_text(json.dumps({"event": "start"}) + "\n")
+    index = build_site(rows, tmp_path / "old", events_file=events)
+    old = (tmp_path / "old" / "timeline.html").read_text()
+    assert "No timeline: no span recorded in events.jsonl" in old and "<svg" not in old
+    assert 'href="timeline.html"' in index.read_text()  # it has events: linked, says why
+    index = build_site(rows, tmp_path / "none", events_file=tmp_path / "missing.jsonl")
+    assert (
+        "No timeline: no events.jsonl in the run directory"
+        in (tmp_path / "none" / "timeline.html").read_text()
+    )
+    assert "timeline.html" not in index.read_text() and "<nav" not in index.read_text()
