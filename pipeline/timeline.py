@@ -159,7 +159,14 @@ def attempt(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def spans_of(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [dict(e) for e in events if e.get("event") == "span"]
+    """The span events with both times (a span without them is left out)."""
+    return [
+        dict(e)
+        for e in events
+        if e.get("event") == "span"
+        and isinstance(e.get("start"), int | float)
+        and isinstance(e.get("end"), int | float)
+    ]
 
 
 def summarise(events: Sequence[Mapping[str, Any]]) -> Utilisation | None:
