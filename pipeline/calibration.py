@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> Calibr
     paths = tuple(shard_dir / f"shard-{i:04d}.parquet" for i in range(spec.shards))
     if not all(p.is_file() for p in paths):
         windows = calibration_windows(
-            tokenize_documents(tokenizer, corpus),
+            token_documents(tokenizer, corpus),
             spec.samples,
             spec.seq_len,
             spec.seed,
@@ -93,6 +94,32 @@ def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> Calibr
     return CalibrationShards(fp, paths, spec.samples * spec.seq_len, bos)
 
 
+_TOKENIZED: dict[tuple[str, str, str, int], list[np.ndarray]] = {}
+_TOKENIZED_LOCK = threading.Lock()
+
+
+def token_documents(tokenizer: Any, corpus: Corpus) -> list[np.ndarray]:
+    """`tokenize_documents`, remembered in the driver per tokenizer content and corpus:
+    a fleet's models often share a tokenizer (a base model's finetunes), and each model
+    cuts both its calibration and its held-out windows from the same tokens."""
+    key = (_tokenizer_key(tokenizer), corpus.name, corpus.split, len(corpus.documents))
+    with _TOKENIZED_LOCK:
+        if key not in _TOKENIZED:
+            if len(_TOKENIZED) >= 4:
+                _TOKENIZED.pop(next(iter(_TOKENIZED)))
+            _TOKENIZED[key] = tokenize_documents(tokenizer, corpus)
+        return _TOKENIZED[key]
+
+
+def _tokenizer_key(tokenizer: Any) -> str:
+    """What the tokens depend on: the fast tokenizer's whole definition (vocabulary,
+    normaliser, pre-tokenizer); a slow tokenizer counts by its path and size."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else ""
+    text = text or f"{getattr(tokenizer, 'name_or_path', '')}:{len(tokenizer)}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def heldout_windows(tokenizer: Any, spec: CalibrationSpec) -> tuple[np.ndarray, str]:
     """`spec.loss_samples` windows from the calibration split, drawn with `seed + 1`, for the
     losses of loss-guided methods (never part of S), and their fingerprint."""
@@ -100,7 +127,7 @@ def heldout_windows(tokenizer: Any, spec: CalibrationSpec) -> tuple[np.ndarray, 
     bos = resolve_bos(tokenizer, spec.bos)
     seed = spec.seed + 1
     windows = calibration_windows(
-        tokenize_documents(tokenizer, corpus),
+        token_documents(tokenizer, corpus),
         spec.loss_samples,
         spec.seq_len,
         seed,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,9 @@ class ModelChain:
     index: int
     plan: ModelPlan
     future: Future[PreparedModel] = field(default_factory=Future)
+    inbox: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+    """What the model's thread made ready, in order (`JobRun.prepare_model`'s `emit`)."""
+    adopted: bool = False
     prepared: PreparedModel | None = None
     running: int = 0
     """Its points in flight or queued."""
@@ -129,7 +133,7 @@ class Fleet:
         job.progress.fleet(len(self.chains), self.max_models, self.capacity)
         last_drain = 0.0
         try:
-            while not all(c.state in ("done", "failed") for c in self.chains):
+            while self._pending():
                 if self.stop_requested:
                     raise Stopped(self.stop_requested)
                 self._start_models()
@@ -153,6 +157,12 @@ class Fleet:
             driver_ms_per_point=round(1000 * self.driver_s / max(self.recorded, 1), 3),
         )
 
+    def _pending(self) -> bool:
+        """Work left: a model not ended, or points of a failed model still queued or
+        running (they are recorded like any other)."""
+        ended = all(c.state in ("done", "failed") for c in self.chains)
+        return not ended or bool(self.queue or self.in_flight or self.speeds)
+
     def _start_models(self) -> None:
         active = sum(c.state in ("preparing", "points", "speed") for c in self.chains)
         for chain in self.chains:
@@ -163,30 +173,45 @@ class Fleet:
             chain.state, active = "preparing", active + 1
             self._begin(f"prepare:{chain.plan.label}", "prepare", chain.plan.label)
             _in_thread(
-                lambda c=chain: self.job.prepare_model(c.plan, self.backend),
+                lambda c=chain: self.job.prepare_model(
+                    c.plan, self.backend, lambda kind, what: c.inbox.put((kind, what))
+                ),
                 chain.future,
                 f"lorp-prepare-{chain.plan.label}",
             )
 
     def _harvest(self) -> None:
-        """Prepared models: their records, then their points into the queue."""
+        """What the model threads have made ready: a model's records, then its points
+        into the queue as they come (a point starts while its model's slower selections
+        go on); a model whose preparation ended is ready for its last stages."""
         job = self.job
         for chain in self.chains:
-            if chain.state != "preparing" or not chain.future.done():
+            if chain.state != "preparing":
                 continue
             label = chain.plan.label
+            while not chain.inbox.empty():
+                kind, what = chain.inbox.get()
+                if kind == "adopt":
+                    try:
+                        job.adopt(what)
+                    except Exception as exc:  # noqa: BLE001 - this model fails, the fleet goes on
+                        self._model_failed(chain, exc)
+                        break
+                    chain.adopted = True
+                else:
+                    self._enqueue(chain, what)
+            if chain.state != "preparing" or not chain.future.done():
+                continue
+            if not chain.inbox.empty():
+                continue  # the thread's last words first
             job.events("finish", unit=f"prepare:{label}")
             try:
                 prep = chain.future.result()
-                job.adopt(prep)
             except Exception as exc:  # noqa: BLE001 - this model fails, the fleet goes on
                 self._model_failed(chain, exc)
                 continue
             chain.prepared, chain.state = prep, "points"
-            for p in prep.pending:
-                heapq.heappush(self.queue, (chain.index, self.seq, p))
-                self.seq += 1
-            chain.running = len(prep.pending)
+            job.summary.skipped += prep.skipped
             left = sum(c.state in ("waiting", "preparing") for c in self.chains)
             job.events(
                 "grid",
@@ -196,6 +221,13 @@ class Fleet:
                 skipped=prep.skipped,
             )
             job.progress.add_points(label, len(prep.pending), prep.skipped, left)
+
+    def _enqueue(self, chain: ModelChain, points: list[GridPoint]) -> None:
+        for p in points:
+            heapq.heappush(self.queue, (chain.index, self.seq, p))
+            self.seq += 1
+        chain.running += len(points)
+        self.job.progress.grow(len(points))
 
     def _submit(self) -> None:
         job = self.job

@@ -102,11 +102,18 @@ class JobRun:
             host=socket.gethostname(),
         )
 
-    def prepare_model(self, plan: ModelPlan, backend: str) -> PreparedModel:
+    def prepare_model(
+        self, plan: ModelPlan, backend: str, emit: Callable[[str, Any], None] | None = None
+    ) -> PreparedModel:
         """S (cached or captured), the model's profile, its points (every selection made)
         and, for the points still to do, the repair sums they need. Runs in a thread of
         the fleet (`pipeline.fleet`) beside other models' stages: it records events and
-        log lines, never MLflow or the catalog (`adopt` does, on the driver's thread)."""
+        log lines, never MLflow or the catalog (`adopt` does, on the driver's thread).
+
+        `emit` hands the fleet what is ready on the way, in order: ("adopt", the
+        model's `PreparedModel` so far, for its records), then ("points", points to do)
+        each time some can start: the dense point once S is there, each unrepaired point
+        once its selection is made, the repaired ones once their sums are."""
         from pipeline.statistics import describe, model_statistics
 
         start = time.time()
@@ -114,6 +121,21 @@ class JobRun:
         self.events("capture", model=plan.label, **describe(ms))
         self.progress.capture(plan.label, ms.source, ms.seconds, ms.stats.tokens)
         prof = lorp_profile(ms.stats.matrix())
+        key = plan.model_key(ms.stats.calibration_fingerprint)
+        emit = emit or (lambda kind, what: None)
+        emit("adopt", PreparedModel(plan, ms, prof, key, [], [], 0))
+        emitted: set[str] = set()  # points handed to the fleet, or found done
+        handed: list[GridPoint] = []
+        skipped = [0]
+
+        def ready(points: list[GridPoint]) -> None:
+            todo, done = self.pending(points)
+            skipped[0] += done
+            emitted.update(p.key for p in points)
+            handed.extend(todo)
+            if todo:
+                emit("points", todo)
+
         if ms.shards is not None:
             self.shards[plan.label] = ms.shards
         loss_guided = LossSelector(self, plan, ms.stats, ms.file.stem, prof)
@@ -131,13 +153,15 @@ class JobRun:
             self.events("repair_refused", model=plan.label, point=point.name, reason=why)
             self.progress.note(f"{plan.label} {point.name}: not repaired: {why}")
 
-        key = plan.model_key(ms.stats.calibration_fingerprint)
         try:
-            points = plan_points(self.spec, plan, key, backend, select, refused)
+            points = plan_points(self.spec, plan, key, backend, select, refused, ready)
         finally:
             loss_guided.close()
-        pending, skipped = self.pending(points)
-        pending = self.prepare_repairs(pending)
+        todo, done = self.pending([p for p in points if p.key not in emitted])
+        rest = self.prepare_repairs(todo)
+        if rest:
+            emit("points", rest)
+        pending = handed + rest  # every point this start runs
         seconds = time.time() - start
         self.events(
             "span",
@@ -149,7 +173,7 @@ class JobRun:
             worker="driver",
             slots={},
         )
-        return PreparedModel(plan, ms, prof, key, points, pending, skipped)
+        return PreparedModel(plan, ms, prof, key, points, pending, skipped[0] + done)
 
     def adopt(self, prep: PreparedModel) -> None:
         """A prepared model's records on the driver's thread: its parent MLflow run (S,
@@ -157,7 +181,6 @@ class JobRun:
         plan, ms, prof = prep.plan, prep.ms, prep.profile
         self.summary.captured += ms.source == "computed"
         self.summary.cached += ms.source == "cache"
-        self.summary.skipped += prep.skipped
         parent = self.tracker.model_run(self.spec.name, prep.key, plan.label)
         self.tracker.record_model(parent, self.spec, plan, ms, prof)
         self.facts[plan.label] = ModelFacts(

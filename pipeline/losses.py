@@ -58,7 +58,8 @@ def loss_task(spec: Any, plan: Any, windows: np.ndarray) -> LossTask:
 class LossWorker:
     """One loaded dense model; scores shares of candidate batches."""
 
-    def __init__(self, task: LossTask) -> None:
+    def __init__(self, task: LossTask, submitted: float | None = None) -> None:
+        start = timeline.actor_start(submitted)
         import torch
 
         from lorp.loss import LossEvaluator
@@ -66,10 +67,10 @@ class LossWorker:
         torch.set_num_threads(max(1, int(task.resources.num_cpus)))
         device = "cuda" if task.resources.num_gpus > 0 else "cpu"
         self.label = task.model.label
-        with timeline.span("load", model=self.label, of="losses"):
-            lm = load_checked(task.model, device)
+        lm = load_checked(task.model, device)
         windows = torch.from_numpy(task.windows.astype(np.int64))
         self.evaluator = LossEvaluator(lm.model, windows, batch_size=task.batch_size)
+        timeline.report("load", start, time.time(), model=self.label, of="losses")
 
     def ready(self) -> bool:
         """Answers once the model is loaded: the worker can take candidates."""
@@ -117,7 +118,7 @@ class RayLosses:
         self.actors = [
             LossWorker.options(
                 num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2, max_task_retries=2
-            ).remote(task)
+            ).remote(task, time.time())
             for _ in range(max(1, n))
         ]
         self.starting = {actor.ready.remote(): actor for actor in self.actors}
@@ -269,7 +270,7 @@ class LossSelector:
                 self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
             )
             memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.job.force)
-            n = spec.resources.max_concurrent_points
+            n = spec.resources.loss_workers or spec.resources.max_concurrent_points
             self.losses = RayLosses(task, n, self.job.events, memo, self.job.progress.note)
         return self.losses
 

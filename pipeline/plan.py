@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lorp import Selection, select_layers
+from lorp import Selection, get_method, select_layers
 from lorp.architectures import architecture_for
 from lorp.methods import resolve_budget, validate_options
 from lorp.repair import DEFAULT_RIDGE
@@ -292,16 +292,23 @@ def plan_points(
     backend: str,
     select: Selector,
     refused: Callable[[GridPoint, str], None] | None = None,
+    ready: Callable[[list[GridPoint]], None] | None = None,
 ) -> list[GridPoint]:
     """The dense point (when evaluating) and one point per budget x method x repair, each
     selection made once for all its repairs. A repaired point whose runs cannot fold is
-    left out and passed to `refused` with the reason."""
+    left out and passed to `refused` with the reason. Selections that need no candidate
+    evaluations come first; `ready` gets the dense point at once and each unrepaired
+    point as soon as its selection is made, so its grid point can start while slower
+    selections (loss-guided ones, minutes to hours) go on."""
     ev = evaluation_key(spec.evaluation, backend) if spec.evaluation.enabled else None
     points = []
     if spec.evaluation.enabled:
         points.append(GridPoint(grid_key(model_key, "dense", {}, 0, ev), plan, None, None))
-    for budget in plan.budgets:
-        for m in spec.methods:
+        if ready is not None:
+            ready(points[:1])
+    methods = sorted(spec.methods, key=lambda m: get_method(m.name).needs_evaluator)
+    for m in methods:
+        for budget in plan.budgets:
             sel, seconds = select(m, budget)
             options = sel.to_dict()["options"]
             for repair in spec.repair:
@@ -310,6 +317,8 @@ def plan_points(
                 why = repair_refusal(plan, sel.layers) if repair != "none" else None
                 if why is None:
                     points.append(point)
+                    if ready is not None and repair == "none":
+                        ready([point])
                 elif refused is not None:
                     refused(point, why)
     return points

@@ -48,16 +48,12 @@ class Progress:
         at_once = "all in flight" if in_flight >= models else f"{in_flight} in flight"
         log.info("fleet: %d model(s), %s, %d point(s) at once", models, at_once, points_at_once)
 
-    def add_points(self, model: str, n: int, skipped: int, preparing: int) -> None:
-        """A model is ready: `n` more points to run. The first one starts the grid's
-        clock: the ETA is the grid's pace, not capture's or selection's."""
+    def grow(self, n: int) -> None:
+        """`n` more points to run (a model's points as they become ready). The first ones
+        start the grid's clock: the ETA is the grid's pace, not capture's or selection's."""
         if self.total == 0 and self.done + self.failed == 0:
             self.start = self.clock()
         self.total += n
-        self._write(
-            f"{model} ready: {n} points to run, {skipped} already done; "
-            f"{preparing} model(s) still preparing"
-        )
         if self.want_bar and n and self.bar is None:
             from tqdm.auto import tqdm
 
@@ -65,6 +61,13 @@ class Progress:
         elif self.bar is not None:
             self.bar.total = self.total
             self.bar.refresh()
+
+    def add_points(self, model: str, n: int, skipped: int, preparing: int) -> None:
+        """A model's preparation ended: `n` points to run in all (some may have started)."""
+        self._write(
+            f"{model} ready: {n} points to run, {skipped} already done; "
+            f"{preparing} model(s) still preparing"
+        )
 
     def point(self, name: str, figure: str, seconds: float, ok: bool = True) -> None:
         self.done += ok

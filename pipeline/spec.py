@@ -143,6 +143,9 @@ class ResourcesSpec:
     worker that never gets a node only goes unused."""
     speed: Resources | None = None
     """Per speed-pass task (one per model, after the grid); default: a whole node."""
+    loss_workers: int | None = None
+    """Actors scoring a loss-guided selection's candidates (each holds the dense model and
+    a `grid` slot while the selection runs); default: `max_concurrent_points`."""
     max_models_in_flight: int | None = None
     """Models whose stages (capture, selections, points, speed, gate, registry) run at
     once; default: all of them, each waiting only for slots. Bounds the driver's memory
@@ -159,6 +162,8 @@ class ResourcesSpec:
             raise SpecError(f"repair_memory_gib: must be a number > 0, got {value!r}")
         if self.capture_workers is not None:
             _positive("capture_workers", self.capture_workers)
+        if self.loss_workers is not None:
+            _positive("loss_workers", self.loss_workers)
         if self.max_models_in_flight is not None:
             _positive("max_models_in_flight", self.max_models_in_flight)
 

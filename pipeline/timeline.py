@@ -105,6 +105,17 @@ def span(stage: str, **labels: Any) -> Iterator[None]:
         report(stage, start, time.time(), **labels, **({} if ok else {"failed": True}))
 
 
+def actor_start(submitted: float | None) -> float:
+    """When an actor's slot started working for it: its process's start when Ray started
+    one for this actor (Python, torch and the model's imports are the stage's cost), but
+    never before the driver asked for the actor (a process started idle, earlier, was
+    not yet this actor's)."""
+    import psutil
+
+    started = psutil.Process().create_time()
+    return max(started, submitted) if submitted is not None else time.time()
+
+
 def drain(log: Any) -> list[dict[str, Any]]:
     """The spans reported since the last drain (none when the collector is gone)."""
     try:

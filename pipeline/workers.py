@@ -36,6 +36,7 @@ import ray
 
 from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
+from pipeline import timeline
 from pipeline.faults import maybe_fail
 from pipeline.model_source import ModelSource, load_checked
 from pipeline.records import PointResult
@@ -83,11 +84,12 @@ class Shard:
 class CaptureWorker:
     """Holds one loaded model; turns calibration shards into partial statistics."""
 
-    def __init__(self, task: CaptureTask) -> None:
+    def __init__(self, task: CaptureTask, submitted: float | None = None) -> None:
+        start = timeline.actor_start(submitted)
         _pin_threads(task.resources.num_cpus)
-        with span("load", model=task.model.label, of="capture"):
-            self.model = load_checked(task.model, _device(task.resources)).model
+        self.model = load_checked(task.model, _device(task.resources)).model
         self.task = task
+        timeline.report("load", start, time.time(), model=task.model.label, of="capture")
 
     def ready(self) -> bool:
         """Answers once the model is loaded: the worker can take shards."""
@@ -161,7 +163,7 @@ def _start_workers(task: CaptureTask, n: int) -> list[Any]:
             max_restarts=3,
             max_task_retries=3,
             scheduling_strategy="SPREAD",
-        ).remote(task)
+        ).remote(task, time.time())
         for _ in range(n)
     ]
 

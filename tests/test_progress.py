@@ -14,7 +14,8 @@ def test_eta_counts_from_the_grid_not_from_capture_and_selection() -> None:
     with progress_lines() as lines:
         progress = Progress(bar=False, clock=lambda: next(now))  # 0: created
         progress.fleet(2, 2, 2)
-        progress.add_points("m", 4, 1, 0)  # 3600: the first model is ready, the grid starts
+        progress.grow(4)  # 3600: the first points are ready, the grid's clock starts
+        progress.add_points("m", 4, 1, 0)  # the model's preparation ended
         progress.point("m lorp-b4", "ppl_ptb 12.5", 2.0)  # 3610: 10 s for 1 point, 3 left
         progress.point("m sleb-b4", "boom", 1.0, ok=False)  # 3640: 40 s for 2, 2 left
         progress.point("m lorp-b8", "ppl_ptb 30.1", 1.0)  # 3641
