@@ -15,18 +15,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 
 def window_nll(model: nn.Module, windows: torch.Tensor) -> tuple[float, int]:
     """Summed NLL (float64) and number of predicted tokens, B * (T - 1), for a batch [B, T]:
-    every position but the first is a target."""
-    logits = model(input_ids=windows, use_cache=False).logits
+    every position but the first is a target. Each NLL is logsumexp(logits) minus the
+    target's logit, in float32: log_softmax would write a vocabulary-wide copy of the
+    logits only to read one entry per row back."""
+    logits = model(input_ids=windows, use_cache=False).logits[:, :-1].float()
     targets = windows[:, 1:]
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return float(nll.double().sum()), int(targets.numel())
 
 

