@@ -10,7 +10,7 @@
    worker per model): `lorp run` twice on a local Ray that declares
    `--slots` logical CPUs (default 8), once as the fleet (every model in flight) and once
    with `max_models_in_flight: 1` (one model after another). Every figure comes from the
-   job's own events (`pipeline.timeline.summarise`):
+   job's own events (`pipeline.records.timeline.summarise`):
    - fleet_makespan_ratio   makespan / lower bound, where the lower bound is
                             max(busy slot-seconds / slots, the longest single-model chain)
    - fleet_utilization      busy slot-seconds / (slots x makespan)
@@ -153,13 +153,13 @@ def run_job(root: Path, spec: dict[str, Any]) -> tuple[float, list[dict[str, Any
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"lorp run {path} failed:\n{out.stderr[-4000:]}")
-    from pipeline.records import read_events
+    from pipeline.records.rows import read_events
 
     return seconds, read_events(Path(spec["output_dir"]) / "events.jsonl")
 
 
 def figures(events: list[dict[str, Any]]) -> dict[str, Any]:
-    from pipeline.timeline import summarise
+    from pipeline.records.timeline import summarise
 
     u = summarise(events)
     assert u is not None, "no spans in the job's events"
@@ -198,7 +198,7 @@ def fleet_benchmark(root: Path, n_models: int, slots: int, quick: bool) -> dict[
 
 def catalog_writes(rows: int) -> dict[str, float]:
     """ms per recorded row at the catalog's first and last 100 rows (one part per row)."""
-    from pipeline.catalog import Catalog
+    from pipeline.records.catalog import Catalog
 
     with tempfile.TemporaryDirectory() as tmp:
         cat = Catalog(Path(tmp) / Catalog.NAME)

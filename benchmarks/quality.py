@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.catalog import read_catalog  # noqa: E402
+from pipeline.records.catalog import read_catalog  # noqa: E402
 
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 REPAIR_BEGIN, REPAIR_END = "<!-- quality-repair:begin -->", "<!-- quality-repair:end -->"
@@ -260,7 +260,7 @@ def bos_check() -> None:
 
     from lorp.perplexity import perplexity
     from lorp.sources import load_model
-    from pipeline.evaluation import corpus_windows
+    from pipeline.evaluation.metrics import corpus_windows
     from pipeline.spec import EvaluationSpec
 
     torch.set_num_threads(2)

@@ -186,9 +186,9 @@ def peak_rss_kib(samples: int, seq_len: int) -> int:
 def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[str, float]:
     import ray
 
-    from pipeline.model_source import ModelSource
+    from pipeline.cluster.model_source import ModelSource
     from pipeline.spec import Resources
-    from pipeline.workers import CaptureTask, CaptureWorker, tree_reduce
+    from pipeline.stages.workers import CaptureTask, CaptureWorker, tree_reduce
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
@@ -240,7 +240,7 @@ VLLM_CHILD = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 if __name__ == "__main__":
-    from pipeline.vllm_engine import make_engine, perplexity_vllm
+    from pipeline.evaluation.vllm_engine import make_engine, perplexity_vllm
     windows = json.load(open({windows!r}))
     engine = make_engine({ckpt!r}, max_model_len={seq_len} + 8)
     perplexity_vllm(engine, windows[:2])
@@ -254,7 +254,7 @@ def evaluation_benchmarks(quick: bool) -> dict[str, float]:
     from lorp.perplexity import perplexity
     from lorp.sources import load_model
     from lorp.surgery import drop_layers, save_pruned
-    from pipeline.speed import interleaved_speedup
+    from pipeline.evaluation.speed import interleaved_speedup
 
     out: dict[str, float] = {}
     lm = load_model("smollm2-135m")

@@ -21,7 +21,7 @@ def add_dashboard(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.storage import is_remote
+    from pipeline.records.storage import is_remote
 
     if is_remote(args.run_dir) or (args.out and is_remote(args.out)):
         return run_remote(args)
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
 def write(args: argparse.Namespace, run_dir: Path, out: Path) -> Path:
     from dashboards.site import build_site, legacy_tracking
-    from pipeline.catalog import merge_catalogs
+    from pipeline.records.catalog import merge_catalogs
 
     catalogs = args.catalog or [str(run_dir / "catalog.parquet")]
     rows = merge_catalogs(catalogs)
@@ -53,12 +53,12 @@ def run_remote(args: argparse.Namespace) -> int:
     built locally, then uploaded with its completion marker."""
     import tempfile
 
-    from pipeline.storage import Storage, is_remote
+    from pipeline.records.storage import Storage, is_remote
 
     with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
         run_dir = Path(args.run_dir)
         if is_remote(args.run_dir):
-            from pipeline.catalog import PARTS, Catalog
+            from pipeline.records.catalog import PARTS, Catalog
 
             run_dir, store = Path(tmp) / "run", Storage(args.run_dir)
             Catalog(run_dir / Catalog.NAME, store)  # the file and its parts, a running job's too

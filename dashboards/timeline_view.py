@@ -1,8 +1,8 @@
 """The job's timeline page, as data: rows of worker slots, one bar per span, headline
-figures and a per-model table, from the run's `events.jsonl` (`pipeline.timeline`).
+figures and a per-model table, from the run's `events.jsonl` (`pipeline.records.timeline`).
 
 Pure functions, no HTML and no file IO (`site.py` reads the events, `timeline_page.py`
-renders). The figures are `pipeline.timeline.summarise`'s, over the latest attempt, so the
+renders). The figures are `pipeline.records.timeline.summarise`'s, over the latest attempt, so the
 page says what `lorp status` says; times on the page are seconds since that attempt's
 first span.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from dashboards.shapes import View
 from dashboards.views import finite
-from pipeline.timeline import Utilisation, attempt, spans_of, summarise
+from pipeline.records.timeline import Utilisation, attempt, spans_of, summarise
 
 DRIVER = "driver"
 STAGES = ("load", "capture", "repair_sums", "losses", "point", "speed", "prepare", "gate")

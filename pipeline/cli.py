@@ -34,10 +34,10 @@ def talk(quiet: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.progress import Progress
+    from pipeline.records.progress import Progress
+    from pipeline.records.tracking import redact
     from pipeline.run import Stopped, run_job
     from pipeline.spec import load_spec
-    from pipeline.tracking import redact
 
     spec = load_spec(args.spec)
     talk(args.quiet)
@@ -84,7 +84,7 @@ def add_status(sub: argparse._SubParsersAction) -> None:
 def status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.status import format_status, run_status
+    from pipeline.records.status import format_status, run_status
 
     for line in format_status(run_status(Path(args.run_dir))):
         print(line)
@@ -101,7 +101,7 @@ def add_catalog(sub: argparse._SubParsersAction) -> None:
 
 
 def merge(args: argparse.Namespace) -> int:
-    from pipeline.catalog import merge_catalogs, write_catalog
+    from pipeline.records.catalog import merge_catalogs, write_catalog
 
     rows = merge_catalogs(args.catalogs)
     write_catalog(args.out, rows)
@@ -128,7 +128,7 @@ def add_pull(sub: argparse._SubParsersAction) -> None:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from pipeline.model_registry import pull as pull_version
+    from pipeline.records.model_registry import pull as pull_version
 
     out, mv = pull_version(
         args.uri, args.out, tracking_uri=args.tracking_uri, overwrite=args.overwrite

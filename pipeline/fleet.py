@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from pipeline import timeline
-from pipeline.grid import (
+from pipeline.cluster.scheduler import first_line, make_pool
+from pipeline.plan import GridPoint, ModelPlan
+from pipeline.records import timeline
+from pipeline.stages.grid import (
     point_task,
     record_failure,
     record_point,
@@ -48,9 +50,7 @@ from pipeline.grid import (
     share_twin_speed,
     speed_tasks,
 )
-from pipeline.plan import GridPoint, ModelPlan
-from pipeline.scheduler import first_line, make_pool
-from pipeline.workers import run_speed
+from pipeline.stages.workers import run_speed
 
 if TYPE_CHECKING:
     from pipeline.job import JobRun, PreparedModel
@@ -239,7 +239,7 @@ class Fleet:
             run_id = job.tracker.start_point(
                 job.spec.name, job.parents[point.model.label], point.key, point.name
             )
-            from pipeline.records import point_params
+            from pipeline.records.rows import point_params
 
             job.tracker.log(run_id, params=point_params(point))
             job.run_ids[point.key] = run_id
@@ -318,7 +318,7 @@ class Fleet:
 
     def _close_model(self, chain: ModelChain) -> None:
         """The model's last stages on the driver: twins' speed, gate, registry."""
-        from pipeline.model_registry import register_variants
+        from pipeline.records.model_registry import register_variants
 
         job, label = self.job, chain.plan.label
         assert chain.prepared is not None

@@ -2,7 +2,7 @@
 the spec, the run directory, the storage, the MLflow tracker, the event log, the catalog,
 progress, and what the stages learn on the way (model facts, parent runs, point runs).
 
-The storage (`pipeline.storage`) is where results live for every node: by default the run
+The storage (`pipeline.records.storage`) is where results live for every node: by default the run
 directory itself; with `storage:` set, the run directory is the driver's working copy,
 whose catalog and events come from storage at the start and go back after every point.
 MLflow's tracking store stays where `tracking` says (sqlite in the run directory by
@@ -22,9 +22,6 @@ from typing import Any
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
 from lorp.repair_stats import RepairStats
-from pipeline.calibration import CalibrationShards
-from pipeline.catalog import Catalog, slot
-from pipeline.losses import LossSelector
 from pipeline.plan import (
     CHECKPOINTS,
     GridPoint,
@@ -34,11 +31,14 @@ from pipeline.plan import (
     repair_selector,
     similarity_selector,
 )
-from pipeline.progress import Progress
-from pipeline.records import EventLog, ModelFacts, RunSummary
+from pipeline.records.catalog import Catalog, slot
+from pipeline.records.progress import Progress
+from pipeline.records.rows import EventLog, ModelFacts, RunSummary
+from pipeline.records.storage import Storage
+from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.spec import JobSpec, MethodSpec
-from pipeline.storage import Storage
-from pipeline.tracking import Tracker, default_tracking_uri
+from pipeline.stages.calibration import CalibrationShards
+from pipeline.stages.losses import LossSelector
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class PreparedModel:
 
     plan: ModelPlan
     ms: Any
-    """`pipeline.statistics.ModelStats`."""
+    """`pipeline.stages.statistics.ModelStats`."""
     profile: Any
     key: str
     """The model key (weights, calibration, dtype): its parent run's identity."""
@@ -114,7 +114,7 @@ class JobRun:
         model's `PreparedModel` so far, for its records), then ("points", points to do)
         each time some can start: the dense point once S is there, each unrepaired point
         once its selection is made, the repaired ones once their sums are."""
-        from pipeline.statistics import describe, model_statistics
+        from pipeline.stages.statistics import describe, model_statistics
 
         start = time.time()
         ms = model_statistics(self.spec, plan, self.run_dir, self.force)
@@ -195,7 +195,7 @@ class JobRun:
         the capture workers (one pass per call, cached), ranked on the driver; the sums
         are kept for the repaired points that will need them."""
         from lorp.repair import window_scores
-        from pipeline.statistics import repair_statistics
+        from pipeline.stages.statistics import repair_statistics
 
         def scores(runs: list[tuple[int, int]]) -> list[float]:
             assert shards is not None
@@ -223,8 +223,8 @@ class JobRun:
         the rest of `todo` is returned."""
         import ray
 
-        from pipeline.scheduler import first_line
-        from pipeline.statistics import repair_statistics
+        from pipeline.cluster.scheduler import first_line
+        from pipeline.stages.statistics import repair_statistics
 
         by_model: dict[str, list[GridPoint]] = {}
         for p in todo:

@@ -39,7 +39,7 @@ def content_key(*parts: Any) -> str:
 @dataclass(frozen=True)
 class ModelPlan:
     """One model of the job, resolved to a local directory of the driver and checked.
-    Workers get its reference (`pipeline.model_source`), never `path`."""
+    Workers get its reference (`pipeline.cluster.model_source`), never `path`."""
 
     spec: ModelSpec
     path: Path

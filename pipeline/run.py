@@ -27,13 +27,13 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pipeline import timeline
-from pipeline.connect import init_ray
+from pipeline.cluster.connect import init_ray
 from pipeline.fleet import Fleet, Stopped
 from pipeline.job import JobRun
 from pipeline.plan import plan_models, resolve_backend
-from pipeline.progress import Progress
-from pipeline.records import RunSummary
+from pipeline.records import timeline
+from pipeline.records.progress import Progress
+from pipeline.records.rows import RunSummary
 from pipeline.spec import JobSpec
 
 

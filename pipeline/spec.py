@@ -227,7 +227,7 @@ class EvaluationSpec:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise SpecError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        from pipeline.zero_shot import TASKS
+        from pipeline.evaluation.zero_shot import TASKS
 
         for i, task in enumerate(self.zero_shot):
             if task not in TASKS:
@@ -341,7 +341,7 @@ def _positive(name: str, value: int, minimum: int = 1) -> None:
 
 def _check_storage(location: str) -> None:
     """Opens the filesystem (pyarrow resolves the scheme and its options) before any work."""
-    from pipeline.storage import Storage
+    from pipeline.records.storage import Storage
 
     try:
         Storage(location)

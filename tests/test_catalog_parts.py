@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.catalog import PARTS, Catalog, read_catalog, write_catalog
-from pipeline.storage import Storage
+from pipeline.records.catalog import PARTS, Catalog, read_catalog, write_catalog
+from pipeline.records.storage import Storage
 
 
 def row(i: int) -> dict:  # type: ignore[type-arg]

@@ -34,7 +34,7 @@ RAY = Path(sys.executable).with_name("ray")
 DRIVER = """
 import sys
 import ray
-from pipeline.connect import init_ray
+from pipeline.cluster.connect import init_ray
 from pipeline.spec import parse_spec
 
 data = {"name": "connect", "models": [{"ref": "unused"}], "budgets": [1],
@@ -88,7 +88,7 @@ def failure_line(
     """`init_ray`'s error, in this process: every failure comes from the reachability
     check before `ray.init` runs, so no Ray state is created; the probe's 3 s bound (not
     Ray's retries) is what keeps a failure from hanging."""
-    from pipeline.connect import init_ray
+    from pipeline.cluster.connect import init_ray
     from pipeline.spec import parse_spec
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.calibration import load_any_corpus
-from pipeline.corpora import HUB_CORPORA, hub_corpus
-from pipeline.evaluation import EVAL_SPLITS, metric_name
+from pipeline.evaluation.corpora import HUB_CORPORA, hub_corpus
+from pipeline.evaluation.metrics import EVAL_SPLITS, metric_name
+from pipeline.stages.calibration import load_any_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_an_unknown_short_name_is_not_sent_to_the_hub() -> None:
 
 LOAD = """
 import sys
-from pipeline.calibration import load_any_corpus
+from pipeline.stages.calibration import load_any_corpus
 try:
     load_any_corpus(sys.argv[1], sys.argv[2])
 except ValueError as exc:

@@ -16,7 +16,7 @@ import ray
 from tiny_models import save_tiny_ptb
 
 from dashboards.site import build_site, legacy_tracking
-from pipeline.catalog import read_catalog
+from pipeline.records.catalog import read_catalog
 from pipeline.run import run_job
 from pipeline.spec import parse_spec
 
@@ -183,8 +183,8 @@ def check_model_page(page) -> None:  # type: ignore[no-untyped-def]
 def check_timeline_page(page, events_file: Path) -> None:  # type: ignore[no-untyped-def]
     """The job's Gantt chart: one bar per span of the latest attempt, the utilisation
     figure `summarise` gives, the driver's row last."""
-    from pipeline.records import read_events
-    from pipeline.timeline import attempt, spans_of, summarise
+    from pipeline.records.rows import read_events
+    from pipeline.records.timeline import attempt, spans_of, summarise
 
     events = read_events(events_file)
     spans = spans_of(attempt(events))

@@ -392,7 +392,7 @@ def timeline_events() -> list[dict]:
 
 def test_timeline_view_rows_bars_and_figures() -> None:
     from dashboards.timeline_view import timeline_view
-    from pipeline.timeline import summarise
+    from pipeline.records.timeline import summarise
 
     events = timeline_events()
     tv = timeline_view(events)
@@ -482,7 +482,7 @@ def test_gantt_bars_sit_where_their_times_say() -> None:
 def test_timeline_page_in_the_site(tmp_path: Path) -> None:
     import json
 
-    from pipeline.timeline import summarise
+    from pipeline.records.timeline import summarise
 
     rows = [row("a", "dense", 0, ppl_ptb=10.0), row("a", "lorp", 1, ppl_ptb=11.0)]
     events = tmp_path / "run" / "events.jsonl"

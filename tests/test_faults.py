@@ -21,10 +21,10 @@ from processes import kill_started_by
 from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
-from pipeline.calibration import read_shard
-from pipeline.catalog import read_catalog
-from pipeline.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
-from pipeline.records import read_events
+from pipeline.cluster.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
+from pipeline.records.catalog import read_catalog
+from pipeline.records.rows import read_events
+from pipeline.stages.calibration import read_shard
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
@@ -56,10 +56,10 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lorp.capture import capture_stats
-    from pipeline.backends import TransformersBackend, evaluate
+    from pipeline.evaluation.backends import TransformersBackend, evaluate
     from pipeline.plan import plan_models
     from pipeline.spec import load_spec
-    from pipeline.statistics import calibration_shards, capture_task
+    from pipeline.stages.statistics import calibration_shards, capture_task
 
     faulty = write_job(tmp_path, model, "faulty", budgets=[2], methods=[{"name": "lorp"}])
     marker = tmp_path / "died-once"

@@ -11,11 +11,11 @@ import ray
 from job_specs import tiny_job
 from tiny_models import save_tiny_ptb
 
-from pipeline.records import read_events
+from pipeline.records.rows import read_events
+from pipeline.records.status import format_status, run_status
+from pipeline.records.timeline import spans_of, summarise
 from pipeline.run import run_job
 from pipeline.spec import parse_spec
-from pipeline.status import format_status, run_status
-from pipeline.timeline import spans_of, summarise
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ from tiny_models import save_tiny_ptb
 from dashboards.links import job_tracking, model_version_url
 from dashboards.views import variant_view
 from lorp import SimilarityStats
-from pipeline.catalog import read_catalog
-from pipeline.model_registry import (
+from pipeline.records.catalog import read_catalog
+from pipeline.records.model_registry import (
     Entry,
     load_variant,
     move_aliases,

@@ -22,14 +22,14 @@ from progress_lines import progress_lines
 from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
-from pipeline.calibration import read_shard, write_shards
-from pipeline.catalog import read_catalog
-from pipeline.model_source import ModelSource
-from pipeline.records import EventLog
+from pipeline.cluster.model_source import ModelSource
+from pipeline.records.catalog import read_catalog
+from pipeline.records.rows import EventLog
 from pipeline.run import run_job
 from pipeline.spec import CalibrationSpec, parse_spec
-from pipeline.statistics import load_shards
-from pipeline.workers import CaptureTask, distributed_capture
+from pipeline.stages.calibration import read_shard, write_shards
+from pipeline.stages.statistics import load_shards
+from pipeline.stages.workers import CaptureTask, distributed_capture
 
 pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) ->
     # (to vLLM's float32 kernels) and the same items right (lm-eval's vllm backend, shimmed).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.backends import TransformersBackend, evaluate
+    from pipeline.evaluation.backends import TransformersBackend, evaluate
 
     for r in rows:
         where = r["checkpoint"] or str(models["llama"])
@@ -223,7 +223,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     `lorp status` follows the run; dense and pruned variants evaluated, timed and
     recorded alike in the catalog and MLflow; a changed evaluation setting re-evaluates
     every point from the cached S; `lorp catalog merge` unions catalogs by grid key."""
-    from pipeline.status import run_status
+    from pipeline.records.status import run_status
 
     ev = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
     methods = [

@@ -18,14 +18,14 @@ from transformers import AutoModelForCausalLM
 from lorp.repair import fit_runs, fold
 from lorp.repair_stats import capture_repair_stats, contiguous_runs
 from lorp.surgery import drop_layers
-from pipeline.calibration import read_shard
-from pipeline.catalog import read_catalog
-from pipeline.faults import FAULT_MARKER_ENV, SITE_ENV
+from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
 from pipeline.plan import GridPoint, ModelPlan, plan_points
-from pipeline.records import EventLog
+from pipeline.records.catalog import read_catalog
+from pipeline.records.rows import EventLog
+from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
 from pipeline.spec import SpecError, parse_spec
-from pipeline.status import format_status, run_status
+from pipeline.stages.calibration import read_shard
 
 pytestmark = [pytest.mark.integration]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from progress_lines import progress_lines
 
-from pipeline.progress import Progress, duration
+from pipeline.records.progress import Progress, duration
 
 
 def test_eta_counts_from_the_grid_not_from_capture_and_selection() -> None:

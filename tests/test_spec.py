@@ -129,7 +129,7 @@ def test_missing_spec_file_via_console_script(tmp_path: Path) -> None:
 
 
 def test_credentials_are_redacted_from_printed_uris() -> None:
-    from pipeline.tracking import redact
+    from pipeline.records.tracking import redact
 
     assert (
         redact("https://alice:s3cret@mlflow.example:5000/x") == "https://***@mlflow.example:5000/x"

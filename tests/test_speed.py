@@ -10,9 +10,9 @@ import torch
 from tiny_models import tiny_model
 
 from lorp.surgery import drop_layers
-from pipeline import speed
-from pipeline.speed import timed_speedups
-from pipeline.workers import _groups
+from pipeline.evaluation import speed
+from pipeline.evaluation.speed import timed_speedups
+from pipeline.stages.workers import _groups
 
 
 def scripted(monkeypatch: pytest.MonkeyPatch, times: dict[int, list[float]]) -> list[int]:

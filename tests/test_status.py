@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.catalog import write_catalog
-from pipeline.status import format_status, run_status
+from pipeline.records.catalog import write_catalog
+from pipeline.records.status import format_status, run_status
 
 SPEED = json.dumps({"enabled": True, "speed": True}, sort_keys=True)
 NO_SPEED = json.dumps({"enabled": True, "speed": False}, sort_keys=True)

@@ -1,4 +1,4 @@
-"""The job's storage (`pipeline.storage`) on a local directory, a file:// URI and a real
+"""The job's storage (`pipeline.records.storage`) on a local directory, a file:// URI and a real
 S3-compatible server (moto in server mode on 127.0.0.1), and a job whose results live in
 S3: what Ray tasks receive, what lands where, and a rerun that resumes from storage."""
 
@@ -18,9 +18,9 @@ from job_specs import tiny_job
 from local_servers import free_port, wait_for_port
 from tiny_models import save_tiny_ptb
 
+from pipeline.records.storage import MARKER, Storage
 from pipeline.spec import SpecError, parse_spec
-from pipeline.storage import MARKER, Storage
-from pipeline.workers import capture_workers
+from pipeline.stages.workers import capture_workers
 
 BUCKET = "lorp"
 EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
@@ -231,15 +231,15 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     from transformers import AutoTokenizer
 
     from lorp.cache import cache_root
-    from pipeline.calibration import heldout_windows
-    from pipeline.grid import point_task, speed_task
+    from pipeline.cluster.model_source import model_source
     from pipeline.job import JobRun
-    from pipeline.losses import loss_task
-    from pipeline.model_source import model_source
     from pipeline.plan import plan_models
-    from pipeline.progress import Progress
-    from pipeline.statistics import calibration_shards, capture_task, load_shards
-    from pipeline.workers import run_point
+    from pipeline.records.progress import Progress
+    from pipeline.stages.calibration import heldout_windows
+    from pipeline.stages.grid import point_task, speed_task
+    from pipeline.stages.losses import loss_task
+    from pipeline.stages.statistics import calibration_shards, capture_task, load_shards
+    from pipeline.stages.workers import run_point
 
     methods = [{"name": "shortgpt"}]  # the loss task is built below, not run: no sleb
     spec = tiny_job(tmp_path, model, "paths", budgets=[1], methods=methods, evaluation=EVALUATION)

@@ -256,7 +256,7 @@ def model(cluster: Cluster) -> Path:
 @pytest.fixture(scope="module")
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
     """The same job on one node: `lorp run` on an embedded local Ray, local storage."""
-    from pipeline.catalog import read_catalog
+    from pipeline.records.catalog import read_catalog
 
     root = tmp_path_factory.mktemp("single")
     spec = job(root, model, "single")
@@ -315,8 +315,8 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     already started and stopped other local Rays saw its first actor on this cluster
     destroyed as out of scope before it started (Ray 2.60), which is a property of that
     long-lived test process, not of the product."""
-    from pipeline.catalog import read_catalog
-    from pipeline.storage import Storage
+    from pipeline.records.catalog import read_catalog
+    from pipeline.records.storage import Storage
 
     location = cluster.s3.format(prefix=f"jobs/{tmp_path.name}")
     spec = job(tmp_path, model, "twonodes", storage=location, ray={"address": cluster.address})
@@ -356,7 +356,7 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"0 done, {POINTS} already done, 0 failed; S captured 0, from cache 1" in out.stdout
 
-    from pipeline.model_registry import pull
+    from pipeline.records.model_registry import pull
 
     pulled, version = pull("models:/lorp-tiny@best-2", tmp_path / "pulled", tracking_uri=tracking)
     assert version.source.startswith("s3://") and (pulled / "model.safetensors").is_file()
@@ -368,8 +368,8 @@ def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_onc
 ) -> None:
     """The second node's raylet dies after the first points; a new node joins (empty disks
     again); a rerun of the job completes it, and the catalog holds every point once."""
-    from pipeline.catalog import read_catalog
-    from pipeline.storage import Storage
+    from pipeline.records.catalog import read_catalog
+    from pipeline.records.storage import Storage
 
     location = str(cluster.shared / "jobs" / tmp_path.name)
     spec = job(tmp_path, model, "lost", storage=location, ray={"address": cluster.address})

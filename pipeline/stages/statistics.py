@@ -26,12 +26,17 @@ import numpy as np
 from lorp.cache import cache_root
 from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
-from pipeline.calibration import CalibrationShards, read_shard, write_shards
-from pipeline.model_source import model_source
+from pipeline.cluster.model_source import model_source
 from pipeline.plan import ModelPlan, content_key
+from pipeline.records.storage import Storage
 from pipeline.spec import JobSpec
-from pipeline.storage import Storage
-from pipeline.workers import CaptureTask, Shard, distributed_capture, distributed_repair_capture
+from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
+from pipeline.stages.workers import (
+    CaptureTask,
+    Shard,
+    distributed_capture,
+    distributed_repair_capture,
+)
 
 
 @dataclass(frozen=True)

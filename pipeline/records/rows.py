@@ -22,7 +22,7 @@ from pipeline.plan import GridPoint
 from pipeline.spec import JobSpec
 
 if TYPE_CHECKING:
-    from pipeline.storage import Storage
+    from pipeline.records.storage import Storage
 
 
 def now() -> str:
@@ -176,7 +176,7 @@ class RowContext:
 def catalog_row(
     spec: JobSpec, point: GridPoint, facts: ModelFacts, result: PointResult, ctx: RowContext
 ) -> dict[str, Any]:
-    """The catalog row of a finished point (the schema is `pipeline.catalog.CORE_SCHEMA`)."""
+    """The catalog row of a finished point (schema: `pipeline.records.catalog.CORE_SCHEMA`)."""
     details = dict(point.selection.details) if point.selection else {}
     k = details.get("k", facts.k)  # LoRP's own K (fixed or from RLS), else the model's
     plan = point.model
@@ -228,7 +228,7 @@ def _finite_or_none(value: Any) -> bool:
 
 def headline(row: dict[str, Any], corpora: tuple[str, ...]) -> str:
     """The figure a log line shows for a point: the first perplexity, else accuracy."""
-    from pipeline.evaluation import metric_name
+    from pipeline.evaluation.metrics import metric_name
 
     for name in [metric_name(c) for c in corpora] + ["acc_avg"]:
         value = row.get(name)

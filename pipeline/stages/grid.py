@@ -11,13 +11,13 @@ import math
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from pipeline.evaluation import metric_name
-from pipeline.model_source import model_source
+from pipeline.cluster.model_source import model_source
+from pipeline.cluster.scheduler import first_line, whole_node
+from pipeline.evaluation.metrics import metric_name
 from pipeline.plan import GridPoint
-from pipeline.records import PointResult, RowContext, catalog_row, headline
-from pipeline.records import provenance as point_provenance
-from pipeline.scheduler import first_line, whole_node
-from pipeline.workers import PointTask, RepairTask, SpeedTask
+from pipeline.records.rows import PointResult, RowContext, catalog_row, headline
+from pipeline.records.rows import provenance as point_provenance
+from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
 
 if TYPE_CHECKING:
     from pipeline.job import JobRun

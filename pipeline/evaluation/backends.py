@@ -5,7 +5,7 @@ accuracy, with a context manager that really frees the engine.
 - `VLLMBackend` starts one vLLM engine over a saved checkpoint and serves both perplexity
   (prompt log-probabilities) and zero-shot (lm-eval's `VLLM` wraps that same engine), so a
   point starts one engine, not two. Pitfalls: engines start only in a subprocess or a Ray
-  actor (vLLM re-imports `__main__`); see `pipeline.vllm_engine`.
+  actor (vLLM re-imports `__main__`); see `pipeline.evaluation.vllm_engine`.
 
 `evaluate` is the one per-corpus loop both backends share.
 """
@@ -51,7 +51,7 @@ class TransformersBackend:
         return perplexity(self.model, windows, batch_size=self.batch_size)
 
     def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
-        from pipeline.zero_shot import hf_zero_shot
+        from pipeline.evaluation.zero_shot import hf_zero_shot
 
         return hf_zero_shot(
             self.model, self.tokenizer, tasks, limit=limit, batch_size=self.batch_size
@@ -67,7 +67,7 @@ class VLLMBackend:
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, tp: int = 1) -> None:
         from lm_eval.models.vllm_causallms import VLLM
 
-        from pipeline.vllm_engine import prepare_vllm
+        from pipeline.evaluation.vllm_engine import prepare_vllm
 
         prepare_vllm()
         # lm-eval's wrapper owns the engine (`.model`); perplexity reuses that engine.
@@ -80,17 +80,17 @@ class VLLMBackend:
         )
 
     def perplexity(self, windows: torch.Tensor) -> float:
-        from pipeline.vllm_engine import perplexity_vllm
+        from pipeline.evaluation.vllm_engine import perplexity_vllm
 
         return perplexity_vllm(self._lm.model, windows.tolist())
 
     def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
-        from pipeline.zero_shot import evaluate_zero_shot
+        from pipeline.evaluation.zero_shot import evaluate_zero_shot
 
         return evaluate_zero_shot(self._lm, tasks, limit=limit)
 
     def close(self) -> None:
-        from pipeline.vllm_engine import free_memory
+        from pipeline.evaluation.vllm_engine import free_memory
 
         self._lm = None  # the only reference: the engine goes with it
         free_memory()
@@ -106,7 +106,7 @@ def open_backend(backend: Backend) -> Iterator[Backend]:
 
 def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str, float]:
     """Perplexity on every configured corpus, then the zero-shot tasks."""
-    from pipeline.evaluation import corpus_windows, metric_name
+    from pipeline.evaluation.metrics import corpus_windows, metric_name
 
     metrics = {}
     for corpus in spec.perplexity:

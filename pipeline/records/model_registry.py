@@ -46,8 +46,8 @@ from mlflow.tracking import MlflowClient
 
 from lorp.atomic import atomic_dir
 from lorp.surgery import PROVENANCE_FILE
-from pipeline.storage import Storage, is_remote
-from pipeline.tracking import GRID_KEY, redact
+from pipeline.records.storage import Storage, is_remote
+from pipeline.records.tracking import GRID_KEY, redact
 
 if TYPE_CHECKING:
     from pipeline.job import JobRun
@@ -168,7 +168,7 @@ def model_entries(job: JobRun, points: list[GridPoint]) -> list[Entry]:
     """The dense version first, then one per saved variant; nothing without a variant."""
     rows = job.catalog.by_key()
     ev = job.spec.evaluation
-    from pipeline.evaluation import metric_name
+    from pipeline.evaluation.metrics import metric_name
 
     ppl = metric_name(ev.perplexity[0]) if ev.enabled and ev.perplexity else None
     variants = [

@@ -36,13 +36,13 @@ import ray
 
 from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
-from pipeline import timeline
-from pipeline.faults import maybe_fail
-from pipeline.model_source import ModelSource, load_checked
-from pipeline.records import PointResult
+from pipeline.cluster.faults import maybe_fail
+from pipeline.cluster.model_source import ModelSource, load_checked
+from pipeline.records import timeline
+from pipeline.records.rows import PointResult
+from pipeline.records.storage import Storage, scratch_dir
+from pipeline.records.timeline import span
 from pipeline.spec import EvaluationSpec, Resources
-from pipeline.storage import Storage, scratch_dir
-from pipeline.timeline import span
 
 
 def _pin_threads(num_cpus: float) -> None:
@@ -283,7 +283,7 @@ def execute_point(task: PointTask) -> PointResult:
 
 def _execute_point(task: PointTask) -> PointResult:
     from lorp.surgery import drop_layers
-    from pipeline.speed import count_params
+    from pipeline.evaluation.speed import count_params
 
     start = time.perf_counter()
     lm = _point_model(task)
@@ -369,7 +369,12 @@ def _save_checkpoint(
 def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, float]:
     """The point's figures: from the model in memory (transformers), or from `model_dir`,
     the local checkpoint (or the dense model's directory on this node) for vLLM."""
-    from pipeline.backends import TransformersBackend, VLLMBackend, evaluate, open_backend
+    from pipeline.evaluation.backends import (
+        TransformersBackend,
+        VLLMBackend,
+        evaluate,
+        open_backend,
+    )
 
     ev = task.evaluation
     if task.backend == "none":
@@ -379,7 +384,7 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, float]:
             return evaluate(be, lm.tokenizer, ev)
     tokenizer = lm.tokenizer
     lm.model = None  # the transformers copy goes before the engine comes
-    from pipeline.vllm_engine import free_memory
+    from pipeline.evaluation.vllm_engine import free_memory
 
     free_memory()
     max_len = ev.seq_len + 8
@@ -389,7 +394,7 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, float]:
 
 
 def _zero_shot_info(ev: EvaluationSpec, metrics: dict[str, float]) -> dict[str, dict[str, Any]]:
-    from pipeline.zero_shot import task_split
+    from pipeline.evaluation.zero_shot import task_split
 
     return {
         t: {"split": task_split(t), "n": int(metrics[f"n_{t}"])}
@@ -411,7 +416,7 @@ class PointEvaluator:
     waits for that GPU; the process (and its imports) outlives each engine."""
 
     def __init__(self) -> None:
-        from pipeline.vllm_engine import prepare_vllm
+        from pipeline.evaluation.vllm_engine import prepare_vllm
 
         prepare_vllm()
 
@@ -440,14 +445,15 @@ class SpeedTask:
 
 
 def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
-    """Per grid key: the dense/pruned prefill timing (`pipeline.speed.timed_speedups`: the
-    minimum of alternating runs per side, in rounds that time the dense model once for a
-    group of variants; unresolved figures marked) and the variant's peak memory in a fresh
-    process. Variants are timed in groups whose pruned copies fit half the memory free."""
+    """Per grid key: the dense/pruned prefill timing (`timed_speedups` in
+    `pipeline.evaluation.speed`: the minimum of alternating runs per side, in rounds
+    that time the dense model once for a group of variants; unresolved figures marked)
+    and the variant's peak memory in a fresh process. Variants are timed in groups whose
+    pruned copies fit half the memory free."""
     import copy
 
     from lorp.surgery import drop_layers
-    from pipeline.speed import timed_speedups
+    from pipeline.evaluation.speed import timed_speedups
 
     _pin_threads(task.resources.num_cpus)
     lm = load_checked(task.model, _device(task.resources))
@@ -519,7 +525,7 @@ def _peak_memory(
 ) -> dict[str, float]:
     """A saved checkpoint (fetched to this node when storage is remote) loads only the
     kept weights; without one, the dense model loads and drops the blocks."""
-    from pipeline.speed import peak_memory_fresh
+    from pipeline.evaluation.speed import peak_memory_fresh
 
     device, dtype = _device(task.resources), task.model.dtype
     if not checkpoint:

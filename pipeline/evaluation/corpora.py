@@ -6,7 +6,7 @@ the first `en` validation shard, through `datasets.load_dataset("allenai/c4",
 data_files={split: file}, split=split)`. WikiText-2 is the raw v1 config, perplexity on
 its test split. A split with no pinned file is refused rather than fetched whole.
 
-Perplexity reads each corpus's `eval_split` (`pipeline.evaluation.EVAL_SPLITS`);
+Perplexity reads each corpus's `eval_split` (`pipeline.evaluation.metrics.EVAL_SPLITS`);
 calibration reads the split its spec names.
 """
 

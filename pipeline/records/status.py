@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.catalog import read_catalog
-from pipeline.records import read_events
+from pipeline.records.catalog import read_catalog
+from pipeline.records.rows import read_events
 
 
 @dataclass
@@ -34,7 +34,7 @@ class RunStatus:
     """Repaired twins planning left out this attempt, with the reason."""
     last_event: str = ""
     busy: str = ""
-    """How busy the attempt kept its slots (`pipeline.timeline`), one line."""
+    """How busy the attempt kept its slots (`pipeline.records.timeline`), one line."""
     now: list[str] = field(default_factory=list)
     """What runs now: units the driver started and has not seen end."""
 
@@ -90,8 +90,8 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
 def _read_timeline(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
     import time
 
-    from pipeline.progress import duration
-    from pipeline.timeline import running_now, summarise
+    from pipeline.records.progress import duration
+    from pipeline.records.timeline import running_now, summarise
 
     u = summarise(attempt)
     if u is not None:

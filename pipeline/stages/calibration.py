@@ -29,7 +29,7 @@ from lorp.data import (
     resolve_bos,
     tokenize_documents,
 )
-from pipeline.corpora import hub_corpus
+from pipeline.evaluation.corpora import hub_corpus
 from pipeline.spec import CalibrationSpec
 
 
@@ -44,7 +44,7 @@ class CalibrationShards:
 
 def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
     """A local file or packaged alias (lorp.data), else a hub dataset through `datasets`:
-    a short name from `pipeline.corpora` (c4, wikitext2) or any hub id as it is."""
+    a short name from `pipeline.evaluation.corpora` (c4, wikitext2) or any hub id as it is."""
     if name in CORPUS_ALIASES or Path(name).expanduser().exists():
         return load_corpus(name, split)
     hub = hub_corpus(name)

@@ -33,10 +33,10 @@ import ray
 
 from lorp import Selection
 from lorp.methods.registry import jsonable
-from pipeline import timeline
-from pipeline.model_source import ModelSource, load_checked, model_source
+from pipeline.cluster.model_source import ModelSource, load_checked, model_source
+from pipeline.records import timeline
+from pipeline.records.storage import Storage
 from pipeline.spec import Resources
-from pipeline.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class RayLosses:
         self.name, self.steps = "losses", 0  # the selection being made; its requests so far
 
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
-        from pipeline.progress import duration
+        from pipeline.records.progress import duration
 
         todo = self.memo.missing(candidates)
         spans: list[dict[str, Any]] = []
@@ -214,7 +214,7 @@ class LossSelector:
     `RayLosses` actors that start on first use and stop with `close()`."""
 
     def __init__(self, job: Any, plan: Any, stats: Any, stats_key: str, profile: Any) -> None:
-        from pipeline.statistics import stats_store
+        from pipeline.stages.statistics import stats_store
 
         self.job, self.plan, self.stats, self.profile = job, plan, stats, profile
         self.stats_key = stats_key
@@ -225,7 +225,7 @@ class LossSelector:
     def __call__(self, method: Any, budget: int) -> tuple[Selection, float]:
         from lorp.methods import select_layers, validate_options
         from pipeline.plan import content_key
-        from pipeline.progress import duration
+        from pipeline.records.progress import duration
 
         windows, fp = self._heldout()
         options = validate_options(method.name, method.options)
@@ -250,7 +250,7 @@ class LossSelector:
         if self.heldout is None:
             from transformers import AutoTokenizer
 
-            from pipeline.calibration import heldout_windows
+            from pipeline.stages.calibration import heldout_windows
 
             trust = self.plan.spec.trust_remote_code
             tok = AutoTokenizer.from_pretrained(str(self.plan.path), trust_remote_code=trust)
@@ -260,7 +260,7 @@ class LossSelector:
     def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:
         if self.losses is None:
             from pipeline.plan import content_key
-            from pipeline.statistics import stats_store
+            from pipeline.stages.statistics import stats_store
 
             spec = self.job.spec
             task = loss_task(spec, self.plan, windows)

@@ -1,0 +1,2 @@
+"""Evaluating a variant: perplexity and zero-shot backends (transformers, vLLM),
+corpora, lm-eval tasks, speed and memory."""
