@@ -20,7 +20,7 @@ from typing import Any
 from lorp import Selection, get_method, select_layers
 from lorp.architectures import architecture_for
 from lorp.methods import resolve_budget, validate_options
-from lorp.repair import DEFAULT_RIDGE
+from lorp.repair import DEFAULT_RIDGE, MAX_ROUNDS
 from lorp.repair_stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair_stats import contiguous_runs
 from lorp.similarity import FORMAT_VERSION, SimilarityStats
@@ -150,12 +150,15 @@ def grid_key(
     budget: int,
     ev: Any,
     repair: str = "none",
+    rounds: int = MAX_ROUNDS,
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
     catalogs and caches of earlier runs stay valid."""
     if repair == "none":
         return content_key(model_key, point, dict(options), budget, ev)
     fit = {"repair": repair, "ridge": DEFAULT_RIDGE, "fit": "one-pass", "format": REPAIR_FORMAT}
+    if rounds != MAX_ROUNDS:  # the default leaves earlier runs' keys as they were
+        fit["rounds"] = rounds
     return content_key(model_key, point, dict(options), budget, ev, fit)
 
 
@@ -312,7 +315,7 @@ def plan_points(
             sel, seconds = select(m, budget)
             options = sel.to_dict()["options"]
             for repair in spec.repair:
-                key = grid_key(model_key, m.name, options, budget, ev, repair)
+                key = grid_key(model_key, m.name, options, budget, ev, repair, spec.repair_rounds)
                 point = GridPoint(key, plan, m, sel, seconds, repair)
                 why = repair_refusal(plan, sel.layers) if repair != "none" else None
                 if why is None:

@@ -283,6 +283,9 @@ class JobSpec:
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     """What to measure on every pruned checkpoint."""
     repair: tuple[str, ...] = REPAIRS
+    repair_rounds: int = 100
+    """Rounds of a `normed` repair fit at most (each one d x d SVD; `lorp.repair`'s
+    default, 100). Fewer trade fit quality for time (the demo's budget)."""
     """A grid dimension: `none` keeps each pruned variant as it is; `linear` also makes
     its repaired twin (`lorp.repair`: one least-squares map per run of removed blocks,
     fitted from calibration statistics and folded into block s-1's weights; same
@@ -315,6 +318,7 @@ class JobSpec:
             if r not in REPAIRS:
                 raise SpecError(f"repair[{i}]: must be one of {', '.join(REPAIRS)}, got {r!r}")
         _unique("repair", list(self.repair))
+        _positive("repair_rounds", self.repair_rounds)
         for i, m in enumerate(self.methods):
             if "+" in m.key:
                 raise SpecError(

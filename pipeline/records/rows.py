@@ -121,11 +121,11 @@ def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
         grid_key=point.key,
         job=spec.name,
         calibration=asdict(spec.calibration),
-        repair=repair_record(point),
+        repair=repair_record(point, spec.repair_rounds),
     )
 
 
-def repair_record(point: GridPoint) -> dict[str, Any] | None:
+def repair_record(point: GridPoint, rounds: int = 100) -> dict[str, Any] | None:
     """How a repaired point's maps are fitted (the task adds each run's fit)."""
     if point.repair == "none":
         return None
@@ -136,6 +136,7 @@ def repair_record(point: GridPoint) -> dict[str, Any] | None:
         "ridge": DEFAULT_RIDGE,
         "lambda": "ridge x tr(A_s) / d per run, pulling each map towards the unrepaired one",
         "fit": "one pass of calibration statistics on dense inputs (pipeline capture workers)",
+        "rounds": rounds,
     }
 
 

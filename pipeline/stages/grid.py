@@ -58,7 +58,7 @@ def repair_task(job: JobRun, point: GridPoint) -> RepairTask | None:
 
     runs = tuple(point.runs)
     refs = tuple(job.repair_refs[(point.model.label, r)] for r in runs)
-    return RepairTask(runs, refs, DEFAULT_RIDGE)
+    return RepairTask(runs, refs, DEFAULT_RIDGE, job.spec.repair_rounds)
 
 
 def record_point(job: JobRun, point: GridPoint, result: PointResult, backend: str) -> None:

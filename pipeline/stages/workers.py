@@ -271,6 +271,8 @@ class RepairTask:
     stats: tuple[Any, ...]
     """One ObjectRef of a one-run `RepairStats` per run, in `runs` order."""
     ridge: float
+    rounds: int = 100
+    """A normed fit's rounds at most (the job's `repair_rounds`)."""
 
 
 def execute_point(task: PointTask) -> PointResult:
@@ -343,7 +345,7 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
                 f"repair statistics of run {run[0]}-{run[1]} belong to another model or run "
                 f"({stats.model_fingerprint}, {stats.runs})"
             )
-        fits += fit_runs(model, stats, ridge=rt.ridge)
+        fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
     fold(model, fits)
     return fits
 
@@ -438,7 +440,7 @@ class SpeedTask:
     """(grid key, pruned blocks, saved checkpoint below `storage` or None); () is dense."""
     seq_len: int
     pairs: int = 5
-    """Rounds of dense/pruned prefills at least; up to 3x as many until the minima agree."""
+    """Rounds of dense/pruned prefills at least; up to 2x as many until the minima agree."""
     resources: Resources = field(default_factory=Resources)
     n_blocks: int = 1
     """The dense model's blocks (the speed-up's bound N / (N - k))."""
@@ -473,7 +475,7 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
             drop_layers(pruned_copy, layers)
             copies[key] = (pruned_copy, len(layers))
         figures = timed_speedups(
-            dense, copies, task.seq_len, n_blocks=n, min_runs=task.pairs, max_runs=3 * task.pairs
+            dense, copies, task.seq_len, n_blocks=n, min_runs=task.pairs, max_runs=2 * task.pairs
         )
         del copies
         dense_alone = figures.pop("")
