@@ -286,8 +286,15 @@ class Fleet:
 
     def _finish_models(self) -> None:
         """Models whose points have all ended: speed task, else gate and registry."""
+        ev = self.job.spec.evaluation
+        whole_node = ev.enabled and ev.speed and self.job.spec.resources.speed is None
         for chain in self.chains:
             if chain.state != "points" or chain.running:
+                continue
+            if whole_node and self.queue:
+                # A whole-node request queued in Ray holds back the slots it waits for:
+                # on a small cluster the points left would run one at a time. It goes
+                # once no point waits for a slot.
                 continue
             assert chain.prepared is not None
             tasks = speed_tasks(self.job, chain.prepared.points)
