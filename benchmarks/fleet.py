@@ -53,12 +53,8 @@ WIDTHS = (64, 128, 192)
 def build_models(root: Path, n: int, depth: int | None = None) -> list[tuple[str, Path]]:
     """`n` tiny checkpoints over the PTB vocabulary: families, depths (unless `depth`
     fixes it) and widths cycle."""
-    import torch
-    from tiny_models import COMMON, ptb_tokenizer
-    from tiny_models import FAMILIES as FAMILY_OPTIONS
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tiny_models import save_tiny_ptb
 
-    tokenizer = ptb_tokenizer()
     out = []
     for i in range(n):
         family, width = FAMILIES[i % 6], WIDTHS[i % 3]
@@ -66,27 +62,7 @@ def build_models(root: Path, n: int, depth: int | None = None) -> list[tuple[str
         name = f"{family}-{blocks}x{width}-{i:02d}"
         path = root / name
         if not (path / "config.json").is_file():
-            options = (
-                COMMON
-                | FAMILY_OPTIONS[family]
-                | {
-                    "vocab_size": len(tokenizer),
-                    "num_hidden_layers": blocks,
-                    "hidden_size": width,
-                    "intermediate_size": 2 * width,
-                    "num_attention_heads": width // 32,
-                    "num_key_value_heads": 1,
-                }
-            )
-            config = AutoConfig.for_model(family, **options)
-            torch.manual_seed(i)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if p.ndim == 2 and "embed" not in pname:
-                        p.mul_(8.0)
-            model.save_pretrained(path, safe_serialization=True)
-            tokenizer.save_pretrained(path)
+            save_tiny_ptb(family, path, seed=i, n_blocks=blocks, width=width)
         out.append((name, path))
     return out
 

@@ -86,16 +86,29 @@ def ptb_tokenizer():  # type: ignore[no-untyped-def]
     )
 
 
-def save_tiny_ptb(family: str, path: Path, seed: int = 0, n_blocks: int = N_BLOCKS) -> Path:
+def save_tiny_ptb(
+    family: str, path: Path, seed: int = 0, n_blocks: int = N_BLOCKS, width: int | None = None
+) -> Path:
     """A tiny model whose vocabulary is PTB's, with its tokenizer: a real checkpoint
-    directory that the whole pipeline (calibration, capture, evaluation) can run on."""
+    directory that the whole pipeline (calibration, capture, evaluation) can run on.
+    `width` (a multiple of 32) widens it: hidden size, twice that in the MLP, one head
+    per 32 dimensions, one KV head."""
     tokenizer = ptb_tokenizer()
+    wide = {}
+    if width is not None:
+        wide = {
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_attention_heads": width // 32,
+            "num_key_value_heads": 1,
+        }
     config = AutoConfig.for_model(
         family,
         **(
             COMMON
             | FAMILIES[family]
             | {"vocab_size": len(tokenizer), "num_hidden_layers": n_blocks}
+            | wide
         ),
     )
     if "layer_types" in FAMILIES[family]:

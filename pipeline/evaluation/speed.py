@@ -36,8 +36,9 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
@@ -129,24 +130,17 @@ def timed_speedup(
     need = max(2, min(min_runs, max_runs))  # one run cannot show a stable floor
     times: list[list[float]] = [[] for _ in models]
     start = _now()
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.inference_mode():
-            for _ in range(warmup):
-                for m in models:
-                    _time_ms(m, ids)
-            for i in range(max(max_runs, 1)):
-                for side, t in zip(times, _pair(models, ids, flip=i % 2 == 1), strict=True):
-                    side.append(t)
-                if i + 1 >= need and _resolved(times, bound, tolerance):
-                    break
-                if budget_s is not None and _now() - start >= budget_s:
-                    break
-    finally:
-        if was_enabled:
-            gc.enable()
+    with _quiet():
+        for _ in range(warmup):
+            for m in models:
+                _time_ms(m, ids)
+        for i in range(max(max_runs, 1)):
+            for side, t in zip(times, _pair(models, ids, flip=i % 2 == 1), strict=True):
+                side.append(t)
+            if i + 1 >= need and _resolved(times, bound, tolerance):
+                break
+            if budget_s is not None and _now() - start >= budget_s:
+                break
     resolved = len(times[0]) >= need and _resolved(times, bound, tolerance)
     return _minima(times, resolved)
 
@@ -177,36 +171,29 @@ def timed_speedups(
         for k, (_, r) in variants.items()
     }
     done: set[str] = set()
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.inference_mode():
-            for _ in range(warmup):
-                _time_ms(dense, ids)
-                for model, _ in variants.values():
-                    _time_ms(model, ids)
-            for i in range(max(max_runs, 1)):
-                order = [k for k in variants if k not in done]
-                if i % 2:
-                    order.reverse()
-                    for k in order:
-                        times[k].append(_time_ms(variants[k][0], ids))
-                    dense_times.append(_time_ms(dense, ids))
-                else:
-                    dense_times.append(_time_ms(dense, ids))
-                    for k in order:
-                        times[k].append(_time_ms(variants[k][0], ids))
-                if i + 1 >= need:
-                    done |= {
-                        k for k in order if _resolved([dense_times, times[k]], bounds[k], tolerance)
-                    }
-                    alone = _floor_gap(dense_times) <= tolerance
-                    if len(done) == len(variants) and (variants or alone):
-                        break
-    finally:
-        if was_enabled:
-            gc.enable()
+    with _quiet():
+        for _ in range(warmup):
+            _time_ms(dense, ids)
+            for model, _ in variants.values():
+                _time_ms(model, ids)
+        for i in range(max(max_runs, 1)):
+            order = [k for k in variants if k not in done]
+            if i % 2:
+                order.reverse()
+                for k in order:
+                    times[k].append(_time_ms(variants[k][0], ids))
+                dense_times.append(_time_ms(dense, ids))
+            else:
+                dense_times.append(_time_ms(dense, ids))
+                for k in order:
+                    times[k].append(_time_ms(variants[k][0], ids))
+            if i + 1 >= need:
+                done |= {
+                    k for k in order if _resolved([dense_times, times[k]], bounds[k], tolerance)
+                }
+                alone = _floor_gap(dense_times) <= tolerance
+                if len(done) == len(variants) and (variants or alone):
+                    break
     out = {  # judged on the final floors: a dense floor that moved later counts too
         k: _minima(
             [dense_times, times[k]],
@@ -261,19 +248,27 @@ def interleaved_speedup(
     collector is off while timing, as in `timeit`, so a collection cannot land on one side."""
     ids = _ids(dense, seq_len)
     models = [dense] if pruned is None else [dense, pruned]
+    with _quiet():
+        for _ in range(warmup):
+            for m in models:
+                _time_ms(m, ids)
+        runs = [_pair(models, ids, flip=i % 2 == 1) for i in range(max(pairs, 1))]
+    return _summarise(runs)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Timing conditions: inference mode, and the garbage collector off (after one
+    collection), as in `timeit`, so a collection cannot land on one side."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         with torch.inference_mode():
-            for _ in range(warmup):
-                for m in models:
-                    _time_ms(m, ids)
-            runs = [_pair(models, ids, flip=i % 2 == 1) for i in range(max(pairs, 1))]
+            yield
     finally:
         if was_enabled:
             gc.enable()
-    return _summarise(runs)
 
 
 def _pair(models: list[Any], ids: torch.Tensor, flip: bool) -> list[float]:
