@@ -27,16 +27,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 
-from lorp.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.architectures import Architecture, architecture_of, decoder_blocks, decoder_stack
 from lorp.atomic import atomic_file
 from lorp.capture import unpack_batch
 from lorp.similarity import token_selection
@@ -401,6 +402,178 @@ class _StopForward(Exception):
     """Raised once the deepest state any run needs has been seen."""
 
 
+_StateKey = tuple[str, int]
+"""A state a hook saw: ("X" | "M" | "out", start s) from the source model, or ("H", j),
+the output of block j-1 (the input of block j), from the target."""
+_Hook = Callable[..., None]
+
+
+class _StateRecorder:
+    """Hook state for one batch: which tokens count, and the states seen so far, so each
+    forward stops as soon as nothing it owes is still ahead."""
+
+    def __init__(self, source_owed: set[_StateKey], target_owed: set[_StateKey]) -> None:
+        self.source_owed = source_owed
+        self.target_owed = target_owed
+        self.keep: torch.Tensor | None = None
+        self.seen: dict[_StateKey, torch.Tensor] = {}
+
+    def flat(self, x: Any) -> torch.Tensor:
+        """`x` (or a module output's first element) as [tokens, d], S's tokens only."""
+        x = x[0] if isinstance(x, tuple | list) else x
+        x = x.reshape(-1, x.shape[-1])
+        return x if self.keep is None else x[self.keep]
+
+    def record(self, owed: set[_StateKey], key: _StateKey, x: Any) -> None:
+        """Store `x` under `key`; the rest of the forward is wasted once `owed` is in."""
+        self.seen[key] = self.flat(x)
+        if owed <= self.seen.keys():
+            raise _StopForward
+
+    def missing(self) -> set[_StateKey]:
+        """What the batch's forwards owed and never produced (a hook that never fired)."""
+        return (self.source_owed | self.target_owed) - self.seen.keys()
+
+
+def _owed_states(stats: RepairStats, shared: bool) -> tuple[set[_StateKey], set[_StateKey]]:
+    """The states the source forward (X, M, Y + M per start) and the target forward (H_e
+    per run) must produce. `shared`: one forward does both, so each owes the union, lest
+    it stop before the other's states are in."""
+    source = {(k, s) for s in stats.starts for k in ("X", "M", "out")}
+    target = {("H", e + 1) for _, e in stats.runs}
+    if shared:
+        source = target = source | target
+    return source, target
+
+
+def _check_capture_inputs(
+    stats: RepairStats, dropped: Sequence[int], target: nn.Module, n: int
+) -> None:
+    """Refuse, before any forward, a capture whose sums would silently be wrong: a dropped
+    block next to a run changes the states the run's map must bridge, and a reference of
+    another depth is not the dense model the runs index."""
+    touched = {i for s, e in stats.runs for i in range(s - 1, e + 2) if 0 <= i < n}
+    if set(dropped) & touched:
+        raise ValueError(f"dropped blocks {sorted(dropped)} touch the runs being fitted")
+    if len(decoder_blocks(target)) != n:
+        raise ValueError("reference must be the dense model the runs index")
+
+
+def _hooked_state(args: tuple, kwargs: dict, output: tuple) -> Any:
+    """The state a block hook sees: the block's output for a forward hook, else its input,
+    positional or keyword as the family's decoder passes it."""
+    return output[0] if output else (args[0] if args else kwargs["hidden_states"])
+
+
+def _site_hook(rec: _StateRecorder, s: int, normed: bool) -> _Hook:
+    """Forward hook on block s-1's MLP site. M_s is what the site adds to the residual
+    stream; X_s, what the map multiplies, is M_s itself, or for a normed start the norm's
+    input at unit scale (the norm's weight is part of the map)."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        rec.seen[("X", s)] = rec.flat(rms_unit(module, args[0]) if normed else output)
+        rec.seen[("M", s)] = rec.flat(output)
+
+    return hook
+
+
+def _out_hook(rec: _StateRecorder, s: int) -> _Hook:
+    """Hook recording Y + M of start s: block s-1's output, or for s = 0 block 0's input."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
+        x = _hooked_state(args, kwargs, output)
+        if s == 0:  # block 0's input: the embedding output is X, M and Y + M at once
+            rec.seen[("X", 0)] = rec.seen[("M", 0)] = rec.flat(x)
+        rec.record(rec.source_owed, ("out", s), x)
+
+    return hook
+
+
+def _target_hook(rec: _StateRecorder, j: int) -> _Hook:
+    """Hook recording H as block j receives it (j = N: the last block's output)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
+        rec.record(rec.target_owed, ("H", j), _hooked_state(args, kwargs, output))
+
+    return hook
+
+
+def _hook_sources(
+    blocks: nn.ModuleList,
+    arch: Architecture,
+    stats: RepairStats,
+    rec: _StateRecorder,
+    handles: list[RemovableHandle],
+) -> None:
+    """Hook X_s, M_s and Y + M of every start into `blocks`, appending to `handles` as it
+    goes so the caller removes every hook even if one fails. A normed start's norm scale
+    goes into `stats.base` as it is now: the fit starts from it without the model."""
+    for s in stats.starts:
+        if s == 0:
+            handles.append(blocks[0].register_forward_pre_hook(_out_hook(rec, 0), with_kwargs=True))
+            continue
+        normed = stats.start_form(s) == "normed"
+        site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
+        if normed:
+            weight = site.weight.detach().double().cpu()
+            stats.base[s] = weight + arch.norm_offset
+        handles.append(site.register_forward_hook(_site_hook(rec, s, normed)))
+        handles.append(blocks[s - 1].register_forward_hook(_out_hook(rec, s), with_kwargs=True))
+
+
+def _hook_targets(
+    target: nn.Module, stats: RepairStats, rec: _StateRecorder, handles: list[RemovableHandle]
+) -> None:
+    """Hook H_e of every run into `target`: block e+1's input, or the last block's output
+    (before the final norm) for a run ending at N-1; appends to `handles` as it goes."""
+    target_blocks = decoder_blocks(target)
+    n = len(target_blocks)
+    for _, e in stats.runs:
+        if e + 1 < n:
+            hook = _target_hook(rec, e + 1)
+            handles.append(target_blocks[e + 1].register_forward_pre_hook(hook, with_kwargs=True))
+        else:
+            hook = _target_hook(rec, n)
+            handles.append(target_blocks[n - 1].register_forward_hook(hook, with_kwargs=True))
+
+
+def _forward_batch(
+    models: Sequence[nn.Module],
+    batch: torch.Tensor | Mapping[str, torch.Tensor],
+    device: torch.device,
+    skip_prefix: int,
+    rec: _StateRecorder,
+) -> None:
+    """Run one batch through each of `models` until its hooks have what they owe; a state
+    still missing afterwards means a hook never fired, and the sums would be wrong."""
+    ids, mask = unpack_batch(batch)
+    ids = ids.to(device)
+    mask = None if mask is None else mask.to(device)
+    rec.keep, _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
+    rec.seen.clear()
+    for m in models:
+        with contextlib.suppress(_StopForward):
+            decoder_stack(m)(input_ids=ids, attention_mask=mask, use_cache=False)
+    missing = rec.missing()
+    if missing:
+        raise RuntimeError(f"the forward never produced {sorted(missing)}")
+
+
+def _batch_sums(
+    stats: RepairStats, seen: Mapping[_StateKey, torch.Tensor]
+) -> tuple[dict[int, torch.Tensor], dict[Run, torch.Tensor], dict[Run, torch.Tensor]]:
+    """One batch's X_s, D_se = H_e - (Y + M) + M and H_e, as `RepairStats.add` takes them.
+    D is formed in float32 whatever the model's dtype (a float64 model's too), so the
+    difference of two residual states is not rounded to a 16-bit dtype."""
+    features = {s: seen[("X", s)] for s in stats.starts}
+    targets = {
+        (s, e): seen[("H", e + 1)].float() - seen[("out", s)].float() + seen[("M", s)].float()
+        for s, e in stats.runs
+    }
+    states = {(s, e): seen[("H", e + 1)] for s, e in stats.runs}
+    return features, targets, states
+
+
 def capture_repair_stats(
     model: nn.Module,
     batches: Iterable[torch.Tensor | Mapping[str, torch.Tensor]],
@@ -441,104 +614,22 @@ def capture_repair_stats(
         calibration_fingerprint=calibration_fingerprint,
         extra=extra,
     )
-    if set(dropped) & {i for s, e in stats.runs for i in range(s - 1, e + 2) if 0 <= i < n}:
-        raise ValueError(f"dropped blocks {sorted(dropped)} touch the runs being fitted")
     target = reference if reference is not None else model
-    if len(decoder_blocks(target)) != n:
-        raise ValueError("reference must be the dense model the runs index")
-    keep: list[torch.Tensor | None] = [None]
-    seen: dict[tuple[str, int], torch.Tensor] = {}
-
-    def flat(x: Any) -> torch.Tensor:
-        x = x[0] if isinstance(x, tuple | list) else x
-        x = x.reshape(-1, x.shape[-1])
-        return x if keep[0] is None else x[keep[0]]
-
-    def record(owed: set[tuple[str, int]], key: tuple[str, int], x: Any) -> None:
-        seen[key] = flat(x)
-        if owed <= seen.keys():
-            raise _StopForward
-
-    source_owed = {(k, s) for s in stats.starts for k in ("X", "M", "out")}
-    target_owed = {("H", e + 1) for _, e in stats.runs}
-    if target is model:
-        source_owed = target_owed = source_owed | target_owed
-
-    def site_hook(s: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            normed = stats.start_form(s) == "normed"
-            seen[("X", s)] = flat(rms_unit(module, args[0]) if normed else output)
-            seen[("M", s)] = flat(output)
-
-        return hook
-
-    def out_hook(s: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
-            x = output[0] if output else (args[0] if args else kwargs["hidden_states"])
-            if s == 0:  # block 0's input: the embedding output is X, M and Y + M at once
-                seen[("X", 0)] = seen[("M", 0)] = flat(x)
-            record(source_owed, ("out", s), x)
-
-        return hook
-
-    def target_hook(j: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
-            x = output[0] if output else (args[0] if args else kwargs["hidden_states"])
-            record(target_owed, ("H", j), x)
-
-        return hook
-
-    handles = []
+    _check_capture_inputs(stats, dropped, target, n)
+    rec = _StateRecorder(*_owed_states(stats, shared=target is model))
+    models = (model,) if target is model else (model, target)
+    handles: list[RemovableHandle] = []
     try:
-        for s in stats.starts:
-            if s == 0:
-                handles.append(blocks[0].register_forward_pre_hook(out_hook(0), with_kwargs=True))
-                continue
-            normed = stats.start_form(s) == "normed"
-            site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
-            if normed:
-                weight = site.weight.detach().double().cpu()
-                stats.base[s] = weight + arch.norm_offset
-            handles.append(site.register_forward_hook(site_hook(s)))
-            handles.append(blocks[s - 1].register_forward_hook(out_hook(s), with_kwargs=True))
-        target_blocks = decoder_blocks(target)
-        for _, e in stats.runs:
-            if e + 1 < n:
-                handles.append(
-                    target_blocks[e + 1].register_forward_pre_hook(
-                        target_hook(e + 1), with_kwargs=True
-                    )
-                )
-            else:
-                handles.append(
-                    target_blocks[n - 1].register_forward_hook(target_hook(n), with_kwargs=True)
-                )
+        _hook_sources(blocks, arch, stats, rec, handles)
+        _hook_targets(target, stats, rec, handles)
         device = next(model.parameters()).device
         with torch.inference_mode(), blocks_dropped(model, dropped):
             for batch in tqdm(
                 batches, total=total, disable=None if progress else True, desc="repair"
             ):
-                ids, mask = unpack_batch(batch)
-                ids = ids.to(device)
-                mask = None if mask is None else mask.to(device)
-                keep[0], _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
-                seen.clear()
-                for m in (model,) if target is model else (model, target):
-                    with contextlib.suppress(_StopForward):
-                        decoder_stack(m)(input_ids=ids, attention_mask=mask, use_cache=False)
-                missing = (source_owed | target_owed) - seen.keys()
-                if missing:
-                    raise RuntimeError(f"the forward never produced {sorted(missing)}")
-                features = {s: seen[("X", s)] for s in stats.starts}
-                targets = {
-                    (s, e): seen[("H", e + 1)].float()
-                    - seen[("out", s)].float()
-                    + seen[("M", s)].float()
-                    for s, e in stats.runs
-                }
-                states = {(s, e): seen[("H", e + 1)] for s, e in stats.runs}
-                stats.add(features, targets, states)
-                seen.clear()
+                _forward_batch(models, batch, device, skip_prefix, rec)
+                stats.add(*_batch_sums(stats, rec.seen))
+                rec.seen.clear()
     finally:
         for h in handles:
             h.remove()
