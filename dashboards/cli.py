@@ -21,7 +21,7 @@ def add_dashboard(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.records.storage import is_remote
+    from pipeline.storage import is_remote
 
     if is_remote(args.run_dir) or (args.out and is_remote(args.out)):
         return run_remote(args)
@@ -53,7 +53,7 @@ def run_remote(args: argparse.Namespace) -> int:
     built locally, then uploaded with its completion marker."""
     import tempfile
 
-    from pipeline.records.storage import Storage, is_remote
+    from pipeline.storage import Storage, is_remote
 
     with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
         run_dir = Path(args.run_dir)

@@ -44,7 +44,7 @@ def load_S(row: Row) -> np.ndarray | None:
     import tempfile
 
     from lorp import SimilarityStats
-    from pipeline.records.storage import is_remote, split_location
+    from pipeline.storage import is_remote, split_location
 
     path = row.get("stats_file")
     if not path or not (is_remote(path) or Path(path).is_file()):

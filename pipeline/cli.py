@@ -18,7 +18,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", metavar="JOB.yaml")
     p.add_argument("--force", action="store_true", help="redo grid points already done")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_command)
 
 
 def talk(quiet: bool) -> None:
@@ -33,7 +33,8 @@ def talk(quiet: bool) -> None:
     logger.propagate = False
 
 
-def run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """`lorp run JOB.yaml`: the job through `pipeline.run.run_job`, its summary printed."""
     from pipeline.records.progress import Progress
     from pipeline.records.tracking import redact
     from pipeline.run import Stopped, run_job
@@ -45,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = run_job(spec, force=args.force, progress=progress)
     except Stopped as stop:
-        done = getattr(stop, "summary", "")
+        done = stop.summary
         print(
             f"stopped by {stop.name}: {done}; `lorp run {args.spec}` resumes from here",
             file=sys.stderr,
         )
+        leave_if_preparing(stop.exit_code)
         return stop.exit_code
     uri = redact(summary.tracking_uri)
     print(f"catalog      {summary.catalog.resolve()}")
@@ -69,6 +71,23 @@ def run(args: argparse.Namespace) -> int:
     for failure in summary.failed:
         print(f"failed: {failure}", file=sys.stderr)
     return 1 if summary.failed else 0
+
+
+def leave_if_preparing(code: int) -> None:
+    """Exit at once when a model's preparation thread is still inside a Ray call (a stop
+    while it waited, e.g. for a node that offers what its capture asks): Ray's exit
+    handler would tear its core worker down under that thread, a segmentation fault (rc
+    139) instead of `code`. Everything is recorded by then; Ray's own processes end with
+    the driver (kernel fate-sharing, or Ray's reaper)."""
+    import os
+    import threading
+
+    if not any(t.name.startswith("lorp-prepare-") and t.is_alive() for t in threading.enumerate()):
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def add_status(sub: argparse._SubParsersAction) -> None:

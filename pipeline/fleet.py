@@ -5,20 +5,23 @@ selections (loss-guided ones on evaluator actors) -> repair sums -> grid points 
 -> quality gate -> registry. The driver runs up to `resources.max_models_in_flight`
 chains at once (default: all of them):
 
-- a model's preparation (everything up to its grid points) runs in a driver thread of
-  its own, which mostly waits on Ray (capture workers, loss workers, repair sums); it
-  writes events and log lines, never MLflow or the catalog;
+- a model's preparation (everything up to its grid points, `pipeline.prepare`) runs in a
+  driver thread of its own, which mostly waits on Ray; it hands over what is ready
+  through the model's inbox;
 - the driver's loop owns every grid point and speed task as a Ray future: it submits a
   prepared model's points as slots allow (`max_concurrent_points` in flight, earlier
-  models first), records each point as it ends (catalog row, then the MLflow run closes),
-  starts a model's speed task the moment its last point ends, then gates and registers
-  that model, so model A's registry, model B's points and model C's capture overlap;
-- a model that fails (bad checkpoint, a stage out of retries) is recorded with its
-  reason; the others go on;
+  models first), has each point recorded as it ends, starts a model's speed task the
+  moment its last point ends, then has that model gated and registered, so model A's
+  registry, model B's points and model C's capture overlap;
+- a model whose preparation fails (bad checkpoint, a stage out of retries) is recorded
+  with its reason; the points it had handed over still run, and the model still gets
+  its speed, gate and registry for what finished; the other models go on;
 - Ray queues what the cluster cannot yet hold. Nothing holds a slot while it waits for
   another model's work: capture and loss workers take shards and candidates only once
-  started, and idle vLLM evaluators go whenever no point is queued.
+  started, and idle vLLM evaluators go whenever no point is queued. A stage that waits
+  for resources no node offers is said once a minute (`WAITING_NOTE_S`).
 
+Every record goes through the recorder (`pipeline.recorder`); this module only schedules.
 `max_models_in_flight: 1` runs one model's chain after the other: the serial baseline
 `benchmarks/fleet.py` compares against. A stop (SIGTERM, Ctrl-C) ends the points in
 flight as KILLED and leaves what a rerun resumes.
@@ -28,35 +31,31 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
-from pipeline.cluster.scheduler import first_line, make_pool
+from pipeline.cluster.nodes import request, unmet
 from pipeline.plan import GridPoint, ModelPlan
+from pipeline.prepare import PreparedModel, Preparer, Stage
+from pipeline.recorder import Recorder
 from pipeline.records import timeline
-from pipeline.stages.grid import (
-    point_task,
-    record_failure,
-    record_point,
-    record_speed,
-    run_quality_gate,
-    share_twin_speed,
-    speed_tasks,
-)
+from pipeline.spec import JobSpec
+from pipeline.stages.pools import make_pool
+from pipeline.stages.tasks import point_task, speed_task
 from pipeline.stages.workers import run_speed
-
-if TYPE_CHECKING:
-    from pipeline.job import JobRun, PreparedModel
 
 POLL_S = 0.25
 """How long the loop waits on Ray before it looks at the model threads again."""
+WAITING_NOTE_S = float(os.environ.get("LORP_WAITING_NOTE_S", "60"))
+"""How often a stage waiting for resources no node offers is said."""
 
 
 class Stopped(Exception):
@@ -67,6 +66,8 @@ class Stopped(Exception):
 
         self.signum = signum
         self.name = signal.Signals(signum).name
+        self.summary = ""
+        """What the stopped job had done, in one line (`Fleet.status_line`)."""
         super().__init__(f"stopped by {self.name}")
 
     @property
@@ -82,15 +83,18 @@ class ModelChain:
     plan: ModelPlan
     future: Future[PreparedModel] = field(default_factory=Future)
     inbox: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
-    """What the model's thread made ready, in order (`JobRun.prepare_model`'s `emit`)."""
-    adopted: bool = False
-    prepared: PreparedModel | None = None
+    """What the model's thread made ready, in order (`pipeline.prepare.Emit`)."""
+    prepared: bool = False
+    """Its records are made (parent run, facts): its points can be recorded."""
+    points: list[GridPoint] = field(default_factory=list)
+    """Every point of the model: those handed over, then all of them once prepared."""
     running: int = 0
     """Its points in flight or queued."""
-    speed: Any = None
-    """Its speed task's ref while it runs."""
+    stage: Stage | None = None
+    """The stage its preparation is in."""
+    failed: bool = False
     state: str = "waiting"
-    """waiting, preparing, points, speed, done, failed."""
+    """waiting, preparing, points, speed, done."""
 
 
 def _in_thread(fn: Callable[[], Any], future: Future[Any], name: str) -> None:
@@ -106,15 +110,26 @@ def _in_thread(fn: Callable[[], Any], future: Future[Any], name: str) -> None:
 class Fleet:
     """Runs every model's chain of the job; `run()` returns when all have ended."""
 
-    def __init__(self, job: JobRun, plans: list[ModelPlan], backend: str) -> None:
-        self.job, self.backend = job, backend
-        res = job.spec.resources
+    def __init__(
+        self,
+        spec: JobSpec,
+        storage: str,
+        preparer: Preparer,
+        recorder: Recorder,
+        plans: list[ModelPlan],
+        backend: str,
+    ) -> None:
+        """`storage`: the job's storage location, which every task writes to."""
+        self.spec, self.storage, self.backend = spec, storage, backend
+        self.preparer, self.recorder = preparer, recorder
+        res = spec.resources
         self.max_models = res.max_models_in_flight or len(plans)
         self.capacity = max(1, res.max_concurrent_points)
         self.chains = [ModelChain(i, p) for i, p in enumerate(plans)]
         self.queue: list[tuple[int, int, GridPoint]] = []
         self.seq = 0
         self.pool = make_pool(backend, self.capacity, res.grid)
+        self.repair_refs: dict[tuple[str, tuple[int, int]], Any] = {}
         self.in_flight: dict[Any, tuple[GridPoint, ModelChain]] = {}
         self.speeds: dict[Any, ModelChain] = {}
         self.spans = timeline.start_span_log()
@@ -122,15 +137,15 @@ class Fleet:
         """The driver's own time recording points (MLflow, catalog, events)."""
         self.recorded = 0
         self.cut_short = 0
+        """Points in flight when the driver was stopped."""
         self.stop_requested = 0
         """The signal that asked the driver to stop (set by `pipeline.run.stop_signals`)."""
-        """Points in flight when the driver was stopped."""
+        self.last_waiting_note = time.monotonic()
 
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
-        job = self.job
-        job.progress.fleet(len(self.chains), self.max_models, self.capacity)
+        self.recorder.progress.fleet(len(self.chains), self.max_models, self.capacity)
         last_drain = 0.0
         try:
             while self._pending():
@@ -143,24 +158,18 @@ class Fleet:
                 self._wait()
                 if time.monotonic() - last_drain > 1.0:
                     self._drain()
+                    self._say_waiting()
                     last_drain = time.monotonic()
         except (Stopped, KeyboardInterrupt):
             self._stop()
             raise
         finally:
             self._drain()
-        job.events(
-            "fleet",
-            models=len(self.chains),
-            points=self.recorded,
-            driver_s=round(self.driver_s, 3),
-            driver_ms_per_point=round(1000 * self.driver_s / max(self.recorded, 1), 3),
-        )
+        self.recorder.fleet(len(self.chains), self.recorded, self.driver_s)
 
     def _pending(self) -> bool:
-        """Work left: a model not ended, or points of a failed model still queued or
-        running (they are recorded like any other)."""
-        ended = all(c.state in ("done", "failed") for c in self.chains)
+        """Work left: a model not ended, or points still queued or running."""
+        ended = all(c.state == "done" for c in self.chains)
         return not ended or bool(self.queue or self.in_flight or self.speeds)
 
     def _start_models(self) -> None:
@@ -171,81 +180,78 @@ class Fleet:
             if chain.state != "waiting":
                 continue
             chain.state, active = "preparing", active + 1
-            self._begin(f"prepare:{chain.plan.label}", "prepare", chain.plan.label)
+            label = chain.plan.label
+            self.recorder.begin(f"prepare:{label}", "prepare", label)
             _in_thread(
-                lambda c=chain: self.job.prepare_model(
+                lambda c=chain: self.preparer.prepare(
                     c.plan, self.backend, lambda kind, what: c.inbox.put((kind, what))
                 ),
                 chain.future,
-                f"lorp-prepare-{chain.plan.label}",
+                f"lorp-prepare-{label}",
             )
 
     def _harvest(self) -> None:
         """What the model threads have made ready: a model's records, then its points
         into the queue as they come (a point starts while its model's slower selections
         go on); a model whose preparation ended is ready for its last stages."""
-        job = self.job
         for chain in self.chains:
             if chain.state != "preparing":
                 continue
-            label = chain.plan.label
-            while not chain.inbox.empty():
-                kind, what = chain.inbox.get()
-                if kind == "adopt":
-                    try:
-                        job.adopt(what)
-                    except Exception as exc:  # noqa: BLE001 - this model fails, the fleet goes on
-                        self._model_failed(chain, exc)
-                        break
-                    chain.adopted = True
-                else:
-                    self._enqueue(chain, what)
+            self._read_inbox(chain)
             if chain.state != "preparing" or not chain.future.done():
                 continue
             if not chain.inbox.empty():
                 continue  # the thread's last words first
-            job.events("finish", unit=f"prepare:{label}")
-            try:
-                prep = chain.future.result()
-            except Exception as exc:  # noqa: BLE001 - this model fails, the fleet goes on
-                self._model_failed(chain, exc)
-                continue
-            chain.prepared, chain.state = prep, "points"
-            job.summary.skipped += prep.skipped
-            left = sum(c.state in ("waiting", "preparing") for c in self.chains)
-            job.events(
-                "grid",
-                model=label,
-                points=len(prep.points),
-                todo=len(prep.pending),
-                skipped=prep.skipped,
-            )
-            job.progress.add_points(label, len(prep.pending), prep.skipped, left)
+            self._prepared(chain)
+
+    def _read_inbox(self, chain: ModelChain) -> None:
+        while not chain.inbox.empty():
+            kind, what = chain.inbox.get()
+            if kind == "stage":
+                chain.stage = what
+            elif kind == "prepared":
+                try:
+                    prep: PreparedModel = what
+                    self.recorder.model_prepared(prep.plan, prep.stats, prep.profile, prep.key)
+                except Exception as exc:  # noqa: BLE001 - this model fails, the fleet goes on
+                    self._model_failed(chain, exc)
+                    return
+                chain.prepared = True
+            else:
+                points, refs = what
+                self.repair_refs.update(refs)
+                self._enqueue(chain, points)
+
+    def _prepared(self, chain: ModelChain) -> None:
+        """The model's preparation ended: its points are all known, or it failed."""
+        label = chain.plan.label
+        self.recorder.finish(f"prepare:{label}")
+        chain.stage = None
+        try:
+            prep = chain.future.result()
+        except Exception as exc:  # noqa: BLE001 - this model fails, the fleet goes on
+            self._model_failed(chain, exc)
+            return
+        chain.points, chain.state = prep.points, "points"
+        left = sum(c.state in ("waiting", "preparing") for c in self.chains)
+        self.recorder.model_ready(label, len(prep.points), len(prep.pending), prep.skipped, left)
 
     def _enqueue(self, chain: ModelChain, points: list[GridPoint]) -> None:
         for p in points:
             heapq.heappush(self.queue, (chain.index, self.seq, p))
             self.seq += 1
+        chain.points.extend(points)
         chain.running += len(points)
-        self.job.progress.grow(len(points))
+        self.recorder.progress.grow(len(points))
 
     def _submit(self) -> None:
-        job = self.job
         while self.queue and len(self.in_flight) < self.capacity:
             index, _, point = heapq.heappop(self.queue)
             chain = self.chains[index]
             start = time.perf_counter()
-            job.replace_old(point)
-            run_id = job.tracker.start_point(
-                job.spec.name, job.parents[point.model.label], point.key, point.name
-            )
-            from pipeline.records.rows import point_params
-
-            job.tracker.log(run_id, params=point_params(point))
-            job.run_ids[point.key] = run_id
-            task = point_task(job, point, self.backend)
+            self.recorder.point_started(point)
+            task = point_task(self.spec, self.storage, point, self.backend, self.repair_refs)
             self.in_flight[self.pool.submit(task)] = (point, chain)
-            self._begin(point.key, "point", point.model.label, point=point.name)
             self.driver_s += time.perf_counter() - start
         if not self.queue:
             self.pool.shrink()  # idle evaluators give their slots to other models' stages
@@ -255,8 +261,6 @@ class Fleet:
         if not refs:
             preparing = [c.future for c in self.chains if c.state == "preparing"]
             if preparing:
-                from concurrent.futures import FIRST_COMPLETED, wait
-
                 wait(preparing, timeout=POLL_S, return_when=FIRST_COMPLETED)
             return
         ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
@@ -269,7 +273,6 @@ class Fleet:
                 self._speed_ended(ref)
 
     def _point_ended(self, ref: Any) -> None:
-        job = self.job
         point, chain = self.in_flight.pop(ref)
         self.pool.release(ref)
         chain.running -= 1
@@ -277,17 +280,18 @@ class Fleet:
         try:
             result = ray.get(ref)
         except Exception as exc:  # failed after its retries: recorded, the grid goes on
-            record_failure(job, point, exc)
+            self.recorder.point_failed(point, exc)
         else:
-            record_point(job, point, result, self.backend)
+            self.recorder.point_done(point, result, self.backend)
             self.recorded += 1
-        job.events("finish", unit=point.key)
         self.driver_s += time.perf_counter() - start
+
+    # -- a model's last stages ---------------------------------------------------------
 
     def _finish_models(self) -> None:
         """Models whose points have all ended: speed task, else gate and registry."""
-        ev = self.job.spec.evaluation
-        whole_node = ev.enabled and ev.speed and self.job.spec.resources.speed is None
+        ev = self.spec.evaluation
+        whole_node = ev.enabled and ev.speed and self.spec.resources.speed is None
         for chain in self.chains:
             if chain.state != "points" or chain.running:
                 continue
@@ -296,89 +300,84 @@ class Fleet:
                 # on a small cluster the points left would run one at a time. It goes
                 # once no point waits for a slot.
                 continue
-            assert chain.prepared is not None
-            tasks = speed_tasks(self.job, chain.prepared.points)
-            if tasks:
-                (task,) = tasks
-                res = task.resources
-                ref = run_speed.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
-                self.speeds[ref] = chain
-                chain.speed, chain.state = ref, "speed"
-                self._begin(f"speed:{chain.plan.label}", "speed", chain.plan.label)
-                n = len(task.variants)
-                self.job.progress.note(f"speed {chain.plan.label}: {n} variants queued")
-                continue
-            self._close_model(chain)
+            timed = self.recorder.unmeasured(chain.points) if chain.prepared else []
+            if timed:
+                self._start_speed(chain, timed)
+            else:
+                self._close_model(chain)
+
+    def _start_speed(self, chain: ModelChain, points: list[GridPoint]) -> None:
+        task = speed_task(self.spec, self.storage, points)
+        res = task.resources
+        ref = run_speed.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
+        self.speeds[ref] = chain
+        chain.state = "speed"
+        label = chain.plan.label
+        self.recorder.begin(f"speed:{label}", "speed", label)
+        self.recorder.progress.note(f"speed {label}: {len(task.variants)} variants queued")
 
     def _speed_ended(self, ref: Any) -> None:
         chain = self.speeds.pop(ref)
         label = chain.plan.label
-        self.job.events("finish", unit=f"speed:{label}")
+        self.recorder.finish(f"speed:{label}")
         try:
             figures = ray.get(ref)
-        except Exception as exc:  # speed is a figure, not the variant: record, go on
-            self.job.events("speed_failed", model=label, cause=first_line(exc))
-            self.job.progress.note(f"speed failed for {label}: {first_line(exc)}")
+        except Exception as exc:  # noqa: BLE001 - speed is a figure, not the variant
+            self.recorder.speed_failed(label, exc)
         else:
-            record_speed(self.job, label, figures)
+            self.recorder.speed_done(label, figures)
         self._close_model(chain)
 
     def _close_model(self, chain: ModelChain) -> None:
-        """The model's last stages on the driver: twins' speed, gate, registry."""
-        from pipeline.records.model_registry import register_variants
-
-        job, label = self.job, chain.plan.label
-        assert chain.prepared is not None
-        points = chain.prepared.points
-        start = time.time()
-        share_twin_speed(job, points)
-        run_quality_gate(job, points)
-        if job.spec.tracking.register:
-            register_variants(job, points)
-        end = time.time()
-        job.events(
-            "span",
-            stage="gate",
-            model=label,
-            start=start,
-            end=end,
-            node="driver",
-            worker="driver",
-            slots={},
-        )
+        """The model's last records on the driver: twins' speed, gate, registry (for a
+        failed model, over the points that finished)."""
         chain.state = "done"
-        left = sum(c.state not in ("done", "failed") for c in self.chains)
-        job.events("model_done", model=label)
-        job.progress.note(f"{label} done ({len(points)} variants); {left} model(s) left")
+        if not chain.prepared:
+            return  # nothing of it was recorded
+        left = sum(c.state != "done" for c in self.chains)
+        self.recorder.model_closed(chain.plan, chain.points, left)
 
     def _model_failed(self, chain: ModelChain, exc: BaseException) -> None:
-        job, label = self.job, chain.plan.label
-        cause = first_line(exc)
-        chain.state = "failed"
-        job.summary.failed.append(f"{label}: {cause}")
-        job.events("model_failed", model=label, cause=cause, error=str(exc)[-4000:])
-        job.progress.note(f"{label} FAILED: {cause}; the other models go on")
+        """Its preparation failed: recorded; the points it handed over go on, and it
+        closes like any other model once they have ended."""
+        chain.failed, chain.stage, chain.state = True, None, "points"
+        self.recorder.model_failed(chain.plan.label, exc)
 
-    # -- timeline ----------------------------------------------------------------------
-
-    def _begin(self, unit: str, stage: str, model: str, **labels: Any) -> None:
-        self.job.events("begin", unit=unit, stage=stage, model=model, **labels)
+    # -- what the driver says ----------------------------------------------------------
 
     def _drain(self) -> None:
-        for s in timeline.drain(self.spans):
-            self.job.events("span", **s)
+        self.recorder.spans(timeline.drain(self.spans))
+
+    def _say_waiting(self) -> None:
+        """Once a minute: every stage in flight that asks for resources no node of the
+        cluster offers (an autoscaler may still bring one; until then nothing moves)."""
+        if time.monotonic() - self.last_waiting_note < WAITING_NOTE_S:
+            return
+        self.last_waiting_note = time.monotonic()
+        for stage, model in self._stages_in_flight():
+            need = request(stage.need) if stage.need is not None else {}
+            why = unmet(need) if need else None
+            if why is not None:
+                self.recorder.waiting(stage.name, model, need, why)
+
+    def _stages_in_flight(self) -> list[tuple[Stage, str]]:
+        """(stage, model) of every preparation, the points and the speed tasks in flight."""
+        out = [(c.stage, c.plan.label) for c in self.chains if c.state == "preparing" and c.stage]
+        models = dict.fromkeys(chain.plan.label for _, chain in self.in_flight.values())
+        out += [(Stage("points", self.spec.resources.grid), m) for m in models]
+        speed = self.spec.resources.speed
+        out += [(Stage("speed", speed), c.plan.label) for c in self.speeds.values() if speed]
+        return out
 
     # -- stopping ----------------------------------------------------------------------
 
     def _stop(self) -> None:
-        """End what is in flight: its MLflow runs KILLED, its tasks cancelled."""
-        job = self.job
+        """End what is in flight: its MLflow runs KILLED, its tasks cancelled, the
+        preparations told to end at their next stage."""
+        self.preparer.stopping.set()
         self.cut_short = len(self.in_flight)
-        for ref, (point, _) in list(self.in_flight.items()):
-            run_id = job.run_ids.get(point.key)
-            if run_id:  # what cannot be closed now, the next start closes
-                with contextlib.suppress(Exception):
-                    job.tracker.finish(run_id, "KILLED")
+        self.recorder.killed(point for point, _ in self.in_flight.values())
+        for ref in list(self.in_flight):
             with contextlib.suppress(Exception):  # an actor's call cannot be force-cancelled
                 ray.cancel(ref, force=True)
         self.in_flight.clear()
@@ -386,7 +385,7 @@ class Fleet:
 
     def status_line(self) -> str:
         """What a stopped job had done, in one line."""
-        s = self.job.summary
+        s = self.recorder.summary
         left = len(self.queue) + self.cut_short
         waiting = sum(c.state in ("waiting", "preparing") for c in self.chains)
         parts = [f"{s.done} point(s) done this attempt", f"{len(s.failed)} failed"]

@@ -276,7 +276,7 @@ def repair_selector(
     stats: SimilarityStats, profile: Any, scores: Callable[[list[tuple[int, int]]], list[float]]
 ) -> Selector:
     """Select with a repair-aware method (`needs_repair`): `scores` ranks candidate runs
-    by what their linear repair leaves (`JobRun.repair_scorer`)."""
+    by what their linear repair leaves (`pipeline.prepare`, its repair scorer)."""
 
     def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
         start = time.perf_counter()

@@ -14,10 +14,11 @@ point's catalog row is written before its MLflow run is closed, so a driver kill
 moment leaves a state the next start repairs exactly. A stopped driver (SIGTERM, Ctrl-C)
 ends its points in flight as KILLED and says what a rerun will do.
 
-Where things live: planning and keys in `plan`, the run's context in `job`, the schedule
-in `fleet`, S in `statistics`, what each stage records in `grid`, Ray pools in
-`scheduler`, worker code in `workers`, spans and busy fractions in `timeline`, rows and
-provenance in `records`, log lines in `progress`, joining or starting Ray in `connect`.
+Where things live: planning and keys in `plan`, a model's stages up to its points in
+`prepare`, the schedule in `fleet`, every record (catalog, MLflow, events, summary) in
+`recorder`, the stages' code and tasks in `stages/`, rows and registry in `records/`,
+Ray plumbing in `cluster/`, evaluation in `evaluation/`; README's layout section says
+what may import what.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from contextlib import contextmanager
 
 from pipeline.cluster.connect import init_ray
 from pipeline.fleet import Fleet, Stopped
-from pipeline.job import JobRun
 from pipeline.plan import plan_models, resolve_backend
+from pipeline.prepare import Preparer
+from pipeline.recorder import Recorder
 from pipeline.records import timeline
 from pipeline.records.progress import Progress
 from pipeline.records.rows import RunSummary
@@ -42,26 +44,24 @@ def run_job(spec: JobSpec, *, force: bool = False, progress: Progress | None = N
     signal raises `Stopped` once the points in flight are closed as KILLED."""
     plans = plan_models(spec)  # every input error surfaces here, before any file
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
-    job = JobRun(spec, force, progress or Progress(bar=False))
-    job.open()
+    recorder = Recorder(spec, force, progress or Progress(bar=False))
+    done = recorder.open()
     init_ray(spec)
     kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"
-    job.events("cluster", kind=kind, slots=timeline.cluster_slots(), models=len(plans))
-    fleet = Fleet(job, plans, backend)
+    recorder.cluster(kind, timeline.cluster_slots(), len(plans))
+    preparer = Preparer(spec, force, done, recorder, recorder.progress.note)
+    fleet = Fleet(spec, recorder.storage.location, preparer, recorder, plans, backend)
     try:
         with stop_signals(fleet):
             fleet.run()
     except (Stopped, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, Stopped) else Stopped(signal.SIGINT)
-        stop.summary = fleet.status_line()  # type: ignore[attr-defined]
-        job.events("stopped", signal=stop.name, done=job.summary.done)
+        stop.summary = fleet.status_line()
+        recorder.stopped(stop.name)
         raise stop from None
     finally:
-        job.progress.close()
-        job.catalog.compact()
-    s = job.summary
-    job.events("end", done=s.done, skipped=s.skipped, failed=len(s.failed))
-    return s
+        recorder.close()
+    return recorder.ended()
 
 
 @contextmanager

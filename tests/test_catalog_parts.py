@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.records.catalog import PARTS, Catalog, read_catalog, write_catalog
-from pipeline.records.storage import Storage
+from pipeline.storage import Storage
 
 
 def row(i: int) -> dict:  # type: ignore[type-arg]

@@ -20,7 +20,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from local_servers import free_port
+from local_servers import free_port, wait_for_port
 from processes import kill_started_by
 
 pytestmark = [pytest.mark.integration]
@@ -193,3 +193,59 @@ def test_auto_joins_the_head_that_ray_start_recorded(ray_tmp: Path) -> None:
             head.wait(timeout=60)
         kill_started_by(head.pid)  # whatever outlived it: its GCS, raylet and workers
         head.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_stop_while_waiting_for_a_worker_node_exits_143_with_one_line(
+    ray_tmp: Path, tmp_path: Path
+) -> None:
+    """`lorp run` on a cluster whose head offers 0 CPUs and no worker node has joined: its
+    capture waits, the driver says so itself (and `lorp status` does), and a SIGTERM
+    then exits 143 with the one stop line (it died of a segmentation fault, rc 139)."""
+    from job_specs import tiny_job, write_job
+    from tiny_models import save_tiny_ptb
+
+    port, log = free_port(), tmp_path / "head.log"
+    env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
+    env |= {"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"} | AUTH_OFF
+    head = subprocess.Popen(
+        [str(RAY), "start", "--head", f"--port={port}", "--num-cpus=0", "--block",
+         "--include-dashboard=false", f"--temp-dir={ray_tmp / 'ray'}"],
+        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    model = save_tiny_ptb("llama", tmp_path / "model")
+    job = write_job(tmp_path, tiny_job(tmp_path, model, "waits", budgets=[1]))
+    err = (tmp_path / "waits.err").open("w+")
+    env |= {"RAY_ADDRESS": f"127.0.0.1:{port}", "LORP_WAITING_NOTE_S": "2"}
+    lorp = Path(sys.executable).with_name("lorp")
+    driver = None
+    try:
+        wait_for_port(port, head, log, "ray start --head")
+        driver = subprocess.Popen(
+            [str(lorp), "run", str(job)], env=env, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True,
+        )  # fmt: skip
+        said = "waiting: capture of tiny: no node offers 1 CPU (nodes: 0 CPU)"
+        deadline = time.monotonic() + 240
+        while said not in (tmp_path / "waits.err").read_text() and driver.poll() is None:
+            assert time.monotonic() < deadline, (tmp_path / "waits.err").read_text()[-3000:]
+            time.sleep(0.5)
+        status = subprocess.run(
+            [str(lorp), "status", str(tmp_path / "waits")], capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert "waiting      capture of tiny: no node offers 1 CPU" in status.stdout, status
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=120)
+    finally:
+        if driver is not None:
+            kill_started_by(driver.pid)
+        os.killpg(head.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        kill_started_by(head.pid)
+    stderr = (tmp_path / "waits.err").read_text()
+    assert driver.returncode == 143, stderr[-3000:]
+    stops = [x for x in stderr.splitlines() if x.startswith("stopped by SIGTERM")]
+    assert len(stops) == 1 and "1 model(s) not yet prepared" in stops[0], stderr[-3000:]
+    assert "Traceback" not in stderr and "Segmentation" not in stderr, stderr[-3000:]

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.evaluation.corpora import HUB_CORPORA, hub_corpus
+from pipeline.evaluation.corpora import HUB_CORPORA, hub_corpus, load_any_corpus
 from pipeline.evaluation.metrics import EVAL_SPLITS, metric_name
-from pipeline.stages.calibration import load_any_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +72,7 @@ def test_an_unknown_short_name_is_not_sent_to_the_hub() -> None:
 
 LOAD = """
 import sys
-from pipeline.stages.calibration import load_any_corpus
+from pipeline.evaluation.corpora import load_any_corpus
 try:
     load_any_corpus(sys.argv[1], sys.argv[2])
 except ValueError as exc:

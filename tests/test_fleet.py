@@ -93,3 +93,68 @@ def test_two_models_stages_overlap_and_one_at_a_time_does_not(
     busy_line = next(x for x in lines if x.startswith("busy"))
     assert "of 4 CPU slot(s)" in busy_line and f"{u.utilisation:.0%}" in busy_line, lines
     assert not any(x.startswith("now") for x in lines)  # finished: nothing runs
+
+
+BROKEN = "broken-after-points"
+
+
+@pytest.fixture
+def broken_method(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A method whose selection fails once the job has finished a point: its model fails
+    in preparation after some of its points ended."""
+    import time
+
+    from lorp.methods.registry import register_method, unregister_method
+
+    events = tmp_path / "broken" / "events.jsonl"
+
+    @register_method(BROKEN)
+    def broken(stats, budget):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if events.is_file() and '"event": "point"' in events.read_text():
+                raise RuntimeError("selection broke after points finished")
+            time.sleep(0.2)
+        raise AssertionError("no point finished within 300 s")
+
+    yield BROKEN
+    unregister_method(BROKEN)
+
+
+def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
+    local_ray, models: dict[str, Path], tmp_path: Path, broken_method: str
+) -> None:
+    """The model's preparation fails (a selection raises) after its first points ended:
+    the failure is recorded, and the points it had handed over are recorded, gated and
+    registered like any other model's."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.records.catalog import read_catalog
+
+    spec = tiny_job(tmp_path, models["a"], "broken", budgets=[1])
+    spec["methods"] = [{"name": "shortgpt"}, {"name": broken_method}]
+    spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+    summary = run_job(parse_spec(spec))
+    assert summary.failed == ["tiny: selection broke after points finished"]
+
+    rows = {r["method"]: r for r in read_catalog(tmp_path / "broken" / "catalog.parquet")}
+    assert set(rows) == {"dense", "shortgpt"} and summary.done == 2
+    dense, pruned = rows["dense"], rows["shortgpt"]
+    assert pruned["ppl_ratio"] == pytest.approx(pruned["ppl_ptb"] / dense["ppl_ptb"])
+    assert pruned["degraded"] == (pruned["ppl_ratio"] > 3.0)
+    client = MlflowClient(tracking_uri=summary.tracking_uri, registry_uri=summary.tracking_uri)
+    by_version = {
+        f"models:/lorp-tiny/{v.version}": v.tags["lorp.grid_key"]
+        for v in client.search_model_versions("name = 'lorp-tiny'")
+    }
+    assert by_version == {
+        dense["model_uri"]: dense["grid_key"],
+        pruned["model_uri"]: pruned["grid_key"],
+    }
+    aliases = client.get_registered_model("lorp-tiny").aliases
+    assert f"models:/lorp-tiny/{aliases['dense']}" == dense["model_uri"]
+    if not pruned["degraded"]:
+        assert f"models:/lorp-tiny/{aliases['best-1']}" == pruned["model_uri"]
+    events = read_events(tmp_path / "broken" / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds.index("model_failed") < kinds.index("register") and "model_done" in kinds

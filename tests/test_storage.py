@@ -1,4 +1,4 @@
-"""The job's storage (`pipeline.records.storage`) on a local directory, a file:// URI and a real
+"""The job's storage (`pipeline.storage`) on a local directory, a file:// URI and a real
 S3-compatible server (moto in server mode on 127.0.0.1), and a job whose results live in
 S3: what Ray tasks receive, what lands where, and a rerun that resumes from storage."""
 
@@ -18,9 +18,9 @@ from job_specs import tiny_job
 from local_servers import free_port, wait_for_port
 from tiny_models import save_tiny_ptb
 
-from pipeline.records.storage import MARKER, Storage
 from pipeline.spec import SpecError, parse_spec
 from pipeline.stages.workers import capture_workers
+from pipeline.storage import MARKER, Storage
 
 BUCKET = "lorp"
 EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
@@ -232,33 +232,39 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
 
     from lorp.cache import cache_root
     from pipeline.cluster.model_source import model_source
-    from pipeline.job import JobRun
     from pipeline.plan import plan_models
+    from pipeline.prepare import Preparer
+    from pipeline.recorder import Recorder
     from pipeline.records.progress import Progress
     from pipeline.stages.calibration import heldout_windows
-    from pipeline.stages.grid import point_task, speed_task
     from pipeline.stages.losses import loss_task
     from pipeline.stages.statistics import calibration_shards, capture_task, load_shards
+    from pipeline.stages.tasks import point_task, speed_task
     from pipeline.stages.workers import run_point
 
     methods = [{"name": "shortgpt"}]  # the loss task is built below, not run: no sleb
     spec = tiny_job(tmp_path, model, "paths", budgets=[1], methods=methods, evaluation=EVALUATION)
     spec = parse_spec(spec | {"storage": str(tmp_path / "shared"), "calibration": CALIBRATION})
     (plan,) = plan_models(spec)
-    job = JobRun(spec, False, Progress(bar=False))
-    job.open()
-    points = job.prepare_model(plan, "transformers").points  # capture on Ray actors
-    shards = load_shards(calibration_shards(spec, plan, job.run_dir))
+    recorder = Recorder(spec, False, Progress(bar=False))
+    preparer = Preparer(spec, False, recorder.open(), recorder, recorder.progress.note)
+    points = preparer.prepare(plan, "transformers", lambda kind, what: None).points  # on Ray
+    shards = load_shards(calibration_shards(spec, plan, spec.run_dir))
     tok = AutoTokenizer.from_pretrained(plan.path)
+    where = recorder.storage.location
+
+    def task(point: Any) -> Any:
+        return point_task(spec, where, point, "transformers", {})
+
     calls = [
-        capture_task(spec, plan, calibration_shards(spec, plan, job.run_dir)),
+        capture_task(spec, plan, calibration_shards(spec, plan, spec.run_dir)),
         *shards,
         loss_task(spec, plan, heldout_windows(tok, spec.calibration)[0]),
-        *[point_task(job, p, "transformers") for p in points],
-        speed_task(job, points),
+        *[task(p) for p in points],
+        speed_task(spec, where, points),
     ]
     assert all(isinstance(s.windows, np.ndarray) for s in shards)
-    forbidden = [job.run_dir, cache_root(), Path.home() / ".cache"]
+    forbidden = [spec.run_dir, cache_root(), Path.home() / ".cache"]
     for call in calls:
         for text in strings(call):
             bad = [str(r) for r in forbidden if under(text, r)]
@@ -268,12 +274,12 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     assert {c.model for c in calls if hasattr(c, "model")} == {source}
 
     pruned = next(p for p in points if p.method_name == "shortgpt")
-    result = ray.get(run_point.remote(point_task(job, pruned, "transformers")))
+    result = ray.get(run_point.remote(task(pruned)))
     saved = tmp_path / "shared" / "checkpoints" / "tiny" / "shortgpt-b1"
     assert (saved / "model.safetensors").is_file() and np.isfinite(result.metrics["ppl_ptb"])
-    assert not (job.run_dir / "checkpoints").exists()
+    assert not (spec.run_dir / "checkpoints").exists()
 
     elsewhere = dataclasses.replace(source, ref=str(tmp_path / "gone"))
-    gone = dataclasses.replace(point_task(job, pruned, "transformers"), model=elsewhere)
+    gone = dataclasses.replace(task(pruned), model=elsewhere)
     with pytest.raises(Exception, match=r"model '.*gone' is not on node \S+"):
         ray.get(run_point.remote(gone))

@@ -316,7 +316,7 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     destroyed as out of scope before it started (Ray 2.60), which is a property of that
     long-lived test process, not of the product."""
     from pipeline.records.catalog import read_catalog
-    from pipeline.records.storage import Storage
+    from pipeline.storage import Storage
 
     location = cluster.s3.format(prefix=f"jobs/{tmp_path.name}")
     spec = job(tmp_path, model, "twonodes", storage=location, ray={"address": cluster.address})
@@ -369,7 +369,7 @@ def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_onc
     """The second node's raylet dies after the first points; a new node joins (empty disks
     again); a rerun of the job completes it, and the catalog holds every point once."""
     from pipeline.records.catalog import read_catalog
-    from pipeline.records.storage import Storage
+    from pipeline.storage import Storage
 
     location = str(cluster.shared / "jobs" / tmp_path.name)
     spec = job(tmp_path, model, "lost", storage=location, ray={"address": cluster.address})

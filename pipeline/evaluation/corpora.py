@@ -1,4 +1,5 @@
-"""Hub corpora by short name: the repository, config and files each split reads.
+"""Corpora by name: packaged aliases and local files (`lorp.data`), and hub corpora by short
+name: the repository, config and files each split reads (`load_any_corpus` loads any).
 
 The pruning literature does not read all of C4 (~300 GB in `en` alone): SparseGPT, Wanda
 and ShortGPT take calibration text from the first `en` train shard and C4 perplexity from
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from lorp.data import CORPUS_ALIASES, Corpus, load_corpus
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,27 @@ HUB_CORPORA: dict[str, HubCorpus] = {
 def hub_corpus(name: str) -> HubCorpus | None:
     """The table entry for a short name or hub id, None for anything else."""
     return HUB_CORPORA.get(name)
+
+
+def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
+    """A local file or packaged alias (lorp.data), else a hub dataset through `datasets`:
+    a short name of `HUB_CORPORA` (c4, wikitext2) or any hub id as it is."""
+    if name in CORPUS_ALIASES or Path(name).expanduser().exists():
+        return load_corpus(name, split)
+    hub = hub_corpus(name)
+    if hub is None and "/" not in name:
+        return load_corpus(name, split)  # the one-line "unknown corpus" error
+    try:
+        args = hub.load_args(split) if hub else {"path": name, "split": split}
+        import datasets
+
+        ds = datasets.load_dataset(**args)
+    except Exception as exc:  # offline or unknown: one line, the library's reason
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ValueError(f"dataset {name!r} ({split}) cannot be loaded: {reason}") from None
+    if text_field not in ds.column_names:
+        raise ValueError(f"dataset {name!r} has no column {text_field!r} ({ds.column_names})")
+    docs = tuple(t for t in ds[text_field] if t and t.strip())
+    if not docs:
+        raise ValueError(f"dataset {name!r} ({split}) is empty")
+    return Corpus(name, split, docs)

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from lorp.data import eval_windows, prepend_bos, resolve_bos, tokenize_documents
-from pipeline.evaluation.corpora import HUB_CORPORA
+from pipeline.evaluation.corpora import HUB_CORPORA, load_any_corpus
 from pipeline.spec import EvaluationSpec
-from pipeline.stages.calibration import load_any_corpus
 
 # The split perplexity reads, per corpus name; anything else (ptb, local files): "test".
 EVAL_SPLITS = {"ptb": "test"} | {name: c.eval_split for name, c in HUB_CORPORA.items()}

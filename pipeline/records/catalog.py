@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from lorp.atomic import atomic_file
 
 if TYPE_CHECKING:
-    from pipeline.records.storage import Storage
+    from pipeline.storage import Storage
 
 CORE_SCHEMA = pa.schema(
     [

@@ -46,11 +46,10 @@ from mlflow.tracking import MlflowClient
 
 from lorp.atomic import atomic_dir
 from lorp.surgery import PROVENANCE_FILE
-from pipeline.records.storage import Storage, is_remote
 from pipeline.records.tracking import GRID_KEY, redact
+from pipeline.storage import Storage, is_remote
 
 if TYPE_CHECKING:
-    from pipeline.job import JobRun
     from pipeline.plan import GridPoint, ModelPlan
 
 PREFIX = "lorp-"
@@ -145,32 +144,37 @@ def variant_entry(point: GridPoint, row: Mapping[str, Any], ppl: str | None) -> 
     )
 
 
-def dense_entry(job: JobRun, plan: ModelPlan, point: GridPoint | None) -> Entry:
-    """The base model's version: the dense row's run when there is one (evaluation on),
-    else the model's parent run; the source is the model's local directory."""
-    row = job.catalog.by_key().get(point.key) if point else None
-    if row is None:
+def dense_entry(
+    job: str, plan: ModelPlan, row: Mapping[str, Any] | None, key: str | None, parent_run: str
+) -> Entry:
+    """The base model's version: the dense row's run when there is one (evaluation on;
+    `key` is its grid key), else the model's parent run; the source is the model's local
+    directory."""
+    if row is None or key is None:
         row = {
-            "job": job.spec.name, "model": plan.label, "model_ref": plan.spec.ref,
+            "job": job, "model": plan.label, "model_ref": plan.spec.ref,
             "family": plan.family, "fingerprint": plan.fingerprint, "dtype": plan.spec.dtype,
             "n_blocks": plan.n_blocks, "method": DENSE, "method_label": DENSE, "budget": 0,
             "pruned_layers": [], "kept_layers": list(range(plan.n_blocks)),
         }  # fmt: skip
-        key, run_id = f"{DENSE}-{plan.fingerprint}", job.parents[plan.label]
+        key, run_id, in_catalog = f"{DENSE}-{plan.fingerprint}", parent_run, False
     else:
-        key, run_id = point.key, row["mlflow_run_id"]
+        run_id, in_catalog = row["mlflow_run_id"], True
     tags = version_tags(row, key)
     path = Path(plan.path).resolve()
-    return Entry(key, run_id, path, tags, 0, DENSE, None, in_catalog=point is not None)
+    return Entry(key, run_id, path, tags, 0, DENSE, None, in_catalog=in_catalog)
 
 
-def model_entries(job: JobRun, points: list[GridPoint]) -> list[Entry]:
-    """The dense version first, then one per saved variant; nothing without a variant."""
-    rows = job.catalog.by_key()
-    ev = job.spec.evaluation
-    from pipeline.evaluation.metrics import metric_name
-
-    ppl = metric_name(ev.perplexity[0]) if ev.enabled and ev.perplexity else None
+def model_entries(
+    job: str,
+    points: list[GridPoint],
+    rows: Mapping[str, Mapping[str, Any]],
+    parent_run: str,
+    ppl: str | None,
+) -> list[Entry]:
+    """One model's versions from its points' catalog rows (`rows`: grid key -> row): the
+    dense version first, then one per saved variant; nothing without a variant. `ppl` is
+    the perplexity column that ranks them (None: accuracy)."""
     variants = [
         variant_entry(p, rows[p.key], ppl) for p in points if not p.is_dense and p.key in rows
     ]
@@ -178,33 +182,31 @@ def model_entries(job: JobRun, points: list[GridPoint]) -> list[Entry]:
     if not variants:
         return []
     dense = next((p for p in points if p.is_dense and p.key in rows), None)
-    return [dense_entry(job, points[0].model, dense), *variants]
+    row = rows[dense.key] if dense else None
+    key = dense.key if dense else None
+    return [dense_entry(job, points[0].model, row, key, parent_run), *variants]
 
 
 # -- registering --------------------------------------------------------------------------
 
 
-def register_variants(job: JobRun, points: list[GridPoint]) -> None:
-    """Register every saved variant of the job (and each model's dense version), move the
-    aliases, and fill the catalog's `model_uri`. A model whose registration fails is
-    reported as a failure of the job; the others go on."""
-    by_model: dict[str, list[GridPoint]] = {}
-    for p in points:
-        by_model.setdefault(p.model.label, []).append(p)
-    for label, pts in by_model.items():
-        entries = model_entries(job, pts)
-        if not entries:
-            continue
-        try:
-            register_model(job, pts[0].model, entries)
-        except MlflowException as exc:
-            cause = str(exc).splitlines()[0][:500]
-            job.summary.failed.append(f"{label}/registry: {cause}")
-            job.events("register_failed", model=label, cause=cause)
+@dataclass(frozen=True)
+class Registered:
+    """What registering one model's entries did."""
+
+    name: str
+    uris: dict[str, str]
+    """grid key -> `models:/<name>/<version>`, for every entry that has a catalog row."""
+    versions: int
+    created: int
+    aliases: dict[str, str]
+    """alias -> version."""
 
 
-def register_model(job: JobRun, plan: ModelPlan, entries: list[Entry]) -> None:
-    client, name = job.tracker.client, registered_name(plan.label)
+def register_model(client: MlflowClient, plan: ModelPlan, entries: list[Entry]) -> Registered:
+    """Versions for `entries` (created, or found again and their tags brought up to
+    date), then the aliases. The catalog's `model_uri` is the caller's to write."""
+    name = registered_name(plan.label)
     ensure_registered_model(client, name, plan)
     existing = existing_versions(client, name)
     versions: dict[str, str] = {}
@@ -218,16 +220,9 @@ def register_model(job: JobRun, plan: ModelPlan, entries: list[Entry]) -> None:
         else:
             sync_tags(client, mv, e.tags)
         versions[e.key] = str(mv.version)
-        uri = f"models:/{name}/{mv.version}"
-        if e.in_catalog and job.catalog.by_key()[e.key].get("model_uri") != uri:
-            job.catalog.update(e.key, {"model_uri": uri})
+    uris = {e.key: f"models:/{name}/{versions[e.key]}" for e in entries if e.in_catalog}
     aliases = move_aliases(client, name, entries, versions)
-    job.events(
-        "register", model=plan.label, name=name, versions=len(versions), created=created,
-        aliases=aliases,
-    )  # fmt: skip
-    shown = ", ".join(f"{a}=v{v}" for a, v in sorted(aliases.items()))
-    job.progress.note(f"registry {name}: {len(versions)} versions ({created} new); {shown}")
+    return Registered(name, uris, len(versions), created, aliases)
 
 
 def ensure_registered_model(client: MlflowClient, name: str, plan: ModelPlan) -> None:

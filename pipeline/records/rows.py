@@ -22,7 +22,7 @@ from pipeline.plan import GridPoint
 from pipeline.spec import JobSpec
 
 if TYPE_CHECKING:
-    from pipeline.records.storage import Storage
+    from pipeline.storage import Storage
 
 
 def now() -> str:

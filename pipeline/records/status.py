@@ -37,6 +37,9 @@ class RunStatus:
     """How busy the attempt kept its slots (`pipeline.records.timeline`), one line."""
     now: list[str] = field(default_factory=list)
     """What runs now: units the driver started and has not seen end."""
+    waiting: list[str] = field(default_factory=list)
+    """Stages waiting for resources no node offers (the driver's `waiting` events that
+    nothing of their model has followed yet)."""
 
     @property
     def left(self) -> int:
@@ -102,10 +105,26 @@ def _read_timeline(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
         )
     if st.state not in ("running", "running or interrupted"):
         return
+    st.waiting = _still_waiting(attempt)
     for e in running_now(attempt):
         since = _age(e.get("time"), time.time())
         what = " ".join(str(e[k]) for k in ("model", "point") if e.get(k))
         st.now.append(f"{e.get('stage', '?'):8s} {what} (for {duration(since)})")
+
+
+def _still_waiting(attempt: list[dict[str, Any]]) -> list[str]:
+    """The latest `waiting` line of each (stage, model) that no later event of that
+    model (a worker's span, a capture, a point, a stage's end) has overtaken."""
+    waiting: dict[tuple[str, str], str] = {}
+    for e in attempt:
+        model = e.get("model") or str(e.get("unit", "")).rpartition(":")[2]
+        if e["event"] == "waiting":
+            waiting[(e.get("stage", "?"), model)] = (
+                f"{e.get('stage')} of {model}: {e.get('reason')}"
+            )
+        elif model:
+            waiting = {k: v for k, v in waiting.items() if k[1] != model}
+    return list(waiting.values())
 
 
 def _age(stamp: str | None, now: float) -> float:
@@ -169,6 +188,7 @@ def format_status(st: RunStatus) -> list[str]:
         lines.append(f"speed        {st.speed_unresolved} figure(s) not resolved")
     if st.busy:
         lines.append(f"busy         {st.busy}")
+    lines += [f"waiting      {what}" for what in st.waiting]
     lines += [f"now          {what}" for what in st.now[:12]]
     if len(st.now) > 12:
         lines.append(f"now          ... and {len(st.now) - 12} more")

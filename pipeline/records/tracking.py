@@ -34,9 +34,9 @@ import lorp
 
 if TYPE_CHECKING:
     from lorp.model_profile import Profile
+    from lorp.similarity import SimilarityStats
     from pipeline.plan import ModelPlan
     from pipeline.spec import CalibrationSpec, EvaluationSpec, JobSpec
-    from pipeline.stages.statistics import ModelStats
 
 KIND, JOB, MODEL_KEY, GRID_KEY = "lorp.kind", "lorp.job", "lorp.model_key", "lorp.grid_key"
 
@@ -128,9 +128,16 @@ class Tracker:
         return run.info.run_id
 
     def record_model(
-        self, run_id: str, spec: JobSpec, plan: ModelPlan, ms: ModelStats, prof: Profile
+        self,
+        run_id: str,
+        spec: JobSpec,
+        plan: ModelPlan,
+        stats: SimilarityStats,
+        prof: Profile,
+        capture_seconds: float | None,
     ) -> None:
-        """The model's parent run: what was captured, its profile, S and its heatmap."""
+        """The model's parent run: what was captured (`capture_seconds` None when S came
+        from the cache), its profile, S and its heatmap."""
         cal = spec.calibration
         params = {
             "model": plan.label,
@@ -139,21 +146,21 @@ class Tracker:
             "family": plan.family,
             "n_blocks": plan.n_blocks,
             "dtype": plan.spec.dtype,
-            "calibration": ms.stats.calibration_fingerprint,
+            "calibration": stats.calibration_fingerprint,
             **{f"calibration.{k}": v for k, v in asdict(cal).items()},
             "cluster_labels": list(prof.labels) if prof.labels is not None else None,
         }
         metrics = {
             "rls": prof.rls,
             "k": float(prof.k) if prof.k is not None else math.nan,
-            "capture_seconds": ms.seconds if ms.source == "computed" else math.nan,
-            "calibration_tokens": float(ms.stats.tokens),
+            "capture_seconds": math.nan if capture_seconds is None else capture_seconds,
+            "calibration_tokens": float(stats.tokens),
         }
         self.log(run_id, params=params, metrics=metrics)
-        cal_input = calibration_input(cal, ms.stats.calibration_fingerprint, ms.stats.tokens)
+        cal_input = calibration_input(cal, stats.calibration_fingerprint, stats.tokens)
         self.client.log_inputs(run_id, [cal_input])
         labels = list(prof.labels) if prof.labels is not None else None
-        self._model_artifacts(run_id, ms.stats.matrix(), plan.label, labels)
+        self._model_artifacts(run_id, stats.matrix(), plan.label, labels)
         self.client.set_terminated(run_id, "FINISHED")
 
     def _model_artifacts(self, run_id: str, S: np.ndarray, title: str, labels: Any) -> None:
@@ -306,7 +313,7 @@ def perplexity_input(corpus: str, ev: EvaluationSpec) -> DatasetInput:
 
 def zero_shot_input(task: str, scored: Mapping[str, Any], ev: EvaluationSpec) -> DatasetInput:
     """A zero-shot task: the split and the number of items it was scored on."""
-    from pipeline.evaluation.zero_shot import TASKS
+    from pipeline.spec import ZERO_SHOT_TASKS as TASKS
 
     split, items = scored.get("split"), scored.get("n")
     lm_eval_task, metric = TASKS.get(task, (task, "acc"))

@@ -20,16 +20,14 @@ import torch
 
 from lorp.atomic import atomic_file
 from lorp.data import (
-    CORPUS_ALIASES,
     Corpus,
     calibration_fingerprint,
     calibration_windows,
-    load_corpus,
     prepend_bos,
     resolve_bos,
     tokenize_documents,
 )
-from pipeline.evaluation.corpora import hub_corpus
+from pipeline.evaluation.corpora import load_any_corpus
 from pipeline.spec import CalibrationSpec
 
 
@@ -40,30 +38,6 @@ class CalibrationShards:
     tokens: int
     bos: int | None = None
     """The BOS id every window starts with (None: no BOS)."""
-
-
-def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
-    """A local file or packaged alias (lorp.data), else a hub dataset through `datasets`:
-    a short name from `pipeline.evaluation.corpora` (c4, wikitext2) or any hub id as it is."""
-    if name in CORPUS_ALIASES or Path(name).expanduser().exists():
-        return load_corpus(name, split)
-    hub = hub_corpus(name)
-    if hub is None and "/" not in name:
-        return load_corpus(name, split)  # the one-line "unknown corpus" error
-    try:
-        args = hub.load_args(split) if hub else {"path": name, "split": split}
-        import datasets
-
-        ds = datasets.load_dataset(**args)
-    except Exception as exc:  # offline or unknown: one line, the library's reason
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise ValueError(f"dataset {name!r} ({split}) cannot be loaded: {reason}") from None
-    if text_field not in ds.column_names:
-        raise ValueError(f"dataset {name!r} has no column {text_field!r} ({ds.column_names})")
-    docs = tuple(t for t in ds[text_field] if t and t.strip())
-    if not docs:
-        raise ValueError(f"dataset {name!r} ({split}) is empty")
-    return Corpus(name, split, docs)
 
 
 def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> CalibrationShards:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,8 @@ from lorp import Selection
 from lorp.methods.registry import jsonable
 from pipeline.cluster.model_source import ModelSource, load_checked, model_source
 from pipeline.records import timeline
-from pipeline.records.storage import Storage
-from pipeline.spec import Resources
+from pipeline.spec import JobSpec, Resources
+from pipeline.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class LossTask:
     resources: Resources = field(default_factory=Resources)
 
 
-def loss_task(spec: Any, plan: Any, windows: np.ndarray) -> LossTask:
+def loss_task(spec: JobSpec, plan: Any, windows: np.ndarray) -> LossTask:
     """What every loss worker of `plan`'s model receives."""
     return LossTask(model_source(plan), windows, spec.evaluation.batch_size, spec.resources.grid)
 
@@ -112,8 +113,14 @@ class RayLosses:
     the memo does not hold, and counts what it scored (`n_evals`)."""
 
     def __init__(
-        self, task: LossTask, n: int, events: Any, memo: LossMemo, note: Any = None
+        self,
+        task: LossTask,
+        n: int,
+        record: Callable[..., None],
+        memo: LossMemo,
+        note: Callable[[str], None] | None = None,
     ) -> None:
+        """`record(candidates=, evaluated=, spans=)` records each batch."""
         res = task.resources
         self.actors = [
             LossWorker.options(
@@ -124,7 +131,7 @@ class RayLosses:
         self.starting = {actor.ready.remote(): actor for actor in self.actors}
         self.created = time.monotonic()
         self.started: list[Any] = []
-        self.events, self.memo, self.n_evals = events, memo, 0
+        self.record, self.memo, self.n_evals = record, memo, 0
         self.note = note  # one progress line per scored batch: a SLEB step can take an hour
         self.name, self.steps = "losses", 0  # the selection being made; its requests so far
 
@@ -150,7 +157,7 @@ class RayLosses:
             self.memo.add(todo, out)
             spans = [s for _, s in results]
         self.n_evals += len(todo)
-        self.events("losses", candidates=len(candidates), evaluated=len(todo), spans=spans)
+        self.record(candidates=len(candidates), evaluated=len(todo), spans=spans)
         if todo and self.note is not None:
             served = len(set(candidates)) - len(todo)
             memo = f", {served} from memo" if served else ""
@@ -213,12 +220,25 @@ class LossSelector:
     """Selections of loss-guided methods for one model: cached, else computed on
     `RayLosses` actors that start on first use and stop with `close()`."""
 
-    def __init__(self, job: Any, plan: Any, stats: Any, stats_key: str, profile: Any) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        force: bool,
+        plan: Any,
+        stats: Any,
+        stats_key: str,
+        profile: Any,
+        record: Callable[..., None],
+        note: Callable[[str], None],
+    ) -> None:
+        """`record(candidates=, evaluated=, spans=)` records each scored batch; `note`
+        says a log line; `force` re-selects and re-scores what the caches hold."""
         from pipeline.stages.statistics import stats_store
 
-        self.job, self.plan, self.stats, self.profile = job, plan, stats, profile
-        self.stats_key = stats_key
-        self.cache = SelectionCache(stats_store(job.spec).sub("selections"))
+        self.spec, self.force, self.plan, self.stats = spec, force, plan, stats
+        self.profile, self.stats_key = profile, stats_key
+        self.record, self.note = record, note
+        self.cache = SelectionCache(stats_store(spec).sub("selections"))
         self.heldout: tuple[np.ndarray, str] | None = None
         self.losses: RayLosses | None = None
 
@@ -230,7 +250,7 @@ class LossSelector:
         windows, fp = self._heldout()
         options = validate_options(method.name, method.options)
         key = content_key(self.stats_key, fp, method.name, options, budget)
-        hit = None if self.job.force else self.cache.get(key)
+        hit = None if self.force else self.cache.get(key)
         if hit is not None:
             return hit
         name = f"{self.plan.label} {method.key}-b{budget}"
@@ -243,7 +263,7 @@ class LossSelector:
         seconds = time.perf_counter() - start
         self.cache.put(key, sel, seconds)
         n = sel.details.get("n_evals", 0)
-        self.job.progress.note(f"selected {name}: {n} evaluations in {duration(seconds)}")
+        self.note(f"selected {name}: {n} evaluations in {duration(seconds)}")
         return sel, seconds
 
     def _heldout(self) -> tuple[np.ndarray, str]:
@@ -254,7 +274,7 @@ class LossSelector:
 
             trust = self.plan.spec.trust_remote_code
             tok = AutoTokenizer.from_pretrained(str(self.plan.path), trust_remote_code=trust)
-            self.heldout = heldout_windows(tok, self.job.spec.calibration)
+            self.heldout = heldout_windows(tok, self.spec.calibration)
         return self.heldout
 
     def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:
@@ -262,16 +282,16 @@ class LossSelector:
             from pipeline.plan import content_key
             from pipeline.stages.statistics import stats_store
 
-            spec = self.job.spec
+            spec = self.spec
             task = loss_task(spec, self.plan, windows)
             res = task.resources
             device = "cuda" if res.num_gpus > 0 else "cpu"
             key = content_key(
                 self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
             )
-            memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.job.force)
+            memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.force)
             n = spec.resources.loss_workers or spec.resources.max_concurrent_points
-            self.losses = RayLosses(task, n, self.job.events, memo, self.job.progress.note)
+            self.losses = RayLosses(task, n, self.record, memo, self.note)
         return self.losses
 
     def close(self) -> None:

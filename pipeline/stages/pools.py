@@ -1,5 +1,5 @@
 """Where grid points run on Ray: as tasks (transformers, no evaluation) or on vLLM
-evaluator actors, and how big a speed task is. The fleet (`pipeline.fleet`) decides when.
+evaluator actors. The fleet (`pipeline.fleet`) decides when.
 
 Retries are Ray's: a point task is retried when its worker dies (`max_retries`), an
 evaluator actor is restarted and its call retried (`max_restarts`, `max_task_retries`); a
@@ -78,18 +78,3 @@ def make_pool(backend: str, capacity: int, resources: Resources) -> PointPool:
     if backend == "vllm":
         return EvaluatorPool(capacity, resources)
     return TaskPool(capacity, resources)
-
-
-def first_line(exc: BaseException) -> str:
-    """The cause of a Ray task error, as one line."""
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else repr(exc)
-
-
-def whole_node(resources: Resources | None, gpus: float) -> Resources:
-    """A speed task's request: the spec's, else every CPU of the largest node (and a GPU
-    where the grid uses GPUs), so nothing else of the job shares its cores."""
-    if resources is not None:
-        return resources
-    cpus = max((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]), default=1)
-    return Resources(num_cpus=cpus, num_gpus=1 if gpus > 0 else 0)

@@ -28,7 +28,6 @@ from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
 from pipeline.cluster.model_source import model_source
 from pipeline.plan import ModelPlan, content_key
-from pipeline.records.storage import Storage
 from pipeline.spec import JobSpec
 from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
 from pipeline.stages.workers import (
@@ -37,6 +36,7 @@ from pipeline.stages.workers import (
     distributed_capture,
     distributed_repair_capture,
 )
+from pipeline.storage import Storage
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from pipeline.cluster.faults import maybe_fail
 from pipeline.cluster.model_source import ModelSource, load_checked
 from pipeline.records import timeline
 from pipeline.records.rows import PointResult
-from pipeline.records.storage import Storage, scratch_dir
 from pipeline.records.timeline import span
 from pipeline.spec import EvaluationSpec, Resources
+from pipeline.storage import Storage, scratch_dir
 
 
 def _pin_threads(num_cpus: float) -> None:

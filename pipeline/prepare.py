@@ -1,0 +1,256 @@
+"""A model's preparation: its chain of stages up to its grid points. Calibration shards,
+S (cached or captured on Ray, `pipeline.stages.statistics`), the profile (RLS, K,
+clusters), a selection per (method, budget) (loss-guided ones on Ray actors,
+`pipeline.stages.losses`), and the repair sums of every run the repaired points remove.
+
+It returns plain values (`PreparedModel`) and hands the fleet what is ready on the way
+(`Emit`): the prepared model once S and its profile are there (its records), then points
+as soon as they can start: the dense point once S is there, each unrepaired point once
+its selection is made, the repaired ones once their runs' sums are in the object store
+(with those references). It never reads the catalog (what is done comes in as grid keys)
+and never touches MLflow: what it has to say goes to `PrepareRecords` (the recorder)
+as events and log lines.
+
+Each model's preparation runs in a driver thread of its own (`pipeline.fleet`), which
+mostly waits on Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from lorp import Selection, get_method
+from lorp import profile as lorp_profile
+from lorp.model_profile import Profile
+from lorp.repair_stats import RepairStats
+from pipeline.plan import GridPoint, ModelPlan, plan_points, repair_selector, similarity_selector
+from pipeline.spec import JobSpec, MethodSpec, Resources
+from pipeline.stages.calibration import CalibrationShards
+from pipeline.stages.losses import LossSelector
+from pipeline.stages.statistics import (
+    ModelRepairStats,
+    ModelStats,
+    model_statistics,
+    repair_statistics,
+)
+from pipeline.stages.tasks import RepairRefs
+
+
+class PrepareRecords(Protocol):
+    """What a preparation has to say (`pipeline.recorder.Recorder` says it)."""
+
+    def captured(self, plan: ModelPlan, ms: ModelStats) -> None: ...
+
+    def repair_scored(self, plan: ModelPlan, rs: ModelRepairStats, runs: int) -> None: ...
+
+    def repair_refused(self, point: GridPoint, why: str) -> None: ...
+
+    def repair_captured(
+        self, label: str, rs: ModelRepairStats, runs: list[tuple[int, int]], variants: int
+    ) -> None: ...
+
+    def repair_failed(self, label: str, points: list[GridPoint], exc: BaseException) -> None: ...
+
+    def losses(self, candidates: int, evaluated: int, spans: list[dict[str, Any]]) -> None: ...
+
+    def span(self, stage: str, model: str, start: float, end: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model ready for its grid points: S, profile, every point, those still to do."""
+
+    plan: ModelPlan
+    stats: ModelStats
+    profile: Profile
+    key: str
+    """The model key (weights, calibration, dtype): its parent run's identity."""
+    points: list[GridPoint]
+    pending: list[GridPoint]
+    """The points this start runs (handed to the fleet on the way)."""
+    skipped: int
+    """Points already done."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The stage a preparation is in, and what it asks of the cluster."""
+
+    name: str
+    need: Resources | None
+    """None: it runs on the driver."""
+
+
+Emit = Callable[[str, Any], None]
+"""(kind, what): ("prepared", PreparedModel so far), ("stage", Stage), or
+("points", (points, RepairRefs)): points that can start, with their runs' sums."""
+
+
+class Stopping(Exception):
+    """The job is stopping: a preparation ends between two stages."""
+
+
+class Preparer:
+    """Prepares the job's models, each on the thread that calls `prepare`."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        force: bool,
+        done: frozenset[str],
+        records: PrepareRecords,
+        note: Callable[[str], None],
+    ) -> None:
+        """`done`: grid keys already in the catalog (skipped); `note`: a log line."""
+        self.spec, self.force, self.done = spec, force, done
+        self.records, self.note = records, note
+        self.stopping = threading.Event()
+        """Set by the fleet on a stop: preparations end at their next stage."""
+
+    def prepare(self, plan: ModelPlan, backend: str, emit: Emit) -> PreparedModel:
+        """S, the profile, every selection and the repair sums of one model."""
+        return _Preparation(self, plan, backend, emit).run()
+
+
+class _Preparation:
+    """One model's preparation: what it has handed to the fleet, what it has skipped."""
+
+    def __init__(self, job: Preparer, plan: ModelPlan, backend: str, emit: Emit) -> None:
+        self.job, self.spec, self.plan = job, job.spec, plan
+        self.backend, self.emit = backend, emit
+        self.emitted: set[str] = set()
+        """Keys of points handed to the fleet, or found done."""
+        self.handed: list[GridPoint] = []
+        self.skipped = 0
+        self.repair_known: dict[tuple[int, int], Path] = {}
+        """run -> the local file of its sums, captured to rank windows (`window`)."""
+
+    def run(self) -> PreparedModel:
+        start, label = time.time(), self.plan.label
+        self._stage("capture", self.spec.resources.capture)
+        ms = model_statistics(self.spec, self.plan, self.spec.run_dir, self.job.force)
+        self.job.records.captured(self.plan, ms)
+        prof = lorp_profile(ms.stats.matrix())
+        key = self.plan.model_key(ms.stats.calibration_fingerprint)
+        self.emit("prepared", PreparedModel(self.plan, ms, prof, key, [], [], 0))
+        points = self._select(ms, prof, key)
+        todo = self._pending([p for p in points if p.key not in self.emitted])
+        rest, refs = self._repairs(ms.shards, todo)
+        if rest:
+            self.emit("points", (rest, refs))
+        self.job.records.span("prepare", label, start, time.time())
+        pending = self.handed + rest  # every point this start runs
+        return PreparedModel(self.plan, ms, prof, key, points, pending, self.skipped)
+
+    def _stage(self, name: str, need: Resources | None) -> None:
+        if self.job.stopping.is_set():
+            raise Stopping(f"{self.plan.label}: stopped before {name}")
+        self.emit("stage", Stage(name, need))
+
+    def _pending(self, points: list[GridPoint]) -> list[GridPoint]:
+        """Points not yet done (all with `force`); the rest count as skipped."""
+        todo = [p for p in points if p.key not in self.job.done]
+        self.skipped += len(points) - len(todo)
+        return todo
+
+    def _ready(self, points: list[GridPoint]) -> None:
+        """Points whose selection is made: to the fleet at once (no repair sums needed)."""
+        todo = self._pending(points)
+        self.emitted.update(p.key for p in points)
+        self.handed.extend(todo)
+        if todo:
+            self.emit("points", (todo, {}))
+
+    # -- selections --------------------------------------------------------------------
+
+    def _select(self, ms: ModelStats, prof: Profile, key: str) -> list[GridPoint]:
+        """Every point of the model, each selection made once for all its repairs."""
+        loss_guided = any(get_method(m.name).needs_evaluator for m in self.spec.methods)
+        self._stage("selection", self.spec.resources.grid if loss_guided else None)
+        losses = LossSelector(
+            self.spec, self.job.force, self.plan, ms.stats, ms.file.stem, prof,
+            self.job.records.losses, self.job.note,
+        )  # fmt: skip
+        plain = similarity_selector(ms.stats, prof)
+        by_repair = repair_selector(ms.stats, prof, self._repair_scorer(ms.shards))
+
+        def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
+            method = get_method(m.name)
+            if method.needs_repair:
+                return by_repair(m, budget)
+            return (losses if method.needs_evaluator else plain)(m, budget)
+
+        try:
+            return plan_points(
+                self.spec, self.plan, key, self.backend, select,
+                self.job.records.repair_refused, self._ready,
+            )  # fmt: skip
+        finally:
+            losses.close()
+
+    def _repair_scorer(
+        self, shards: CalibrationShards | None
+    ) -> Callable[[list[tuple[int, int]]], list[float]]:
+        """`repair_scores` for the repair-aware methods: the candidate runs' sums from
+        the capture workers (one pass per call, cached), ranked on the driver; the sums
+        are kept for the repaired points that will need them."""
+        from lorp.repair import window_scores
+
+        def scores(runs: list[tuple[int, int]]) -> list[float]:
+            assert shards is not None
+            rs = repair_statistics(
+                self.spec, self.plan, shards, runs, self.spec.run_dir, self.job.force
+            )
+            self.job.records.repair_scored(self.plan, rs, len(runs))
+            for run in rs.stats.runs:
+                self.repair_known[run] = rs.file
+            ranked = window_scores(rs.stats)
+            return [ranked[(int(s), int(e))] for s, e in runs]
+
+        return scores
+
+    # -- repair sums -------------------------------------------------------------------
+
+    def _repairs(
+        self, shards: CalibrationShards | None, todo: list[GridPoint]
+    ) -> tuple[list[GridPoint], RepairRefs]:
+        """The sums of every run the repaired points to do need, each run's sums put in
+        the object store once. When they cannot be had, the repaired points fail with
+        the reason; the rest of `todo` goes on."""
+        repaired = [p for p in todo if p.repair != "none"]
+        if not repaired:
+            return todo, {}
+        runs = sorted({r for p in repaired for r in p.runs})
+        try:
+            refs = self._repair_refs(shards, runs, len(repaired))
+        except Stopping:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the job goes on without these repairs
+            self.job.records.repair_failed(self.plan.label, repaired, exc)
+            failed = {p.key for p in repaired}
+            return [p for p in todo if p.key not in failed], {}
+        return todo, refs
+
+    def _repair_refs(
+        self, shards: CalibrationShards | None, runs: list[tuple[int, int]], variants: int
+    ) -> Mapping[tuple[str, tuple[int, int]], Any]:
+        import ray
+
+        label = self.plan.label
+        known = {r: self.repair_known[r] for r in runs if r in self.repair_known}
+        refs = {(label, r): ray.put(RepairStats.from_file(f, [r])) for r, f in known.items()}
+        missing = [r for r in runs if r not in known]
+        if missing:
+            assert shards is not None
+            self._stage("repair capture", self.spec.resources.capture)
+            rs = repair_statistics(
+                self.spec, self.plan, shards, missing, self.spec.run_dir, self.job.force
+            )
+            refs |= {(label, r): ray.put(rs.stats.subset([r])) for r in missing}
+            self.job.records.repair_captured(label, rs, missing, variants)
+        return refs

@@ -1,0 +1,396 @@
+"""The recorder: the one writer of a job's records. The catalog (rows and their updates),
+the MLflow runs and their tags, the registry's versions, the event log and the run's
+summary are written here and nowhere else; the scheduler (`pipeline.fleet`) and the
+model preparations (`pipeline.prepare`) call its verbs.
+
+A row is written once, when its point ends, with the figures known then; whatever it
+learns later (speed, a repaired variant's twin speed, the quality gate, its registry
+version) goes through `_update`, which writes the catalog first and the point's MLflow
+run after. Recording order for a point: catalog row first, then the MLflow run is
+closed, so a killed driver never leaves a FINISHED run without its row (the next start
+closes the rest).
+
+Where things live: the run directory is the driver's; the storage (`pipeline.storage`)
+is where results live for every node (by default the run directory itself; with
+`storage:` set, the run directory is a working copy whose catalog and events come from
+storage at the start and go back after every change). MLflow's tracking store is where
+`tracking` says (sqlite in the run directory by default).
+
+The preparation verbs (`captured`, `repair_*`, `losses`, `span`) are called from the
+model threads: they write events and log lines only, both thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lorp.model_profile import Profile
+from pipeline.cluster.nodes import first_line
+from pipeline.evaluation.metrics import metric_name
+from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
+from pipeline.records import model_registry, row_updates
+from pipeline.records.catalog import Catalog, slot
+from pipeline.records.progress import Progress
+from pipeline.records.rows import (
+    EventLog,
+    ModelFacts,
+    PointResult,
+    RowContext,
+    RunSummary,
+    catalog_row,
+    headline,
+    point_params,
+)
+from pipeline.records.tracking import Tracker, default_tracking_uri
+from pipeline.spec import JobSpec
+from pipeline.stages.statistics import ModelRepairStats, ModelStats, describe
+from pipeline.stages.tasks import checkpoint, twins
+from pipeline.storage import Storage
+
+
+class Recorder:
+    """A job's records: run directory, storage, catalog, events, MLflow, summary."""
+
+    def __init__(self, spec: JobSpec, force: bool, progress: Progress) -> None:
+        self.spec, self.force, self.progress = spec, force, progress
+        self.run_dir = spec.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or spec.tracking.mlflow_uri
+        uri = uri or default_tracking_uri(self.run_dir)
+        self.storage = Storage(spec.storage or self.run_dir)
+        here = self.storage.local_path() == self.run_dir.resolve()
+        mirror = None if here else self.storage
+        self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror)
+        self.events = EventLog(self.run_dir / EventLog.NAME, mirror)
+        ckpts, elsewhere = self.storage.uri(CHECKPOINTS), None if here else self.storage.uri()
+        self.summary = RunSummary(self.run_dir, self.catalog.path, uri, ckpts, storage=elsewhere)
+        experiment = spec.tracking.experiment or spec.name
+        self.tracker = Tracker(uri, experiment, self.storage.mlflow_uri("mlartifacts"))
+        self.facts: dict[str, ModelFacts] = {}
+        self.parents: dict[str, str] = {}
+        """model label -> its parent MLflow run."""
+        self.run_ids: dict[str, str] = {}
+        """grid key -> its point's MLflow run (this start)."""
+
+    # -- the job -----------------------------------------------------------------------
+
+    def open(self) -> frozenset[str]:
+        """Repair what a killed predecessor left (stale MLflow runs, partial checkpoints)
+        and return the grid keys already done (none with `force`)."""
+        self.catalog.compact()  # what a killed predecessor recorded, folded in
+        completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
+        closed = self.tracker.close_stale_runs(self.spec.name, completed)
+        ckpt_root = self.storage.local_path(CHECKPOINTS)  # remote: unmarked, ignored
+        if ckpt_root is not None and ckpt_root.is_dir():
+            for partial in ckpt_root.glob("*/.*.partial"):
+                shutil.rmtree(partial, ignore_errors=True)
+        self.events(
+            "start",
+            job=self.spec.name,
+            force=self.force,
+            closed_stale_runs=closed,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+        return frozenset() if self.force else frozenset(self.catalog.by_key())
+
+    def cluster(self, kind: str, slots: Mapping[str, float], models: int) -> None:
+        self.events("cluster", kind=kind, slots=dict(slots), models=models)
+
+    def fleet(self, models: int, points: int, driver_s: float) -> None:
+        """The fleet's loop ended: how much of the driver's time recording took."""
+        self.events(
+            "fleet",
+            models=models,
+            points=points,
+            driver_s=round(driver_s, 3),
+            driver_ms_per_point=round(1000 * driver_s / max(points, 1), 3),
+        )
+
+    def stopped(self, signal: str) -> None:
+        self.events("stopped", signal=signal, done=self.summary.done)
+
+    def close(self) -> None:
+        """The job's end, however it ended: log lines closed, catalog parts folded."""
+        self.progress.close()
+        self.catalog.compact()
+
+    def ended(self) -> RunSummary:
+        s = self.summary
+        self.events("end", done=s.done, skipped=s.skipped, failed=len(s.failed))
+        return s
+
+    # -- timeline ----------------------------------------------------------------------
+
+    def begin(self, unit: str, stage: str, model: str, **labels: Any) -> None:
+        self.events("begin", unit=unit, stage=stage, model=model, **labels)
+
+    def finish(self, unit: str) -> None:
+        self.events("finish", unit=unit)
+
+    def spans(self, spans: Iterable[Mapping[str, Any]]) -> None:
+        """Spans the workers reported (`pipeline.records.timeline`)."""
+        for s in spans:
+            self.events("span", **s)
+
+    def span(self, stage: str, model: str, start: float, end: float) -> None:
+        """A span of the driver's own (preparing a model, gating it)."""
+        self.events(
+            "span", stage=stage, model=model, start=start, end=end, node="driver",
+            worker="driver", slots={},
+        )  # fmt: skip
+
+    def waiting(self, stage: str, model: str, need: Mapping[str, float], why: str) -> None:
+        """A stage waits for resources no node offers: said in the log and the events
+        (`lorp status` shows the latest)."""
+        self.events("waiting", stage=stage, model=model, need=dict(need), reason=why)
+        self.progress.note(f"waiting: {stage} of {model}: {why}")
+
+    # -- preparation (model threads) ---------------------------------------------------
+
+    def captured(self, plan: ModelPlan, ms: ModelStats) -> None:
+        self.events("capture", model=plan.label, **describe(ms))
+        self.progress.capture(plan.label, ms.source, ms.seconds, ms.stats.tokens)
+
+    def repair_scored(self, plan: ModelPlan, rs: ModelRepairStats, runs: int) -> None:
+        self.events(
+            "repair_scores", model=plan.label, source=rs.source, runs=runs,
+            seconds=round(rs.seconds, 3),
+        )  # fmt: skip
+        where = "from the cache" if rs.source == "cache" else f"captured in {rs.seconds:.1f} s"
+        self.progress.note(f"repair scores {plan.label}: {runs} candidate runs, {where}")
+
+    def repair_refused(self, point: GridPoint, why: str) -> None:
+        label = point.model.label
+        self.summary.refused.append(f"{label} {point.name}: {why}")
+        self.events("repair_refused", model=label, point=point.name, reason=why)
+        self.progress.note(f"{label} {point.name}: not repaired: {why}")
+
+    def repair_captured(
+        self, label: str, rs: ModelRepairStats, runs: list[tuple[int, int]], variants: int
+    ) -> None:
+        self.events(
+            "repair_capture", model=label, source=rs.source, runs=[list(r) for r in runs],
+            passes=rs.passes, seconds=round(rs.seconds, 3), tokens=rs.stats.tokens,
+            file=rs.location,
+        )  # fmt: skip
+        where = (
+            "from the cache"
+            if rs.source == "cache"
+            else f"captured in {rs.seconds:.1f} s, {rs.passes} pass(es)"
+        )
+        self.progress.note(
+            f"repair statistics {label}: {len(runs)} run(s) for {variants} variant(s), {where}"
+        )
+
+    def repair_failed(self, label: str, points: list[GridPoint], exc: BaseException) -> None:
+        """A model's repair capture failed: its repaired points fail with the reason."""
+        cause = first_line(exc)
+        for p in points:
+            self.summary.failed.append(f"{label}/{p.label}/{p.budget}: {cause}")
+            self.events("point_failed", grid_key=p.key, error=str(exc)[-4000:], cause=cause)
+        self.progress.note(f"repair statistics of {label} failed: {cause}")
+
+    def losses(self, candidates: int, evaluated: int, spans: list[dict[str, Any]]) -> None:
+        """One batch of a loss-guided selection's candidates (`RayLosses`)."""
+        self.events("losses", candidates=candidates, evaluated=evaluated, spans=spans)
+
+    # -- a model -----------------------------------------------------------------------
+
+    def model_prepared(
+        self, plan: ModelPlan, ms: ModelStats, profile: Profile, model_key: str
+    ) -> None:
+        """A model's S and profile: its parent MLflow run (S, profile, heatmap), the
+        facts its rows share, the capture counters."""
+        self.summary.captured += ms.source == "computed"
+        self.summary.cached += ms.source == "cache"
+        parent = self.tracker.model_run(self.spec.name, model_key, plan.label)
+        seconds = ms.seconds if ms.source == "computed" else None
+        self.tracker.record_model(parent, self.spec, plan, ms.stats, profile, seconds)
+        labels = list(profile.labels) if profile.labels is not None else None
+        self.facts[plan.label] = ModelFacts(profile.rls, profile.k, labels, ms.location)
+        self.parents[plan.label] = parent
+
+    def model_ready(self, label: str, points: int, todo: int, skipped: int, left: int) -> None:
+        """A model's preparation ended: `todo` of its `points` run (some have started)."""
+        self.summary.skipped += skipped
+        self.events("grid", model=label, points=points, todo=todo, skipped=skipped)
+        self.progress.add_points(label, todo, skipped, left)
+
+    def unmeasured(self, points: list[GridPoint]) -> list[GridPoint]:
+        """The model's finished points that lack speed figures (not the repaired twins)."""
+        ev = self.spec.evaluation
+        if not (ev.enabled and ev.speed):
+            return []
+        return row_updates.unmeasured(self.catalog.by_key(), points, twins(points))
+
+    def speed_done(self, label: str, figures: Mapping[str, Mapping[str, float]]) -> None:
+        """A model's speed figures into its rows and runs."""
+        for key, values in figures.items():
+            self._update(key, dict(values), metrics=dict(values))
+        self.events("speed", model=label, variants=len(figures))
+        resolved = [v["speedup"] for v in figures.values() if row_updates.finite(v.get("speedup"))]
+        unresolved = len(figures) - len(resolved)
+        top = f"top speed-up {max(resolved):.2f}x" if resolved else "no speed-up resolved"
+        more = f"; {unresolved} not resolved" if unresolved else ""
+        self.progress.note(f"speed {label}: {len(figures)} variants timed ({top}{more})")
+
+    def speed_failed(self, label: str, exc: BaseException) -> None:
+        """Speed is a figure, not the variant: recorded, the model goes on."""
+        self.events("speed_failed", model=label, cause=first_line(exc))
+        self.progress.note(f"speed failed for {label}: {first_line(exc)}")
+
+    def model_closed(self, plan: ModelPlan, points: list[GridPoint], left: int) -> None:
+        """A model's last records: twins' speed, the quality gate, its registry versions."""
+        start = time.time()
+        self._share_twin_speed(points)
+        self._quality_gate(points)
+        if self.spec.tracking.register:
+            self._register(plan, points)
+        self.span("gate", plan.label, start, time.time())
+        self.events("model_done", model=plan.label)
+        self.progress.note(f"{plan.label} done ({len(points)} variants); {left} model(s) left")
+
+    def model_failed(self, label: str, exc: BaseException) -> None:
+        cause = first_line(exc)
+        self.summary.failed.append(f"{label}: {cause}")
+        self.events("model_failed", model=label, cause=cause, error=str(exc)[-4000:])
+        self.progress.note(f"{label} FAILED: {cause}; the other models go on")
+
+    # -- a point -----------------------------------------------------------------------
+
+    def point_started(self, point: GridPoint) -> None:
+        """The point's MLflow run (replacing its slot's old one) and its begin mark."""
+        self._replace_old(point)
+        run_id = self.tracker.start_point(
+            self.spec.name, self.parents[point.model.label], point.key, point.name
+        )
+        self.tracker.log(run_id, params=point_params(point))
+        self.run_ids[point.key] = run_id
+        self.begin(point.key, "point", point.model.label, point=point.name)
+
+    def point_done(self, point: GridPoint, result: PointResult, backend: str) -> None:
+        run_id = self.run_ids[point.key]
+        rel = checkpoint(self.spec, point)
+        ckpt = self.storage.uri(rel) if rel else None
+        ctx = RowContext(
+            self.tracker.display_uri, self.tracker.experiment_id, run_id, ckpt, backend
+        )
+        row = catalog_row(self.spec, point, self.facts[point.model.label], result, ctx)
+        self.catalog.put(row)  # before FINISHED: see the module docstring
+        metrics = {
+            **result.metrics,
+            "params": result.params,
+            "seconds": result.seconds,
+            "n_evals": point.n_evals,
+            "select_s": point.select_s,
+        }
+        tags = {"checkpoint": ckpt or "", "eval_backend": backend}
+        self.tracker.log(run_id, metrics=metrics, tags=tags)
+        self.tracker.log_evaluation_inputs(run_id, self.spec.evaluation, result.zero_shot)
+        self.tracker.finish(run_id)
+        self.summary.done += 1
+        self.events(
+            "point", grid_key=point.key, model=point.model.label, method=point.label,
+            budget=point.budget, seconds=round(result.seconds, 3),
+        )  # fmt: skip
+        name = f"{point.model.label} {point.name}"
+        figure = headline(row, self.spec.evaluation.perplexity)
+        self.progress.point(name, figure, result.seconds)
+        self.finish(point.key)
+
+    def point_failed(self, point: GridPoint, exc: BaseException) -> None:
+        """A point that failed after its retries: recorded, the grid goes on."""
+        self.tracker.finish(self.run_ids[point.key], "FAILED")
+        cause = first_line(exc)
+        self.summary.failed.append(f"{point.model.label}/{point.label}/{point.budget}: {cause}")
+        self.events("point_failed", grid_key=point.key, error=str(exc)[-4000:], cause=cause)
+        self.progress.point(f"{point.model.label} {point.name}", cause, 0.0, ok=False)
+        self.finish(point.key)
+
+    def killed(self, points: Iterable[GridPoint]) -> None:
+        """Points cut short by a stop: their MLflow runs KILLED (what cannot be closed
+        now, the next start closes)."""
+        for point in points:
+            run_id = self.run_ids.get(point.key)
+            if run_id:
+                with contextlib.suppress(Exception):
+                    self.tracker.finish(run_id, "KILLED")
+
+    # -- the one update path -----------------------------------------------------------
+
+    def _update(
+        self,
+        key: str,
+        values: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> None:
+        """Figures a written row learns later: into the catalog, then into its run."""
+        row = self.catalog.update(key, values)
+        if metrics or tags:
+            self.tracker.log(row["mlflow_run_id"], metrics=metrics, tags=tags)
+
+    def _replace_old(self, point: GridPoint) -> None:
+        """A point about to run replaces its slot's old row: the old MLflow run goes."""
+        done = self.catalog.by_key()
+        old = done.get(point.key)
+        if old is None:
+            slots = {slot(r): r for r in self.catalog.rows}
+            old = slots.get((self.spec.name, point.model.label, point.label, point.budget))
+        if old and old.get("mlflow_run_id"):
+            self.tracker.delete(old["mlflow_run_id"])
+
+    def _share_twin_speed(self, points: list[GridPoint]) -> None:
+        pairs = twins(points)
+        for key, values in row_updates.twin_speed(self.catalog.by_key(), pairs).items():
+            self._update(key, values, metrics=values, tags={"speed_from": pairs[key]})
+
+    def _quality_gate(self, points: list[GridPoint]) -> None:
+        """`ppl_ratio` (variant / dense on the first corpus) and `degraded` on every row."""
+        names = {p.key: f"{p.model.label} {p.name}" for p in points}
+        for v in row_updates.quality_gate(self.catalog.by_key(), points, self.spec.evaluation):
+            if v.changed:
+                values = {"ppl_ratio": v.ratio, "degraded": v.degraded}
+                degraded = {"degraded": str(v.degraded).lower()}
+                self._update(v.key, values, metrics={"ppl_ratio": v.ratio}, tags=degraded)
+            if v.degraded:
+                self.summary.degraded.append(f"{names[v.key]}: {v.column} x{v.ratio:,.1f}")
+
+    def _register(self, plan: ModelPlan, points: list[GridPoint]) -> None:
+        """The model's saved variants (and its dense version) as registry versions, the
+        aliases moved, each row's `model_uri`. A registry failure fails this model's
+        registration only."""
+        from mlflow.exceptions import MlflowException
+
+        ev = self.spec.evaluation
+        ppl = metric_name(ev.perplexity[0]) if ev.enabled and ev.perplexity else None
+        rows = self.catalog.by_key()
+        parent = self.parents[plan.label]
+        entries = model_registry.model_entries(self.spec.name, points, rows, parent, ppl)
+        if not entries:
+            return
+        try:
+            reg = model_registry.register_model(self.tracker.client, plan, entries)
+        except MlflowException as exc:
+            cause = str(exc).splitlines()[0][:500]
+            self.summary.failed.append(f"{plan.label}/registry: {cause}")
+            self.events("register_failed", model=plan.label, cause=cause)
+            return
+        for key, uri in reg.uris.items():
+            if rows[key].get("model_uri") != uri:
+                self._update(key, {"model_uri": uri})
+        self.events(
+            "register", model=plan.label, name=reg.name, versions=reg.versions,
+            created=reg.created, aliases=reg.aliases,
+        )  # fmt: skip
+        shown = ", ".join(f"{a}=v{v}" for a, v in sorted(reg.aliases.items()))
+        self.progress.note(
+            f"registry {reg.name}: {reg.versions} versions ({reg.created} new); {shown}"
+        )

@@ -1,0 +1,100 @@
+"""What a catalog row learns after it is written, as pure functions over the rows: its
+speed figures (measured, or its unrepaired twin's), and the quality gate (`ppl_ratio`,
+`degraded`). Each returns the new values; the recorder (`pipeline.recorder`) writes them
+to the catalog and the point's MLflow run through its one update path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.evaluation.metrics import metric_name
+from pipeline.plan import GridPoint
+from pipeline.spec import EvaluationSpec
+
+SPEED_COLUMNS = (
+    "latency_ms",
+    "latency_dense_ms",
+    "speedup",
+    "speedup_std",
+    "speedup_measured",
+    "speed_runs",
+    "speed_resolved",
+    "peak_mem_gib",
+)
+
+Rows = Mapping[str, Mapping[str, Any]]
+"""grid key -> catalog row."""
+
+
+def missing(row: Mapping[str, Any], column: str) -> bool:
+    value = row.get(column)
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal, NaN equal to NaN (an unresolved speed-up stays NaN)."""
+    nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return nan or a == b
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def unmeasured(rows: Rows, points: list[GridPoint], twins: Mapping[str, str]) -> list[GridPoint]:
+    """The finished points still without speed figures; a repaired variant with an
+    unrepaired twin in the job is never timed (it takes the twin's figures)."""
+    return [
+        p
+        for p in points
+        if p.key in rows and p.key not in twins and missing(rows[p.key], "latency_ms")
+    ]
+
+
+def twin_speed(rows: Rows, twins: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """repaired key -> the speed figures to copy from its timed twin (latency, speed-up,
+    spread, peak memory: the checkpoint is the same size), where they differ."""
+    out = {}
+    for key, twin in twins.items():
+        row, base = rows.get(key), rows.get(twin)
+        if row is None or base is None or missing(base, "latency_ms"):
+            continue
+        values = {c: base[c] for c in SPEED_COLUMNS if c in base}
+        if any(not same(row.get(c), v) for c, v in values.items()):
+            out[key] = values
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A row's quality gate: its first perplexity over dense's, and whether that is over
+    `evaluation.degraded_ratio`."""
+
+    key: str
+    column: str
+    ratio: float
+    degraded: bool
+    changed: bool
+    """The row does not hold these values yet."""
+
+
+def quality_gate(rows: Rows, points: list[GridPoint], ev: EvaluationSpec) -> list[Verdict]:
+    """The verdict of every point whose row and dense row have the first perplexity."""
+    if not (ev.enabled and ev.perplexity):
+        return []
+    column = metric_name(ev.perplexity[0])
+    dense = {p.model.label: rows.get(p.key) for p in points if p.is_dense}
+    out = []
+    for p in points:
+        row, base = rows.get(p.key), dense.get(p.model.label)
+        if row is None or base is None or missing(row, column) or missing(base, column):
+            continue
+        ratio = float(row[column]) / float(base[column])
+        degraded = ratio > ev.degraded_ratio
+        changed = row.get("ppl_ratio") != ratio or row.get("degraded") != degraded
+        out.append(Verdict(p.key, column, ratio, degraded, changed))
+    return out

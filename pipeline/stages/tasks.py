@@ -1,0 +1,88 @@
+"""What each stage sends to Ray, built from plain arguments: a grid point's task (with its
+repair), a model's speed task. The fleet (`pipeline.fleet`) submits them; the workers
+(`pipeline.stages.workers`) run them.
+
+Nothing here reads the catalog or MLflow: a task is the spec's settings, the point, the
+job's storage location and, for a repaired point, the object-store references of its
+runs' sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.cluster.model_source import model_source
+from pipeline.cluster.nodes import whole_node
+from pipeline.plan import GridPoint, checkpoint_rel
+from pipeline.records.rows import provenance
+from pipeline.spec import JobSpec
+from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
+
+RepairRefs = Mapping[tuple[str, tuple[int, int]], Any]
+"""(model label, run) -> ObjectRef of that run's one-run `RepairStats`."""
+
+
+def checkpoint(spec: JobSpec, point: GridPoint) -> str | None:
+    """The point's checkpoint below the storage; None when it is not saved."""
+    if not (spec.save_checkpoints and point.layers):
+        return None
+    return checkpoint_rel(point)
+
+
+def point_task(
+    spec: JobSpec, storage: str, point: GridPoint, backend: str, refs: RepairRefs
+) -> PointTask:
+    """What the point's Ray task receives: the model's reference, the storage location
+    (`Storage.location`) and, repaired, its runs' sums."""
+    return PointTask(
+        grid_key=point.key,
+        model=model_source(point.model),
+        layers=point.layers,
+        storage=storage,
+        checkpoint=checkpoint(spec, point),
+        provenance=provenance(spec, point),
+        evaluation=spec.evaluation,
+        resources=spec.resources.grid,
+        backend=backend,
+        repair=repair_task(spec, point, refs),
+        name=point.name,
+    )
+
+
+def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask | None:
+    if point.repair == "none":
+        return None
+    from lorp.repair import DEFAULT_RIDGE
+
+    runs = tuple(point.runs)
+    stats = tuple(refs[(point.model.label, r)] for r in runs)
+    return RepairTask(runs, stats, DEFAULT_RIDGE, spec.repair_rounds)
+
+
+def speed_task(spec: JobSpec, storage: str, points: list[GridPoint]) -> SpeedTask:
+    """What the speed task of one model's `points` receives (a whole node unless the
+    spec sizes it: nothing else of the job shares its cores)."""
+    ev, plan = spec.evaluation, points[0].model
+    return SpeedTask(
+        model=model_source(plan),
+        storage=storage,
+        variants=tuple((p.key, p.layers, checkpoint(spec, p)) for p in points),
+        seq_len=ev.seq_len,
+        pairs=ev.speed_repeats,
+        resources=whole_node(spec.resources.speed, spec.resources.grid.num_gpus),
+        n_blocks=plan.n_blocks,
+    )
+
+
+def twins(points: list[GridPoint]) -> dict[str, str]:
+    """repaired point's key -> its unrepaired twin's key, where the job has both. A
+    repair changes weights, never shapes: the twin's timing is the repaired variant's."""
+    plain = {(p.model.label, p.label, p.budget): p.key for p in points if p.repair == "none"}
+    out = {}
+    for p in points:
+        if p.repair != "none" and p.method is not None:
+            twin = plain.get((p.model.label, p.method.key, p.budget))
+            if twin is not None:
+                out[p.key] = twin
+    return out
