@@ -227,7 +227,11 @@ def speed_table(t: View) -> Markup | None:
         return [value_td(x) for x in r["size"]] + (speed_tds(r["speed"]) if t["speed"] else [])
 
     caption = (
-        "Parameters; prefill latency at batch 1 with the cache off (the fastest of the runs "
+        "Parameters; weight bytes at the serving dtype and KV-cache bytes per token, counted "
+        "from the config; predicted speed-ups (predicted_*: dense over variant of the "
+        "prefill FLOPs per token, compute-bound, and of the bytes one decoded token reads, "
+        "memory-bound, at the job's sequence length): predictions from the config, not "
+        "timings. Prefill latency at batch 1 with the cache off (the fastest of the runs "
         "of dense and pruned timed alternately in one process on a whole node, after the "
         "grid: interference only adds time); speed-up = dense / pruned of those minima, "
         f"{PM} the half-width implied by each side's two fastest runs; bound = N/(N-k), the "

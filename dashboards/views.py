@@ -300,6 +300,19 @@ def variant_view(row: Row, tracking: Mapping[str, View], mlflow_ui: str) -> View
     }
 
 
+SIZE_COLUMNS = (
+    "params",
+    "weight_bytes",
+    "kv_bytes_per_token",
+    "predicted_prefill_speedup",
+    "predicted_decode_speedup",
+    "latency_ms",
+    "peak_mem_gib",
+)
+"""The size-and-speed table's columns, where some row has them: counted from the config
+(`lorp.cost`, the predictions named so), then measured."""
+
+
 def _present(rows: Sequence[Row], cols: Iterable[str]) -> list[str]:
     return [c for c in cols if any(finite(r.get(c)) is not None for r in rows)]
 
@@ -314,7 +327,7 @@ def metric_tables(rows: Sequence[Row], tracking: Mapping[str, View], mlflow_ui: 
         "ppl_cols": ppl,
         "ppl_ratio": bool(_present(rows, ["ppl_ratio"])),
         "acc_cols": tasks + (["avg"] if with_avg else []),
-        "size_cols": _present(rows, ["params", "latency_ms", "peak_mem_gib"]),
+        "size_cols": _present(rows, SIZE_COLUMNS),
         "speed": bool(_present(rows, ["speedup", "speedup_measured"])),
         "rows": [],
     }

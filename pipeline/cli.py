@@ -70,7 +70,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"not repaired {line}")
     for failure in summary.failed:
         print(f"failed: {failure}", file=sys.stderr)
-    return 1 if summary.failed else 0
+    code = 1 if summary.failed else 0
+    leave_if_preparing(code)  # a failed model's preparation may still be inside Ray
+    return code
 
 
 def leave_if_preparing(code: int) -> None:

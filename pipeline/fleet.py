@@ -42,7 +42,7 @@ from typing import Any
 
 import ray
 
-from pipeline.cluster.nodes import request, unmet
+from pipeline.cluster.nodes import alive_nodes, request, unmet
 from pipeline.plan import GridPoint, ModelPlan
 from pipeline.prepare import PreparedModel, Preparer, Stage
 from pipeline.recorder import Recorder
@@ -91,7 +91,9 @@ class ModelChain:
     running: int = 0
     """Its points in flight or queued."""
     stage: Stage | None = None
-    """The stage its preparation is in."""
+    """The stage its preparation (or its speed task) is in, with what it asks for."""
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set when the model fails: its preparation ends at its next stage."""
     failed: bool = False
     state: str = "waiting"
     """waiting, preparing, points, speed, done."""
@@ -184,7 +186,7 @@ class Fleet:
             self.recorder.begin(f"prepare:{label}", "prepare", label)
             _in_thread(
                 lambda c=chain: self.preparer.prepare(
-                    c.plan, self.backend, lambda kind, what: c.inbox.put((kind, what))
+                    c.plan, self.backend, lambda kind, what: c.inbox.put((kind, what)), c.cancel
                 ),
                 chain.future,
                 f"lorp-prepare-{label}",
@@ -217,6 +219,9 @@ class Fleet:
                     self._model_failed(chain, exc)
                     return
                 chain.prepared = True
+            elif kind == "done":
+                chain.points.extend(what)  # in the catalog already: gated, registered
+                self.recorder.skipped(what)
             else:
                 points, refs = what
                 self.repair_refs.update(refs)
@@ -311,7 +316,7 @@ class Fleet:
         res = task.resources
         ref = run_speed.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
         self.speeds[ref] = chain
-        chain.state = "speed"
+        chain.state, chain.stage = "speed", Stage("speed", res)
         label = chain.plan.label
         self.recorder.begin(f"speed:{label}", "speed", label)
         self.recorder.progress.note(f"speed {label}: {len(task.variants)} variants queued")
@@ -331,15 +336,17 @@ class Fleet:
     def _close_model(self, chain: ModelChain) -> None:
         """The model's last records on the driver: twins' speed, gate, registry (for a
         failed model, over the points that finished)."""
-        chain.state = "done"
-        if not chain.prepared:
-            return  # nothing of it was recorded
+        chain.state, chain.stage = "done", None
+        if not chain.prepared or (chain.failed and not chain.points):
+            return  # nothing of it was recorded, or nothing to gate
         left = sum(c.state != "done" for c in self.chains)
         self.recorder.model_closed(chain.plan, chain.points, left)
 
     def _model_failed(self, chain: ModelChain, exc: BaseException) -> None:
-        """Its preparation failed: recorded; the points it handed over go on, and it
-        closes like any other model once they have ended."""
+        """Its preparation, or recording what it made ready, failed: recorded, the
+        preparation told to end; the points it handed over go on, and the model closes
+        like any other once they have ended."""
+        chain.cancel.set()
         chain.failed, chain.stage, chain.state = True, None, "points"
         self.recorder.model_failed(chain.plan.label, exc)
 
@@ -354,20 +361,25 @@ class Fleet:
         if time.monotonic() - self.last_waiting_note < WAITING_NOTE_S:
             return
         self.last_waiting_note = time.monotonic()
+        try:
+            nodes = alive_nodes()
+        except Exception:  # noqa: BLE001 - a word about waiting never stops the job
+            return
         for stage, model in self._stages_in_flight():
             need = request(stage.need) if stage.need is not None else {}
-            why = unmet(need) if need else None
+            why = unmet(need, nodes) if need else None
             if why is not None:
-                self.recorder.waiting(stage.name, model, need, why)
+                self.recorder.waiting(stage.name, model, need, why, WAITING_NOTE_S)
 
     def _stages_in_flight(self) -> list[tuple[Stage, str]]:
-        """(stage, model) of every preparation, the points and the speed tasks in flight."""
-        out = [(c.stage, c.plan.label) for c in self.chains if c.state == "preparing" and c.stage]
+        """(stage, model) of every preparation and speed task, and the points in flight."""
+        out = [
+            (c.stage, c.plan.label)
+            for c in self.chains
+            if c.state in ("preparing", "speed") and c.stage is not None
+        ]
         models = dict.fromkeys(chain.plan.label for _, chain in self.in_flight.values())
-        out += [(Stage("points", self.spec.resources.grid), m) for m in models]
-        speed = self.spec.resources.speed
-        out += [(Stage("speed", speed), c.plan.label) for c in self.speeds.values() if speed]
-        return out
+        return out + [(Stage("points", self.spec.resources.grid), m) for m in models]
 
     # -- stopping ----------------------------------------------------------------------
 
@@ -375,6 +387,8 @@ class Fleet:
         """End what is in flight: its MLflow runs KILLED, its tasks cancelled, the
         preparations told to end at their next stage."""
         self.preparer.stopping.set()
+        for chain in self.chains:
+            chain.cancel.set()
         self.cut_short = len(self.in_flight)
         self.recorder.killed(point for point, _ in self.in_flight.values())
         for ref in list(self.in_flight):

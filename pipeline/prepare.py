@@ -87,8 +87,9 @@ class Stage:
 
 
 Emit = Callable[[str, Any], None]
-"""(kind, what): ("prepared", PreparedModel so far), ("stage", Stage), or
-("points", (points, RepairRefs)): points that can start, with their runs' sums."""
+"""(kind, what): ("prepared", PreparedModel so far), ("stage", Stage),
+("points", (points, RepairRefs)): points that can start, with their runs' sums, or
+("done", points): points already in the catalog (skipped)."""
 
 
 class Stopping(Exception):
@@ -112,23 +113,33 @@ class Preparer:
         self.stopping = threading.Event()
         """Set by the fleet on a stop: preparations end at their next stage."""
 
-    def prepare(self, plan: ModelPlan, backend: str, emit: Emit) -> PreparedModel:
-        """S, the profile, every selection and the repair sums of one model."""
-        return _Preparation(self, plan, backend, emit).run()
+    def prepare(
+        self,
+        plan: ModelPlan,
+        backend: str,
+        emit: Emit,
+        cancel: threading.Event | None = None,
+    ) -> PreparedModel:
+        """S, the profile, every selection and the repair sums of one model; `cancel`
+        (this model's failure elsewhere) ends it at its next stage, as a stop does."""
+        return _Preparation(self, plan, backend, emit, cancel or threading.Event()).run()
 
 
 class _Preparation:
     """One model's preparation: what it has handed to the fleet, what it has skipped."""
 
-    def __init__(self, job: Preparer, plan: ModelPlan, backend: str, emit: Emit) -> None:
+    def __init__(
+        self, job: Preparer, plan: ModelPlan, backend: str, emit: Emit, cancel: threading.Event
+    ) -> None:
         self.job, self.spec, self.plan = job, job.spec, plan
-        self.backend, self.emit = backend, emit
+        self.backend, self.emit, self.cancel = backend, emit, cancel
         self.emitted: set[str] = set()
         """Keys of points handed to the fleet, or found done."""
         self.handed: list[GridPoint] = []
         self.skipped = 0
         self.repair_known: dict[tuple[int, int], Path] = {}
         """run -> the local file of its sums, captured to rank windows (`window`)."""
+        self.selecting = Stage("selection", None)
 
     def run(self) -> PreparedModel:
         start, label = time.time(), self.plan.label
@@ -148,14 +159,19 @@ class _Preparation:
         return PreparedModel(self.plan, ms, prof, key, points, pending, self.skipped)
 
     def _stage(self, name: str, need: Resources | None) -> None:
-        if self.job.stopping.is_set():
+        if self.job.stopping.is_set() or self.cancel.is_set():
             raise Stopping(f"{self.plan.label}: stopped before {name}")
         self.emit("stage", Stage(name, need))
 
     def _pending(self, points: list[GridPoint]) -> list[GridPoint]:
-        """Points not yet done (all with `force`); the rest count as skipped."""
+        """Points not yet done (`done` is empty under `force`: all of them); the rest
+        count as skipped, and go to the fleet as ("done", points): a model that fails
+        later still gates and registers them with what this start adds."""
         todo = [p for p in points if p.key not in self.job.done]
-        self.skipped += len(points) - len(todo)
+        done = [p for p in points if p.key in self.job.done]
+        self.skipped += len(done)
+        if done:
+            self.emit("done", done)
         return todo
 
     def _ready(self, points: list[GridPoint]) -> None:
@@ -171,7 +187,8 @@ class _Preparation:
     def _select(self, ms: ModelStats, prof: Profile, key: str) -> list[GridPoint]:
         """Every point of the model, each selection made once for all its repairs."""
         loss_guided = any(get_method(m.name).needs_evaluator for m in self.spec.methods)
-        self._stage("selection", self.spec.resources.grid if loss_guided else None)
+        self.selecting = Stage("selection", self.spec.resources.grid if loss_guided else None)
+        self._stage(self.selecting.name, self.selecting.need)
         losses = LossSelector(
             self.spec, self.job.force, self.plan, ms.stats, ms.file.stem, prof,
             self.job.records.losses, self.job.note,
@@ -203,9 +220,11 @@ class _Preparation:
 
         def scores(runs: list[tuple[int, int]]) -> list[float]:
             assert shards is not None
+            self._stage("repair scores", self.spec.resources.capture)
             rs = repair_statistics(
                 self.spec, self.plan, shards, runs, self.spec.run_dir, self.job.force
             )
+            self.emit("stage", self.selecting)  # back to the selection's own needs
             self.job.records.repair_scored(self.plan, rs, len(runs))
             for run in rs.stats.runs:
                 self.repair_known[run] = rs.file

@@ -17,7 +17,8 @@ storage at the start and go back after every change). MLflow's tracking store is
 `tracking` says (sqlite in the run directory by default).
 
 The preparation verbs (`captured`, `repair_*`, `losses`, `span`) are called from the
-model threads: they write events and log lines only, both thread-safe.
+model threads: they write events (the log is locked), log lines and appends to the
+summary's lists, all thread-safe.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from lorp.cost import ModelShape
 from lorp.model_profile import Profile
+from lorp.sources import read_config
 from pipeline.cluster.nodes import first_line
 from pipeline.evaluation.metrics import metric_name
 from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
@@ -146,10 +149,12 @@ class Recorder:
             worker="driver", slots={},
         )  # fmt: skip
 
-    def waiting(self, stage: str, model: str, need: Mapping[str, float], why: str) -> None:
-        """A stage waits for resources no node offers: said in the log and the events
-        (`lorp status` shows the latest)."""
-        self.events("waiting", stage=stage, model=model, need=dict(need), reason=why)
+    def waiting(
+        self, stage: str, model: str, need: Mapping[str, float], why: str, every: float
+    ) -> None:
+        """A stage waits for resources no node offers: said in the log and the events,
+        again every `every` seconds while it lasts (`lorp status` shows the latest)."""
+        self.events("waiting", stage=stage, model=model, need=dict(need), reason=why, every=every)
         self.progress.note(f"waiting: {stage} of {model}: {why}")
 
     # -- preparation (model threads) ---------------------------------------------------
@@ -214,12 +219,16 @@ class Recorder:
         seconds = ms.seconds if ms.source == "computed" else None
         self.tracker.record_model(parent, self.spec, plan, ms.stats, profile, seconds)
         labels = list(profile.labels) if profile.labels is not None else None
-        self.facts[plan.label] = ModelFacts(profile.rls, profile.k, labels, ms.location)
+        shape = ModelShape.from_config(read_config(plan.path))
+        self.facts[plan.label] = ModelFacts(profile.rls, profile.k, labels, ms.location, shape)
         self.parents[plan.label] = parent
+
+    def skipped(self, points: list[GridPoint]) -> None:
+        """Points found in the catalog already: not run again."""
+        self.summary.skipped += len(points)
 
     def model_ready(self, label: str, points: int, todo: int, skipped: int, left: int) -> None:
         """A model's preparation ended: `todo` of its `points` run (some have started)."""
-        self.summary.skipped += skipped
         self.events("grid", model=label, points=points, todo=todo, skipped=skipped)
         self.progress.add_points(label, todo, skipped, left)
 
@@ -378,19 +387,21 @@ class Recorder:
             return
         try:
             reg = model_registry.register_model(self.tracker.client, plan, entries)
+            for key, uri in reg.uris.items():
+                if rows[key].get("model_uri") != uri:
+                    self._update(key, {"model_uri": uri})
+            aliases = model_registry.move_aliases(
+                self.tracker.client, reg.name, entries, reg.versions
+            )
         except MlflowException as exc:
             cause = str(exc).splitlines()[0][:500]
             self.summary.failed.append(f"{plan.label}/registry: {cause}")
             self.events("register_failed", model=plan.label, cause=cause)
             return
-        for key, uri in reg.uris.items():
-            if rows[key].get("model_uri") != uri:
-                self._update(key, {"model_uri": uri})
+        versions = len(reg.versions)
         self.events(
-            "register", model=plan.label, name=reg.name, versions=reg.versions,
-            created=reg.created, aliases=reg.aliases,
+            "register", model=plan.label, name=reg.name, versions=versions,
+            created=reg.created, aliases=aliases,
         )  # fmt: skip
-        shown = ", ".join(f"{a}=v{v}" for a, v in sorted(reg.aliases.items()))
-        self.progress.note(
-            f"registry {reg.name}: {reg.versions} versions ({reg.created} new); {shown}"
-        )
+        shown = ", ".join(f"{a}=v{v}" for a, v in sorted(aliases.items()))
+        self.progress.note(f"registry {reg.name}: {versions} versions ({reg.created} new); {shown}")

@@ -216,7 +216,7 @@ def test_a_stop_while_waiting_for_a_worker_node_exits_143_with_one_line(
     model = save_tiny_ptb("llama", tmp_path / "model")
     job = write_job(tmp_path, tiny_job(tmp_path, model, "waits", budgets=[1]))
     err = (tmp_path / "waits.err").open("w+")
-    env |= {"RAY_ADDRESS": f"127.0.0.1:{port}", "LORP_WAITING_NOTE_S": "2"}
+    env |= {"RAY_ADDRESS": f"127.0.0.1:{port}", "LORP_WAITING_NOTE_S": "5"}
     lorp = Path(sys.executable).with_name("lorp")
     driver = None
     try:

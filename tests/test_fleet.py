@@ -155,6 +155,28 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     assert f"models:/lorp-tiny/{aliases['dense']}" == dense["model_uri"]
     if not pruned["degraded"]:
         assert f"models:/lorp-tiny/{aliases['best-1']}" == pruned["model_uri"]
+    # the cost columns, on every row (lorp.cost; tests/test_cost.py counts them by hand)
+    for row in (dense, pruned):
+        assert row["weight_bytes"] == row["params"] * 4  # float32
+    assert dense["predicted_prefill_speedup"] == dense["predicted_decode_speedup"] == 1.0
+    kept = len(pruned["kept_layers"])
+    assert kept == 5 and pruned["kv_bytes_per_token"] == dense["kv_bytes_per_token"] * kept / 6
+    for what in ("prefill", "decode"):  # 1 of 6 blocks: the head and embeddings stay
+        assert 1.0 < pruned[f"predicted_{what}_speedup"] < 6 / 5
+    lines = format_status(run_status(tmp_path / "broken"))
+    assert any(x.startswith("predicted    prefill") and "not timed" in x for x in lines), lines
     events = read_events(tmp_path / "broken" / "events.jsonl")
     kinds = [e["event"] for e in events]
     assert kinds.index("model_failed") < kinds.index("register") and "model_done" in kinds
+
+    # resumed with a second budget: dense and shortgpt-b1 are done, shortgpt-b2 runs, the
+    # model fails again; its gate and registry see the rows already there too: one new
+    # version (b2), the dense one kept (no second dense version from the parent run)
+    again = run_job(parse_spec(spec | {"budgets": [1, 2]}))
+    assert (again.done, again.skipped, again.failed) == (1, 2, summary.failed)
+    rows = {r["budget"]: r for r in read_catalog(tmp_path / "broken" / "catalog.parquet")}
+    assert rows[2]["ppl_ratio"] == pytest.approx(rows[2]["ppl_ptb"] / dense["ppl_ptb"])
+    assert len(client.search_model_versions("name = 'lorp-tiny'")) == 3
+    now = client.get_registered_model("lorp-tiny").aliases
+    assert now["dense"] == aliases["dense"] and now.get("best-1") == aliases.get("best-1")
+    assert rows[2]["model_uri"] and rows[0]["model_uri"] == dense["model_uri"]

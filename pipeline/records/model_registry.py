@@ -195,17 +195,16 @@ class Registered:
     """What registering one model's entries did."""
 
     name: str
+    versions: dict[str, str]
+    """grid key -> version, for every entry."""
     uris: dict[str, str]
     """grid key -> `models:/<name>/<version>`, for every entry that has a catalog row."""
-    versions: int
     created: int
-    aliases: dict[str, str]
-    """alias -> version."""
 
 
 def register_model(client: MlflowClient, plan: ModelPlan, entries: list[Entry]) -> Registered:
     """Versions for `entries` (created, or found again and their tags brought up to
-    date), then the aliases. The catalog's `model_uri` is the caller's to write."""
+    date). The catalog's `model_uri` is the caller's to write, then `move_aliases`."""
     name = registered_name(plan.label)
     ensure_registered_model(client, name, plan)
     existing = existing_versions(client, name)
@@ -221,8 +220,7 @@ def register_model(client: MlflowClient, plan: ModelPlan, entries: list[Entry]) 
             sync_tags(client, mv, e.tags)
         versions[e.key] = str(mv.version)
     uris = {e.key: f"models:/{name}/{versions[e.key]}" for e in entries if e.in_catalog}
-    aliases = move_aliases(client, name, entries, versions)
-    return Registered(name, uris, len(versions), created, aliases)
+    return Registered(name, versions, uris, created)
 
 
 def ensure_registered_model(client: MlflowClient, name: str, plan: ModelPlan) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lorp
+from lorp.cost import ModelShape, cost_columns
 from lorp.provenance import provenance as lorp_provenance
 from lorp.surgery import kept_layers
 from pipeline.plan import GridPoint
@@ -161,6 +162,8 @@ class ModelFacts:
     k: int | None
     labels: list[int] | None
     stats_file: str | None
+    shape: ModelShape | None = None
+    """The dims its rows' cost columns are counted from (`lorp.cost`)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,27 @@ def catalog_row(
     row |= {"n_evals": float(point.n_evals), "select_s": point.select_s}
     if result.repair:  # the worst run's share of its gap the repair left, on calibration
         row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
+    row |= costs(spec, point, facts, result)
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
+
+
+def costs(
+    spec: JobSpec, point: GridPoint, facts: ModelFacts, result: PointResult
+) -> dict[str, float]:
+    """The row's cost columns (`lorp.cost`), counted from the model's shape, its kept
+    blocks and its exact parameter count, at the serving dtype."""
+    if facts.shape is None:
+        return {}
+    kept, params, dense = result.kept, result.params, result.params_dense
+    dtype = point.model.spec.dtype
+    return cost_columns(facts.shape, kept, params, dense, dtype, cost_seq_len(spec))
+
+
+def cost_seq_len(spec: JobSpec) -> int:
+    """The sequence length the cost columns count at: the evaluation's (its prefills and
+    windows), else the calibration's."""
+    ev = spec.evaluation
+    return ev.seq_len if ev.enabled else spec.calibration.seq_len
 
 
 def _finite_or_none(value: Any) -> bool:

@@ -32,6 +32,8 @@ class RunStatus:
     """Catalog rows that are pruned and not repaired."""
     refused: list[str] = field(default_factory=list)
     """Repaired twins planning left out this attempt, with the reason."""
+    predicted: str = ""
+    """The pruned rows' predicted speed-ups (from the config, not timed), one line."""
     last_event: str = ""
     busy: str = ""
     """How busy the attempt kept its slots (`pipeline.records.timeline`), one line."""
@@ -56,6 +58,7 @@ def run_status(run_dir: Path) -> RunStatus:
     pruned = [r for r in rows if r.get("method") != "dense"]
     st.repaired = sum(1 for r in pruned if (r.get("repair") or "none") != "none")
     st.pruned = len(pruned) - st.repaired
+    st.predicted = _predicted(pruned)
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
         return st
@@ -114,9 +117,14 @@ def _read_timeline(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
 
 def _still_waiting(attempt: list[dict[str, Any]]) -> list[str]:
     """The latest `waiting` line of each (stage, model) that no later event of that
-    model (a worker's span, a capture, a point, a stage's end) has overtaken."""
+    model (a worker's span, a capture, a point, a stage's end) has overtaken, and that
+    is not older than twice the interval the driver repeats it at."""
+    import time
+
     waiting: dict[tuple[str, str], str] = {}
     for e in attempt:
+        if e["event"] == "waiting" and _age(e.get("time"), time.time()) > 2 * e.get("every", 60):
+            continue
         model = e.get("model") or str(e.get("unit", "")).rpartition(":")[2]
         if e["event"] == "waiting":
             waiting[(e.get("stage", "?"), model)] = (
@@ -152,6 +160,20 @@ def _driver_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
+def _predicted(pruned: list[dict[str, Any]]) -> str:
+    """The range of the pruned rows' predicted speed-ups, prefill and decode."""
+    parts = []
+    for what in ("prefill", "decode"):
+        values = [r[c] for r in pruned if not _missing(r.get(c := f"predicted_{what}_speedup"))]
+        if values:
+            parts.append(f"{what} {min(values):.2f}-{max(values):.2f}x")
+    if not parts:
+        return ""
+    return (
+        f"{', '.join(parts)} over {len(pruned)} variant(s) (predicted from the config, not timed)"
+    )
+
+
 def _missing(value: Any) -> bool:
     return value is None or value != value  # None or NaN
 
@@ -182,6 +204,8 @@ def format_status(st: RunStatus) -> list[str]:
             + (f"; {len(st.refused)} not repaired" if st.refused else "")
         )
     lines += [f"not repaired {why}" for why in st.refused]
+    if st.predicted:
+        lines.append(f"predicted    {st.predicted}")
     if st.speed_pending:
         lines.append(f"speed        {st.speed_pending} rows await the speed pass")
     if st.speed_unresolved:

@@ -1,0 +1,137 @@
+"""What a variant costs to serve, counted from its config and kept blocks: no timing.
+
+A depth-pruned variant keeps some blocks of its dense model and nothing else changes, so
+its serving cost follows from the config (`config.json`, the text model's part) and
+which blocks it keeps:
+
+- `weight_bytes`: every parameter at the serving dtype (the exact parameter count);
+- `kv_bytes_per_token`: the K and V cache one token adds, 2 x kv_heads x head_dim per
+  kept block;
+- `prefill_flops_per_token`: matmul FLOPs (2 per multiply-add) of one token of a causal
+  prefill of `seq_len` tokens, as a plain forward runs it: every kept block's q, k, v, o
+  and gated-MLP projections, its attention scores and weighted values over the token's
+  context (averaged over the `seq_len` positions; a sliding-window layer sees at most
+  its window), and the LM head at every position;
+- `decode_bytes_per_token`: what one generated token reads at a context of `context`
+  tokens: every weight once (of an untied input embedding only the token's row) and
+  the whole KV cache.
+
+The predicted speed-ups are dense over variant: prefill when compute-bound, decode when
+memory-bound. They are predictions; what a machine measures is in the speed columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dims of a decoder-only model that its serving cost depends on."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    n_blocks: int
+    tied: bool
+    windows: tuple[int | None, ...]
+    """Per block: its sliding window, None for full attention."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        n = int(config["num_hidden_layers"])
+        return cls(
+            hidden=d,
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or d // heads),
+            intermediate=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            n_blocks=n,
+            tied=bool(config.get("tie_word_embeddings", False)),
+            windows=_windows(config, n),
+        )
+
+    @property
+    def block_matmul_weights(self) -> int:
+        """Weights one token multiplies through in a block: q, k, v, o and the gated MLP."""
+        d, hd = self.hidden, self.head_dim
+        attention = d * self.heads * hd * 2 + d * self.kv_heads * hd * 2
+        return attention + 3 * d * self.intermediate
+
+
+def _windows(config: Mapping[str, Any], n: int) -> tuple[int | None, ...]:
+    """`layer_types` where the config names them (Gemma 2/3, OLMo 3, Qwen); Mistral's
+    `sliding_window` covers every layer; anything else attends to its whole context."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if types and window:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types[:n])
+    if window and config.get("model_type") == "mistral":
+        return (int(window),) * n
+    return (None,) * n
+
+
+def mean_context(seq_len: int, window: int | None) -> float:
+    """The keys a query attends to, averaged over the positions 1..seq_len of a causal
+    prefill: min(t, window) at position t."""
+    w = seq_len if window is None else min(window, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
+def prefill_flops_per_token(shape: ModelShape, kept: Sequence[int], seq_len: int) -> float:
+    """Matmul FLOPs per token of a causal prefill of `seq_len` tokens (module docstring)."""
+    scores = 2 * 2 * shape.heads * shape.head_dim  # q.k and the weighted v, per key
+    blocks = sum(
+        2 * shape.block_matmul_weights + scores * mean_context(seq_len, shape.windows[b])
+        for b in kept
+    )
+    return blocks + 2 * shape.hidden * shape.vocab
+
+
+def kv_bytes_per_token(shape: ModelShape, kept: Sequence[int], dtype_bytes: int) -> int:
+    return len(kept) * 2 * shape.kv_heads * shape.head_dim * dtype_bytes
+
+
+def decode_bytes_per_token(
+    shape: ModelShape, kept: Sequence[int], params: int, dtype_bytes: int, context: int
+) -> int:
+    """Weights read once (an untied embedding table: one row) and a `context`-token KV
+    cache."""
+    unread = 0 if shape.tied else (shape.vocab - 1) * shape.hidden
+    weights = (params - unread) * dtype_bytes
+    return weights + context * kv_bytes_per_token(shape, kept, dtype_bytes)
+
+
+def cost_columns(
+    shape: ModelShape,
+    kept: Sequence[int],
+    params: int,
+    params_dense: int,
+    dtype: str,
+    seq_len: int,
+) -> dict[str, float]:
+    """The catalog's cost columns of a variant keeping `kept` blocks (`params` of its
+    dense model's `params_dense`), served in `dtype`, prefill and decode context
+    `seq_len`; the predicted speed-ups are dense over this variant."""
+    b = DTYPE_BYTES[dtype]
+    dense = range(shape.n_blocks)
+    flops = prefill_flops_per_token(shape, kept, seq_len)
+    decode = decode_bytes_per_token(shape, kept, params, b, seq_len)
+    return {
+        "weight_bytes": float(params * b),
+        "kv_bytes_per_token": float(kv_bytes_per_token(shape, kept, b)),
+        "prefill_flops_per_token": flops,
+        "decode_bytes_per_token": float(decode),
+        "predicted_prefill_speedup": prefill_flops_per_token(shape, dense, seq_len) / flops,
+        "predicted_decode_speedup": decode_bytes_per_token(shape, dense, params_dense, b, seq_len)
+        / decode,
+    }
