@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from lorp.sources import DTYPES
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def cost_columns(
     """The catalog's cost columns of a variant keeping `kept` blocks (`params` of its
     dense model's `params_dense`), served in `dtype`, prefill and decode context
     `seq_len`; the predicted speed-ups are dense over this variant."""
-    b = DTYPE_BYTES[dtype]
+    b = DTYPES[dtype].itemsize  # the same names a model spec's `dtype` takes
     dense = range(shape.n_blocks)
     flops = prefill_flops_per_token(shape, kept, seq_len)
     decode = decode_bytes_per_token(shape, kept, params, b, seq_len)

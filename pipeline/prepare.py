@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -257,7 +257,7 @@ class _Preparation:
 
     def _repair_refs(
         self, shards: CalibrationShards | None, runs: list[tuple[int, int]], variants: int
-    ) -> Mapping[tuple[str, tuple[int, int]], Any]:
+    ) -> RepairRefs:
         import ray
 
         label = self.plan.label
