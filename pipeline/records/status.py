@@ -86,6 +86,10 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
             st.refused.append(
                 f"{e.get('model', '?')} {e.get('point', '?')}: {e.get('reason', '?')}"
             )
+    # a model that failed while preparing never says how many points it planned: what
+    # it ran counts as planned
+    points_failed = sum(e["event"] == "point_failed" for e in attempt)
+    st.planned = max(st.planned, st.done + points_failed)
     if attempt[-1]["event"] == "end":
         st.state = "finished"
     else:
