@@ -17,6 +17,11 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("spec", metavar="JOB.yaml")
     p.add_argument("--force", action="store_true", help="redo grid points already done")
+    p.add_argument(
+        "--force-speed",
+        action="store_true",
+        help="time every variant again (the speed pass only; points already done stay)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_command)
 
@@ -44,7 +49,7 @@ def run_command(args: argparse.Namespace) -> int:
     talk(args.quiet)
     progress = Progress(bar=False if args.quiet else None)
     try:
-        summary = run_job(spec, force=args.force, progress=progress)
+        summary = run_job(spec, force=args.force, force_speed=args.force_speed, progress=progress)
     except Stopped as stop:
         done = stop.summary
         print(

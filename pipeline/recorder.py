@@ -60,8 +60,11 @@ from pipeline.storage import Storage
 class Recorder:
     """A job's records: run directory, storage, catalog, events, MLflow, summary."""
 
-    def __init__(self, spec: JobSpec, force: bool, progress: Progress) -> None:
+    def __init__(
+        self, spec: JobSpec, force: bool, progress: Progress, *, force_speed: bool = False
+    ) -> None:
         self.spec, self.force, self.progress = spec, force, progress
+        self.force_speed = force_speed
         self.run_dir = spec.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or spec.tracking.mlflow_uri
@@ -233,11 +236,13 @@ class Recorder:
         self.progress.add_points(label, todo, skipped, left)
 
     def unmeasured(self, points: list[GridPoint]) -> list[GridPoint]:
-        """The model's finished points that lack speed figures (not the repaired twins)."""
+        """The model's finished points that lack speed figures, or all of them with
+        `force_speed` (never the repaired twins: they take their twin's)."""
         ev = self.spec.evaluation
         if not (ev.enabled and ev.speed):
             return []
-        return row_updates.unmeasured(self.catalog.by_key(), points, twins(points))
+        rows = self.catalog.by_key()
+        return row_updates.unmeasured(rows, points, twins(points), again=self.force_speed)
 
     def speed_done(self, label: str, figures: Mapping[str, Mapping[str, float]]) -> None:
         """A model's speed figures into its rows and runs."""

@@ -39,12 +39,19 @@ from pipeline.records.rows import RunSummary
 from pipeline.spec import JobSpec
 
 
-def run_job(spec: JobSpec, *, force: bool = False, progress: Progress | None = None) -> RunSummary:
+def run_job(
+    spec: JobSpec,
+    *,
+    force: bool = False,
+    force_speed: bool = False,
+    progress: Progress | None = None,
+) -> RunSummary:
     """Run a job spec end to end; returns what was done, skipped and failed. A stop
-    signal raises `Stopped` once the points in flight are closed as KILLED."""
+    signal raises `Stopped` once the points in flight are closed as KILLED. `force`
+    redoes every point; `force_speed` times every variant again (the speed pass)."""
     plans = plan_models(spec)  # every input error surfaces here, before any file
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
-    recorder = Recorder(spec, force, progress or Progress(bar=False))
+    recorder = Recorder(spec, force, progress or Progress(bar=False), force_speed=force_speed)
     done = recorder.open()
     init_ray(spec)
     kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"

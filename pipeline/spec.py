@@ -230,7 +230,14 @@ class EvaluationSpec:
     """Prefill speed-up (batch 1, seq_len, cache off; dense and pruned interleaved in one
     process on a whole node, after the grid) and per-variant peak memory (fresh process)."""
     speed_repeats: int = 5
-    """Timed dense/pruned pairs after 3 warm-ups (medians are reported); at least 5."""
+    """Rounds of dense + every variant at least before a speed-up may resolve (>= 5; 6 is
+    the least that gives a 95% interval, so 5 means 6)."""
+    speed_budget_s: float = 300.0
+    """Seconds of timing per model in the speed pass: rounds go on until every variant's
+    interval is narrow enough or this is spent; what is unresolved then stays so."""
+    speed_half_width: float = 0.02
+    """How narrow a speed-up's 95% interval must be to publish it: its half-width as a
+    fraction of the speed-up."""
     bos: str = "auto"
     """BOS before every perplexity window: auto (when the tokenizer adds one), always, never."""
     degraded_ratio: float = 3.0
@@ -249,6 +256,12 @@ class EvaluationSpec:
         if self.zero_shot_limit is not None:
             _positive("zero_shot_limit", self.zero_shot_limit)
         _positive("speed_repeats", self.speed_repeats, minimum=5)
+        if not _is_number(self.speed_budget_s) or not self.speed_budget_s > 0:
+            raise SpecError(f"speed_budget_s: must be a number > 0, got {self.speed_budget_s!r}")
+        if not _is_number(self.speed_half_width) or not 0 < self.speed_half_width < 0.5:
+            raise SpecError(
+                f"speed_half_width: must be a number in (0, 0.5), got {self.speed_half_width!r}"
+            )
         _check_bos(self.bos)
         if not _is_number(self.degraded_ratio) or not self.degraded_ratio > 1.0:
             raise SpecError(f"degraded_ratio: must be a number > 1, got {self.degraded_ratio!r}")

@@ -266,6 +266,24 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
         assert metrics["latency_ms"] == pytest.approx(row["latency_ms"])
         assert row["eval_backend"] == "transformers"
         assert by_id[row["mlflow_run_id"]].data.tags["eval_backend"] == "transformers"
+    assert all(r["speed_runs"] >= 6 and r["speedup_low"] <= r["speedup_high"] for r in rows)
+
+    # --force-speed: the points stay, their speed is timed again into the same rows/runs
+    timed = subprocess.run([LORP, "run", "-q", "--force-speed", str(write_job(tmp_path, spec))],
+                           capture_output=True, text=True)  # fmt: skip
+    assert timed.returncode == 0, timed.stderr[-3000:]
+    assert "0 done, 3 already done" in timed.stdout, timed.stdout
+    retimed = {r["grid_key"]: r for r in read_catalog(run_dir / "catalog.parquet")}
+    assert retimed.keys() == {r["grid_key"] for r in rows}
+    by_id = {r.info.run_id: r for r in mlflow_runs(run_dir, "talk")}
+    for row in rows:
+        again_row = retimed[row["grid_key"]]
+        assert again_row["mlflow_run_id"] == row["mlflow_run_id"]
+        assert again_row["ppl_ptb"] == row["ppl_ptb"]
+        assert again_row["latency_ms"] != row["latency_ms"]  # a new timing, not the old one
+        metrics = by_id[row["mlflow_run_id"]].data.metrics
+        assert metrics["latency_ms"] == pytest.approx(again_row["latency_ms"])
+    rows = list(retimed.values())
     before = by_slot(run_dir)
     shutil.copy(run_dir / "catalog.parquet", tmp_path / "before.parquet")
 

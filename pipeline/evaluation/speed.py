@@ -4,17 +4,23 @@ can be trusted.
 - Prefill latency: one forward at batch 1 over `seq_len` tokens with the KV cache off and
   logits for the last position only (`logits_to_keep=1`), as a generation prefill does; a
   full-sequence LM head (Gemma 3's has 262k rows) would time the head, not the blocks.
-- `timed_speedup` times the dense and the pruned model alternately in one process
-  (warm-ups, then rounds in ABBA... order) and takes each side's latency as the minimum
-  of its runs, as `timeit` recommends: interference (other processes, a collection, a
-  migrating thread) only ever adds time, so a minimum cannot be flattered by it while a
-  median or mean of a noisy side can. It keeps timing until the estimate is resolved:
-  on each side two runs agree on the floor (the second-smallest time within 2% of the
-  smallest) and the ratio of the minima is within 5% of the bound below; a ratio above
-  that is never published. The pipeline runs it in a dedicated pass after the grid, one
-  model at a time on a whole node.
-- `interleaved_speedup`, the earlier estimator (medians and the median per-pair ratio),
-  is kept for callers that have not moved to `timed_speedup`.
+- `timed_speedups` times the dense model and its variants in rounds in one process (the
+  dense model once per round, every unresolved variant once, the order reversed every
+  other round; warm-ups first; the garbage collector off, as in `timeit`). A variant's
+  speed-up is the **median of its paired ratios**, dense time over variant time within
+  one round: whatever slows the machine for a round (another process, a migrating
+  thread, frequency) slows both sides of that round's ratio, and the median ignores the
+  rounds where it hit one side only. Its 95% interval comes from the ratios' own order
+  statistics (`median_interval`, distribution-free); the figure is *resolved* once the
+  interval's half-width is within 2% of the median and the median is physically
+  possible (0.97 to 1.05 x N/(N-k)). Timing goes on until every variant is resolved, a
+  round limit, or the model's time budget. The pipeline runs it in a dedicated pass
+  after the grid, one model at a time on a whole node. (The earlier rule, the ratio of
+  each side's minimum with a 2% floor-agreement test, resolved almost nothing on 2
+  shared cores, and a minimum over 40 runs still moved by +-3% between conditions:
+  `benchmarks/speed_bound.py`.)
+- `interleaved_speedup`, the first estimator (medians and the median per-pair ratio,
+  a fixed number of pairs), is kept for `benchmarks/run.py`.
 - Peak memory of a variant is measured in a fresh process (`peak_memory_fresh`, forked
   from a server that has imported torch once): load
   its saved checkpoint (or the dense model, then drop and free the blocks), reset the
@@ -39,6 +45,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
@@ -81,9 +88,49 @@ def prefill_latency(
 BOUND_SLACK = 1.05
 """A measured speed-up more than 5% above N/(N-k) is a broken timing, never a result."""
 
+SLOWDOWN_FLOOR = 0.97
+"""Removing blocks cannot slow a prefill down: a ratio under 0.97 is a broken timing too."""
+
+HALF_WIDTH = 0.02
+"""The relative half-width of the median's 95% interval a published speed-up needs."""
+
+CONFIDENCE = 0.95
+
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def median_interval(
+    ratios: Sequence[float], confidence: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """The median of `ratios` and a distribution-free interval for it: the order statistics
+    [r_(k), r_(n+1-k)] with the largest k whose binomial tail P(B(n, 1/2) <= k-1) is at
+    most (1 - confidence) / 2, so the interval covers the true median with at least
+    `confidence`. With too few ratios for that confidence (n <= 5 at 95%) the interval is
+    [min, max] and `_order_index` says it is short."""
+    r = sorted(ratios)
+    lo = _order_index(len(r), confidence)
+    k = 0 if lo is None else lo
+    return statistics.median(r), r[k], r[len(r) - 1 - k]
+
+
+@functools.cache
+def _order_index(n: int, confidence: float) -> int | None:
+    """0-based index of the interval's lower order statistic, None when even [min, max]
+    covers the median with less than `confidence` (1 - 2 / 2**n)."""
+    tail, index = 0.0, None
+    for i in range(n // 2):
+        tail += math.comb(n, i) / 2**n  # P(B <= i)
+        if tail > (1 - confidence) / 2:
+            break
+        index = i
+    return index
+
+
+def rounds_for(confidence: float = CONFIDENCE) -> int:
+    """The fewest rounds whose ratios can give an interval at `confidence` (6 at 95%)."""
+    return next(n for n in range(2, 64) if _order_index(n, confidence) is not None)
 
 
 def timed_speedup(
@@ -93,47 +140,76 @@ def timed_speedup(
     *,
     n_blocks: int,
     removed: int,
-    min_runs: int = 5,
-    max_runs: int = 30,
+    min_runs: int = 6,
+    max_runs: int = 40,
     budget_s: float | None = None,
     warmup: int = 2,
-    tolerance: float = 0.02,
+    half_width: float = HALF_WIDTH,
 ) -> dict[str, float]:
-    """Prefill latencies of `dense` and `pruned` (the minimum of each side's runs) and
-    their ratio, timed alternately until the estimate is resolved.
+    """The prefill speed-up of `pruned` over `dense`, timed alternately (ABBA...) until
+    its 95% interval is narrow enough: `timed_speedups` for one variant. `pruned=None`
+    times the dense model alone."""
+    variants = {} if pruned is None else {"pruned": (pruned, removed)}
+    out = timed_speedups(
+        dense,
+        variants,
+        seq_len,
+        n_blocks=n_blocks,
+        min_runs=min_runs,
+        max_runs=max_runs,
+        budget_s=budget_s,
+        warmup=warmup,
+        half_width=half_width,
+    )
+    return out["" if pruned is None else "pruned"]
 
-    After `warmup` untimed rounds, rounds of one prefill per model (ABBA... order) are
-    added until, after at least `min_runs` rounds, the estimate is resolved: on each
-    side the second-smallest time is within `tolerance` of the smallest (two runs agree
-    on the floor), and min(dense) / min(pruned) is at most 1.05 x
-    `speedup_bound(n_blocks, removed)`. Timing stops unresolved after `max_runs` rounds,
-    or once `budget_s` seconds (from the call, warm-ups included) are spent; a budget
-    that ends it before `min_runs` rounds leaves it unresolved. The garbage collector is
-    off while timing, as in `timeit`.
 
-    Returns (all floats, as catalog metric columns are):
-    - `latency_ms`, `latency_dense_ms`: the pruned and the dense minimum;
-    - `speedup_measured`: min(dense) / min(pruned), always;
-    - `speedup`: the same when resolved, else NaN (a ratio above the bound never is);
-    - `speedup_std`: the ratio's half-width from the floors' agreement: with g the
-      relative gap between a side's two smallest times, half the width of
-      [r / (1 + g_pruned), r * (1 + g_dense)], the range r spans if either floor were
-      that side's second-smallest time (NaN with fewer than two runs a side);
-    - `speed_runs`: rounds timed (runs per side);
-    - `speed_resolved`: 1.0 or 0.0.
+def timed_speedups(
+    dense: Any,
+    variants: dict[str, tuple[Any, int]],
+    seq_len: int,
+    *,
+    n_blocks: int,
+    min_runs: int = 6,
+    max_runs: int = 40,
+    budget_s: float | None = None,
+    warmup: int = 1,
+    half_width: float = HALF_WIDTH,
+) -> dict[str, dict[str, float]]:
+    """Prefill speed-ups of many variants of one dense model, timed in rounds.
 
-    `pruned=None` times the dense model alone: speed-up 1 by definition, resolved when
-    its own floor is stable."""
+    Each round times the dense model once and every variant still unresolved once, the
+    order reversed every other round (dense first, then last), so a drift in machine
+    speed favours no side; the garbage collector is off, as in `timeit`. A variant's
+    figure is the **median of its paired ratios** (the dense time of a round over the
+    variant's time in the same round: what slows the machine for a round slows both),
+    with the median's distribution-free 95% interval (`median_interval`). It is
+    *resolved*, and leaves the rounds, once after at least `min_runs` rounds (never under
+    `rounds_for()` = 6) the interval's half-width is at most `half_width` of the median
+    and the median lies in [0.97, 1.05 x N/(N-k)]. Rounds stop at `max_runs`, or once
+    `budget_s` seconds (from the call, warm-ups included) are spent; what is unresolved
+    then stays so. `variants` maps a key to (model, blocks removed).
+
+    Returns per key (all floats, as catalog metric columns are):
+    - `latency_ms`, `latency_dense_ms`: the variant's median time and the dense model's
+      median over the same rounds;
+    - `speedup_measured`: the median paired ratio, always;
+    - `speedup`: the same when resolved, else NaN;
+    - `speedup_low`, `speedup_high`, `speedup_std`: the 95% interval and its half-width;
+    - `speed_runs`: the variant's rounds; `speed_resolved`: 1.0 or 0.0.
+    Under the key "" the dense model alone: speed-up 1 by definition (resolved), its
+    median latency over every round."""
     ids = _ids(dense, seq_len)
-    models = [dense] if pruned is None else [dense, pruned]
-    bound, need = _bound(n_blocks, removed), _runs_needed(min_runs, max_runs)
+    need = max(min_runs, rounds_for())
+    models = {k: model for k, (model, _) in variants.items()}
+    bounds = {k: _bound(n_blocks, r) for k, (_, r) in variants.items()}
+    rule = _Rule(need, bounds, half_width)
     start = _now()  # the budget counts from the call, before the warm-ups
     with _quiet():
-        _warm_up(models, ids, warmup)
-        times = _alternate_rounds(
-            models, ids, need, max_runs, bound, tolerance, start=start, budget_s=budget_s
-        )
-    return _judged(times, need, bound, tolerance)
+        _warm_up([dense, *models.values()], ids, warmup)
+        rounds = _group_rounds(dense, models, ids, max_runs, rule, start=start, budget_s=budget_s)
+    out = {k: _figures(rounds.paired(k), rule, k) for k in variants}
+    return out | {"": _dense_alone(rounds.dense)}
 
 
 def _bound(n_blocks: int, removed: int) -> float:
@@ -141,10 +217,33 @@ def _bound(n_blocks: int, removed: int) -> float:
     return speedup_bound(n_blocks, removed) if removed < n_blocks else math.inf
 
 
-def _runs_needed(min_runs: int, max_runs: int) -> int:
-    """Rounds before an estimate may count as resolved: `min_runs`, capped by `max_runs`,
-    and never under two, since one run cannot show a stable floor."""
-    return max(2, min(min_runs, max_runs))
+@dataclass(frozen=True)
+class _Rule:
+    """When a variant's paired ratios make a published figure."""
+
+    need: int
+    bounds: dict[str, float]
+    half_width: float
+
+    def resolved(self, paired: list[tuple[float, float]], key: str) -> bool:
+        if len(paired) < self.need:
+            return False
+        mid, lo, hi = median_interval([d / v for d, v in paired])
+        plausible = SLOWDOWN_FLOOR <= mid <= BOUND_SLACK * self.bounds[key]
+        return plausible and (hi - lo) / 2 <= self.half_width * mid
+
+
+@dataclass
+class _Rounds:
+    """Every timing of the rounds: the dense model's per round, and per variant the
+    (round, time) of each round it was in."""
+
+    dense: list[float] = field(default_factory=list)
+    times: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def paired(self, key: str) -> list[tuple[float, float]]:
+        """(dense time, variant time) of each round the variant was timed in."""
+        return [(self.dense[i], t) for i, t in self.times.get(key, [])]
 
 
 def _warm_up(models: Sequence[Any], ids: torch.Tensor, warmup: int) -> None:
@@ -155,100 +254,33 @@ def _warm_up(models: Sequence[Any], ids: torch.Tensor, warmup: int) -> None:
             _time_ms(m, ids)
 
 
-def _alternate_rounds(
-    models: list[Any],
-    ids: torch.Tensor,
-    need: int,
-    max_runs: int,
-    bound: float,
-    tolerance: float,
-    *,
-    start: float,
-    budget_s: float | None,
-) -> list[list[float]]:
-    """`timed_speedup`'s rounds, ABBA..., up to `max_runs`: they stop once resolved after
-    `need` rounds, or once `budget_s` seconds from `start` are spent (None: no budget).
-    Returns each side's times, [dense, pruned]."""
-    times: list[list[float]] = [[] for _ in models]
-    for i in range(max(max_runs, 1)):
-        for side, t in zip(times, _pair(models, ids, flip=i % 2 == 1), strict=True):
-            side.append(t)
-        if i + 1 >= need and _resolved(times, bound, tolerance):
-            break
-        if budget_s is not None and _now() - start >= budget_s:
-            break
-    return times
-
-
-def _judged(
-    times: list[list[float]], need: int, bound: float, tolerance: float
-) -> dict[str, float]:
-    """`_minima` of the final times, resolved only after `need` rounds: a budget that
-    ended the timing earlier leaves it unresolved, however settled it looks."""
-    resolved = len(times[-1]) >= need and _resolved(times, bound, tolerance)
-    return _minima(times, resolved)
-
-
-def timed_speedups(
-    dense: Any,
-    variants: dict[str, tuple[Any, int]],
-    seq_len: int,
-    *,
-    n_blocks: int,
-    min_runs: int = 5,
-    max_runs: int = 15,
-    warmup: int = 1,
-    tolerance: float = 0.02,
-) -> dict[str, dict[str, float]]:
-    """`timed_speedup` for many variants of one dense model at once: each round times the
-    dense model once and every variant still unresolved once (the order reversed every
-    other round), so the dense side is not re-timed per variant. `variants` maps a key to
-    (the pruned model, blocks removed); `{}` times the dense model alone. The estimate,
-    its resolution and the returned figures per key are `timed_speedup`'s, the dense
-    minimum shared; after `min_runs` rounds a resolved variant leaves the rounds."""
-    ids = _ids(dense, seq_len)
-    need = _runs_needed(min_runs, max_runs)
-    models = {k: model for k, (model, _) in variants.items()}
-    bounds = {k: _bound(n_blocks, r) for k, (_, r) in variants.items()}
-    with _quiet():
-        _warm_up([dense, *models.values()], ids, warmup)
-        dense_times, times = _group_rounds(
-            dense, models, ids, need, max_runs, bounds=bounds, tolerance=tolerance
-        )
-    out = {  # judged on the final floors: a dense floor that moved later counts too
-        k: _judged([dense_times, times[k]], need, bounds[k], tolerance) for k in variants
-    }
-    return out | {"": _minima([dense_times], _floor_gap(dense_times) <= tolerance)}
-
-
 def _group_rounds(
     dense: Any,
     models: dict[str, Any],
     ids: torch.Tensor,
-    need: int,
     max_runs: int,
+    rule: _Rule,
     *,
-    bounds: dict[str, float],
-    tolerance: float,
-) -> tuple[list[float], dict[str, list[float]]]:
-    """`timed_speedups`' rounds, up to `max_runs`: after `need` rounds a resolved variant
-    leaves them, and they stop once every variant has (the dense model alone: once its
-    floor is stable). Returns the dense times and each variant's."""
-    dense_times: list[float] = []
-    times: dict[str, list[float]] = {k: [] for k in models}
+    start: float,
+    budget_s: float | None,
+) -> _Rounds:
+    """`timed_speedups`' rounds: a resolved variant leaves them; they stop once every
+    variant has (the dense model alone: after `rule.need` rounds), at `max_runs`, or
+    when `budget_s` seconds from `start` are spent (None: no budget)."""
+    rounds = _Rounds(times={k: [] for k in models})
     done: set[str] = set()
     for i in range(max(max_runs, 1)):
         order = [k for k in models if k not in done]
         dense_ms, variant_ms = _group_round(dense, models, ids, order, flip=i % 2 == 1)
-        dense_times.append(dense_ms)
+        rounds.dense.append(dense_ms)
         for k, t in variant_ms.items():
-            times[k].append(t)
-        if i + 1 >= need:
-            done |= {k for k in order if _resolved([dense_times, times[k]], bounds[k], tolerance)}
-            alone = _floor_gap(dense_times) <= tolerance
-            if len(done) == len(models) and (models or alone):
-                break
-    return dense_times, times
+            rounds.times[k].append((i, t))
+        done |= {k for k in order if rule.resolved(rounds.paired(k), k)}
+        if len(done) == len(models) and len(rounds.dense) >= rule.need:
+            break
+        if budget_s is not None and _now() - start >= budget_s:
+            break
+    return rounds
 
 
 def _group_round(
@@ -264,39 +296,49 @@ def _group_round(
     return dense_ms, {k: _time_ms(models[k], ids) for k in order}
 
 
-def _floor_gap(times: list[float]) -> float:
-    """How far the second-smallest time is above the smallest, relative (inf: one run)."""
-    if len(times) < 2:
-        return math.inf
-    first, second = sorted(times)[:2]
-    return (second - first) / first if first > 0 else math.inf
-
-
-def _resolved(times: list[list[float]], bound: float, tolerance: float) -> bool:
-    if any(_floor_gap(side) > tolerance for side in times):
-        return False
-    return len(times) == 1 or min(times[0]) / min(times[1]) <= BOUND_SLACK * bound
-
-
-def _minima(times: list[list[float]], resolved: bool) -> dict[str, float]:
-    dense_ms = min(times[0])
-    pruned_ms = min(times[-1])
-    gaps = [_floor_gap(side) for side in times]
-    if len(times) == 1:  # the dense model alone: 1 by definition
-        ratio, spread = 1.0, 0.0
-    else:
-        ratio = dense_ms / pruned_ms
-        spread = (ratio * (1 + gaps[0]) - ratio / (1 + gaps[1])) / 2
-    if not all(math.isfinite(g) for g in gaps):
-        spread = math.nan
+def _figures(paired: list[tuple[float, float]], rule: _Rule, key: str) -> dict[str, float]:
+    """A variant's figures from its paired rounds (see `timed_speedups`)."""
+    nan = math.nan
+    if not paired:
+        return {
+            "latency_ms": nan,
+            "latency_dense_ms": nan,
+            "speedup": nan,
+            "speedup_measured": nan,
+            "speedup_low": nan,
+            "speedup_high": nan,
+            "speedup_std": nan,
+            "speed_runs": 0.0,
+            "speed_resolved": 0.0,
+        }
+    mid, lo, hi = median_interval([d / v for d, v in paired])
+    resolved = rule.resolved(paired, key)
     return {
-        "latency_ms": pruned_ms,
-        "latency_dense_ms": dense_ms,
-        "speedup": ratio if resolved or len(times) == 1 else math.nan,
-        "speedup_measured": ratio,
-        "speedup_std": spread,
-        "speed_runs": float(len(times[-1])),  # the variant's runs (the dense side's alone)
+        "latency_ms": statistics.median(v for _, v in paired),
+        "latency_dense_ms": statistics.median(d for d, _ in paired),
+        "speedup": mid if resolved else nan,
+        "speedup_measured": mid,
+        "speedup_low": lo,
+        "speedup_high": hi,
+        "speedup_std": (hi - lo) / 2,
+        "speed_runs": float(len(paired)),
         "speed_resolved": 1.0 if resolved else 0.0,
+    }
+
+
+def _dense_alone(times: list[float]) -> dict[str, float]:
+    """The dense model's own row: speed-up 1 by definition, its median latency."""
+    latency = statistics.median(times) if times else math.nan
+    return {
+        "latency_ms": latency,
+        "latency_dense_ms": latency,
+        "speedup": 1.0,
+        "speedup_measured": 1.0,
+        "speedup_low": 1.0,
+        "speedup_high": 1.0,
+        "speedup_std": 0.0,
+        "speed_runs": float(len(times)),
+        "speed_resolved": 1.0,
     }
 
 

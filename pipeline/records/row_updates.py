@@ -20,6 +20,8 @@ SPEED_COLUMNS = (
     "latency_dense_ms",
     "speedup",
     "speedup_std",
+    "speedup_low",
+    "speedup_high",
     "speedup_measured",
     "speed_runs",
     "speed_resolved",
@@ -45,13 +47,16 @@ def finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def unmeasured(rows: Rows, points: list[GridPoint], twins: Mapping[str, str]) -> list[GridPoint]:
-    """The finished points still without speed figures; a repaired variant with an
-    unrepaired twin in the job is never timed (it takes the twin's figures)."""
+def unmeasured(
+    rows: Rows, points: list[GridPoint], twins: Mapping[str, str], *, again: bool = False
+) -> list[GridPoint]:
+    """The finished points still without speed figures (`again`: every finished point);
+    a repaired variant with an unrepaired twin in the job is never timed (it takes the
+    twin's figures)."""
     return [
         p
         for p in points
-        if p.key in rows and p.key not in twins and missing(rows[p.key], "latency_ms")
+        if p.key in rows and p.key not in twins and (again or missing(rows[p.key], "latency_ms"))
     ]
 
 

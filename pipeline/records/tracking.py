@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -197,10 +198,11 @@ class Tracker:
         metrics: Mapping[str, float] | None = None,
         tags: Mapping[str, str] | None = None,
     ) -> None:
+        now_ms = int(time.time() * 1000)  # a value logged again (a re-timing) is the latest
         self.client.log_batch(
             run_id,
             metrics=[
-                Metric(k, float(v), 0, 0)
+                Metric(k, float(v), now_ms, 0)
                 for k, v in (metrics or {}).items()
                 if v is not None and np.isfinite(v)
             ],

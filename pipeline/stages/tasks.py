@@ -69,7 +69,9 @@ def speed_task(spec: JobSpec, storage: str, points: list[GridPoint]) -> SpeedTas
         storage=storage,
         variants=tuple((p.key, p.layers, checkpoint(spec, p)) for p in points),
         seq_len=ev.seq_len,
-        pairs=ev.speed_repeats,
+        min_rounds=ev.speed_repeats,
+        budget_s=float(ev.speed_budget_s),
+        half_width=float(ev.speed_half_width),
         resources=whole_node(spec.resources.speed, spec.resources.grid.num_gpus),
         n_blocks=plan.n_blocks,
     )

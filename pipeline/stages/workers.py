@@ -439,19 +439,28 @@ class SpeedTask:
     variants: tuple[tuple[str, tuple[int, ...], str | None], ...]
     """(grid key, pruned blocks, saved checkpoint below `storage` or None); () is dense."""
     seq_len: int
-    pairs: int = 5
-    """Rounds of dense/pruned prefills at least; up to 2x as many until the minima agree."""
+    min_rounds: int = 6
+    """Rounds of dense + every variant at least before a figure may resolve."""
+    budget_s: float = 300.0
+    """Seconds of timing for the whole model (every group), warm-ups included."""
+    half_width: float = 0.02
+    """The 95% interval's half-width, relative, a published speed-up needs."""
     resources: Resources = field(default_factory=Resources)
     n_blocks: int = 1
     """The dense model's blocks (the speed-up's bound N / (N - k))."""
 
 
+MAX_SPEED_ROUNDS = 60
+"""Rounds at most per group of variants (the budget usually ends them first)."""
+
+
 def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     """Per grid key: the dense/pruned prefill timing (`timed_speedups` in
-    `pipeline.evaluation.speed`: the minimum of alternating runs per side, in rounds
-    that time the dense model once for a group of variants; unresolved figures marked)
-    and the variant's peak memory in a fresh process. Variants are timed in groups whose
-    pruned copies fit half the memory free."""
+    `pipeline.evaluation.speed`: the median of paired dense/variant ratios over rounds
+    that time the dense model once for a group of variants, published once its 95%
+    interval is narrow enough; unresolved figures marked) and the variant's peak memory
+    in a fresh process. Variants are timed in groups whose pruned copies fit half the
+    memory free; the groups share the model's time budget."""
     import copy
 
     from lorp.surgery import drop_layers
@@ -468,6 +477,7 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     per_block = _bytes(dense) / max(n, 1)
     groups = _groups(pruned, lambda layers: per_block * (n - len(layers)), _free_bytes(dense) / 2)
     timing: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + task.budget_s
     for group in groups or [[]]:
         copies = {}
         for key, layers in group:  # a pruned copy shares nothing with the dense model
@@ -475,7 +485,14 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
             drop_layers(pruned_copy, layers)
             copies[key] = (pruned_copy, len(layers))
         figures = timed_speedups(
-            dense, copies, task.seq_len, n_blocks=n, min_runs=task.pairs, max_runs=2 * task.pairs
+            dense,
+            copies,
+            task.seq_len,
+            n_blocks=n,
+            min_runs=task.min_rounds,
+            max_runs=MAX_SPEED_ROUNDS,
+            budget_s=max(deadline - time.monotonic(), 0.0),
+            half_width=task.half_width,
         )
         del copies
         dense_alone = figures.pop("")
