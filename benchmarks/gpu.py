@@ -16,6 +16,13 @@ torch, transformers and `lorp/`, which is all the device image has of ours):
                      (a normed fit capped at --normed-rounds, each one d x d SVD).
 4. prune             selection, fold + surgery, and `save_pretrained` of the pruned
                      model, timed; its forward tokens/s against dense, beside N/(N-k).
+5. serving           (where vLLM is installed; `--serving`, on by default on CUDA) the
+                     8B Llama shape in bf16, dense and with 8 and 12 blocks removed, each
+                     served by its own vLLM engine with `pipeline.evaluation.serving`
+                     (closed loop at --serve-concurrency, fixed synthetic prompts, EOS
+                     ignored): output tokens/s, TTFT, TPOT, and the speed-up over dense
+                     with its 95% interval, beside N/(N-k). The H200 image lent here has no
+                     vLLM: the report then says so instead of a figure.
 
 Shapes: an 8B Llama (d 4096, 32 blocks, 32 / 8 heads, 14336, vocab 128256) and a Gemma 3
 4B (d 2560, 34 blocks, 8 / 4 heads of 256, 10240, vocab 262144). Gemma 3 because it is the
@@ -249,6 +256,110 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     return r
 
 
+SERVE_REMOVED = (8, 12)
+"""Blocks removed from the 8B shape for the serving figures (NVIDIA's Minitron guide
+kept 22 of 36 layers of Qwen3-8B: 1.66x at concurrency 64 on one H200)."""
+
+
+def measure_serving_8b(args: argparse.Namespace) -> dict[str, Any]:
+    """Section 5: vLLM serving of the llama-8b shape, dense and 8 / 12 blocks removed."""
+    import copy
+    import dataclasses
+    import gc
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vllm is not installed on this machine (no serving figures)"}
+    from pipeline.evaluation.serving import serving_speedup
+    from pipeline.spec import ServingSpec
+
+    spec = ServingSpec(
+        concurrency=args.serve_concurrency,
+        prompt_len=args.serve_prompt_len,
+        output_len=args.serve_output_len,
+        requests=args.serve_requests,
+        rounds=args.serve_rounds,
+    )
+    dense = build("llama-8b", args.tiny, args.device).to(torch.bfloat16).cpu()
+    n = int(dense.config.num_hidden_layers)
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="lorp-serve-"))
+    out: dict[str, Any] = {"settings": dataclasses.asdict(spec), "variants": []}
+    for k in (0, *[k for k in SERVE_REMOVED if k < n - 1]):
+        model = copy.deepcopy(dense) if k else dense
+        if k:  # the deepest blocks but the last: shapes are what serving costs, not quality
+            drop_layers(model, list(range(n - 1 - k, n - 1)))
+        where = scratch / f"serve-{k}"
+        model.save_pretrained(where)
+        del model
+        gc.collect()
+        figures = _serve_dir(str(where), spec, args.device)
+        shutil.rmtree(where, ignore_errors=True)
+        print(f"serving {k} of {n} removed: {figures['serve_output_tps']:,.0f} output tok/s",
+              flush=True)  # fmt: skip
+        out["variants"].append({"removed": k, "bound": n / (n - k), **figures})
+    dense_tps = [r["output_tps"] for r in out["variants"][0]["serving"]["rounds"]]
+    for v in out["variants"][1:]:
+        tps = [r["output_tps"] for r in v["serving"]["rounds"]]
+        v |= serving_speedup(tps, dense_tps, v["bound"], 0.02)
+    return out
+
+
+def _serve_dir(model_dir: str, spec: Any, device: str) -> dict[str, Any]:
+    import gc
+
+    from vllm import LLM
+
+    from pipeline.evaluation.serving import measure_serving
+
+    cpu = not device.startswith("cuda")
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        max_model_len=spec.prompt_len + spec.output_len + 8,
+        max_num_seqs=spec.concurrency,
+        enforce_eager=cpu,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    try:
+        return measure_serving(llm, spec, llm.llm_engine.model_config.get_vocab_size())
+    finally:
+        del llm
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
+
+
+def render_serving(section: dict[str, Any]) -> str:
+    if "skipped" in section:
+        return f"serving: skipped, {section['skipped']}"
+    s = section["settings"]
+    lines = [
+        f"serving (vLLM, concurrency {s['concurrency']}, {s['prompt_len']} in / "
+        f"{s['output_len']} out, {s['requests']} requests x {s['rounds']} rounds)",
+        "| blocks removed | output tok/s | TTFT ms | TPOT ms | speed-up [95% interval] | N/(N-k) |",
+        "|" + " --- |" * 6,
+    ]
+    for v in section["variants"]:
+        if v["removed"]:
+            got = v["serve_speedup"] if v["serve_resolved"] else None
+            ratio = (
+                f"{got:.3f}"
+                if got is not None
+                else f"not resolved ({v['serve_speedup_measured']:.3f} measured)"
+            ) + f" [{v['serve_speedup_low']:.3f}, {v['serve_speedup_high']:.3f}]"
+        else:
+            ratio = "1"
+        lines.append(
+            f"| {v['removed']} | {v['serve_output_tps']:,.0f} | {v['serve_ttft_ms']:.1f} | "
+            f"{v['serve_tpot_ms']:.2f} | {ratio} | {v['bound']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def speedup(r: dict[str, Any]) -> str:
     if r["speedup_resolved"]:
         return f"{r['pruned_speedup']:.3f}"
@@ -296,6 +407,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="cap on a normed (Gemma) fit's rounds, one d x d SVD each (default 25)",
     )
     p.add_argument("--scratch", default=None, help="where the pruned checkpoint is saved")
+    p.add_argument(
+        "--serving",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="section 5, vLLM serving of the 8B shape (default: on for cuda, off for cpu)",
+    )
+    p.add_argument("--serve-concurrency", type=int, default=64)
+    p.add_argument("--serve-prompt-len", type=int, default=512)
+    p.add_argument("--serve-output-len", type=int, default=256)
+    p.add_argument("--serve-requests", type=int, default=256)
+    p.add_argument("--serve-rounds", type=int, default=5)
     p.add_argument("--json", type=Path, help="write the figures here (default $OUT/gpu.json)")
     args = p.parse_args(argv)
     small = {"samples": 8, "seq_len": 32, "batch": 4, "compare": 4}
@@ -310,6 +432,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("gpu.py: --device cuda but torch sees no GPU (use --device cpu --tiny)")
+    if args.serving is None:
+        args.serving = args.device.startswith("cuda")
     if args.json is None and os.environ.get("OUT"):
         args.json = Path(os.environ["OUT"]) / "gpu.json"
     return args
@@ -332,12 +456,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure_shape(shape, args))
         if args.device.startswith("cuda"):  # the last shape's weights are garbage now
             torch.cuda.empty_cache()
+    report: dict[str, Any] = {"env": env, "shapes": rows}
+    print(render(rows), flush=True)
+    if args.serving:
+        report["serving"] = measure_serving_8b(args)
+        print(render_serving(report["serving"]))
     env["total_s"] = time.perf_counter() - started
-    print(render(rows))
     print(f"total {env['total_s']:.0f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env, "shapes": rows}, indent=1))
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -308,6 +308,10 @@ SIZE_COLUMNS = (
     "predicted_decode_speedup",
     "latency_ms",
     "peak_mem_gib",
+    "serve_output_tps",
+    "serve_ttft_ms",
+    "serve_tpot_ms",
+    "serve_speedup",
 )
 """The size-and-speed table's columns, where some row has them: counted from the config
 (`lorp.cost`, the predictions named so), then measured."""

@@ -264,6 +264,7 @@ class Recorder:
         """A model's last records: twins' speed, the quality gate, its registry versions."""
         start = time.time()
         self._share_twin_speed(points)
+        self._serving_speedups(points)
         self._quality_gate(points)
         if self.spec.tracking.register:
             self._register(plan, points)
@@ -365,6 +366,14 @@ class Recorder:
         pairs = twins(points)
         for key, values in row_updates.twin_speed(self.catalog.by_key(), pairs).items():
             self._update(key, values, metrics=values, tags={"speed_from": pairs[key]})
+
+    def _serving_speedups(self, points: list[GridPoint]) -> None:
+        """Each variant's serving speed-up over dense, from both rows' vLLM rounds."""
+        half = self.spec.evaluation.speed_half_width
+        for key, values in row_updates.serving_speedups(
+            self.catalog.by_key(), points, half
+        ).items():
+            self._update(key, values, metrics=values)
 
     def _quality_gate(self, points: list[GridPoint]) -> None:
         """`ppl_ratio` (variant / dense on the first corpus) and `degraded` on every row."""

@@ -208,6 +208,30 @@ REPAIRS = ("none", "linear")
 
 
 @dataclass(frozen=True)
+class ServingSpec:
+    """Serving throughput through vLLM (`pipeline.evaluation.serving`): fixed synthetic
+    prompts, a fixed output length (EOS ignored), closed loop at `concurrency`."""
+
+    concurrency: int = 64
+    """Requests in flight at once (NVIDIA's Minitron figures: 64)."""
+    prompt_len: int = 512
+    """Prompt tokens per request."""
+    output_len: int = 256
+    """Generated tokens per request, exactly."""
+    requests: int = 256
+    """Requests per timed round."""
+    rounds: int = 5
+    """Timed rounds after one warm-up wave (>= 4: the fewest for a 95% interval)."""
+
+    def __post_init__(self) -> None:
+        _positive("concurrency", self.concurrency)
+        _positive("prompt_len", self.prompt_len)
+        _positive("output_len", self.output_len, minimum=2)
+        _positive("requests", self.requests)
+        _positive("rounds", self.rounds, minimum=4)
+
+
+@dataclass(frozen=True)
 class EvaluationSpec:
     enabled: bool = True
     """Evaluate every grid point and the dense model."""
@@ -245,6 +269,9 @@ class EvaluationSpec:
     `degraded`: kept in the catalog, never a "best" variant."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism per evaluation actor."""
+    serving: ServingSpec | None = None
+    """Serving throughput of the dense model and every variant through vLLM (the vllm
+    backend only): output tokens/s, TTFT, TPOT, and the speed-up over dense."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -266,6 +293,8 @@ class EvaluationSpec:
         if not _is_number(self.degraded_ratio) or not self.degraded_ratio > 1.0:
             raise SpecError(f"degraded_ratio: must be a number > 1, got {self.degraded_ratio!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.serving is not None and self.backend == "transformers":
+            raise SpecError("serving: needs the vllm backend (or auto), got backend 'transformers'")
         _positive("seq_len", self.seq_len, minimum=2)
         _positive("batch_size", self.batch_size)
         if self.max_windows is not None:

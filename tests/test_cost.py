@@ -23,9 +23,9 @@ PARAMS_DENSE = 2 * 32_768 + 4 * 36_992 + 64  # 213,568
 PARAMS = 2 * 32_768 + 2 * 36_992 + 64  # 139,584
 # Prefill FLOPs per token at 48 tokens: per block 2 x 36,864 = 73,728 for the weights,
 # plus 4 x 2 heads x 32 = 256 per key over (48 + 1) / 2 = 24.5 keys on average: 6,272;
-# the LM head 2 x 64 x 512 = 65,536.
-FLOPS = 2 * (73_728 + 6_272) + 65_536  # 225,536
-FLOPS_DENSE = 4 * (73_728 + 6_272) + 65_536  # 385,536
+# the LM head 2 x 64 x 512 = 65,536 once per prefill (last position only): / 48 per token.
+FLOPS = 2 * (73_728 + 6_272) + 65_536 / 48  # 161,365.33
+FLOPS_DENSE = 4 * (73_728 + 6_272) + 65_536 / 48  # 321,365.33
 # K and V of one token: 2 x 1 KV head x 32 x 4 bytes = 256 bytes per kept block.
 KV = 2 * 256
 # Decode at context 48: every weight once except the untied embedding table's other

@@ -65,6 +65,26 @@ def test_good_spec_defaults() -> None:
             "resources.grid.num_gpus: must be >= 0, got -1",
         ),
         ({"name": "a b"}, "name: letters, digits"),
+        (
+            {"evaluation": {"speed_budget_s": 0}},
+            "evaluation.speed_budget_s: must be a number > 0, got 0",
+        ),
+        (
+            {"evaluation": {"speed_half_width": 0.5}},
+            "evaluation.speed_half_width: must be a number in (0, 0.5), got 0.5",
+        ),
+        (
+            {"evaluation": {"backend": "transformers", "serving": {}}},
+            "evaluation.serving: needs the vllm backend (or auto), got backend 'transformers'",
+        ),
+        (
+            {"evaluation": {"serving": {"rounds": 2}}},
+            "evaluation.serving.rounds: must be an integer >= 4, got 2",
+        ),
+        (
+            {"evaluation": {"serving": {"concurrenc": 2}}},
+            "evaluation.serving.concurrenc: unknown key",
+        ),
     ],
 )
 def test_bad_spec_names_the_field(patch: dict, message: str) -> None:

@@ -45,3 +45,23 @@ def test_timed_rows_do_not_await_the_speed_pass_and_unresolved_ones_are_counted(
     resolved = [r for r in rows if r["grid_key"] not in ("untimed", "unresolved")]
     lines = format_status(run_status(_run_dir(tmp_path / "all-timed", resolved)))
     assert not [line for line in lines if line.startswith("speed")]
+
+
+def test_serving_speedups_are_summarised_with_how_many_resolved(tmp_path: Path) -> None:
+    nan = float("nan")
+    rows = [
+        _row("dense", serve_speedup=1.0, serve_speedup_measured=1.0),
+        _row("a", serve_speedup=1.21, serve_speedup_measured=1.21),
+        _row("b", serve_speedup=1.08, serve_speedup_measured=1.08),
+        _row("c", serve_speedup=nan, serve_speedup_measured=1.4),
+        _row("d", ppl_ptb=3.0),  # not served (transformers)
+    ]
+    rows[0]["method"] = "dense"
+    lines = format_status(run_status(_run_dir(tmp_path, rows)))
+    assert "serving      output tokens/s 1.08-1.21x over dense; 2 of 3 resolved (vLLM)" in lines
+    unresolved = format_status(run_status(_run_dir(tmp_path / "c", rows[3:])))
+    assert "serving      output tokens/s none resolved over dense; 0 of 1 resolved (vLLM)" in (
+        unresolved
+    )
+    unserved = format_status(run_status(_run_dir(tmp_path / "d", [rows[0], rows[4]])))
+    assert not [ln for ln in unserved if ln.startswith("serving")]

@@ -4,8 +4,10 @@ accuracy, with a context manager that really frees the engine.
 - `TransformersBackend` scores the model already in memory (the grid point's pruned model).
 - `VLLMBackend` starts one vLLM engine over a saved checkpoint and serves both perplexity
   (prompt log-probabilities) and zero-shot (lm-eval's `VLLM` wraps that same engine), so a
-  point starts one engine, not two. Pitfalls: engines start only in a subprocess or a Ray
-  actor (vLLM re-imports `__main__`); see `pipeline.evaluation.vllm_engine`.
+  point starts one engine, not two; with `evaluation.serving` the same engine then serves
+  synthetic requests for throughput (`pipeline.evaluation.serving`). Pitfalls: engines
+  start only in a subprocess or a Ray actor (vLLM re-imports `__main__`); see
+  `pipeline.evaluation.vllm_engine`.
 
 `evaluate` is the one per-corpus loop both backends share.
 """
@@ -18,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.spec import EvaluationSpec
+from pipeline.spec import EvaluationSpec, ServingSpec
 
 BACKEND_NAMES = ("transformers", "vllm")
 
@@ -89,6 +91,13 @@ class VLLMBackend:
 
         return evaluate_zero_shot(self._lm, tasks, limit=limit)
 
+    def serving(self, spec: ServingSpec) -> dict[str, Any]:
+        """Serving throughput of this engine (`pipeline.evaluation.serving`)."""
+        from pipeline.evaluation.serving import measure_serving
+
+        llm = self._lm.model
+        return measure_serving(llm, spec, llm.llm_engine.model_config.get_vocab_size())
+
     def close(self) -> None:
         from pipeline.evaluation.vllm_engine import free_memory
 
@@ -104,8 +113,9 @@ def open_backend(backend: Backend) -> Iterator[Backend]:
         backend.close()
 
 
-def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str, float]:
-    """Perplexity on every configured corpus, then the zero-shot tasks."""
+def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str, Any]:
+    """Perplexity on every configured corpus, then the zero-shot tasks, then (vLLM only)
+    serving: its medians as metrics, its rounds under `serving`."""
     from pipeline.evaluation.metrics import corpus_windows, metric_name
 
     metrics = {}
@@ -113,4 +123,6 @@ def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str
         metrics[metric_name(corpus)] = backend.perplexity(corpus_windows(tokenizer, corpus, spec))
     if spec.zero_shot:
         metrics |= backend.zero_shot(list(spec.zero_shot), spec.zero_shot_limit)
+    if spec.serving is not None and isinstance(backend, VLLMBackend):
+        metrics |= backend.serving(spec.serving)
     return metrics

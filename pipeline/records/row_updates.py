@@ -6,6 +6,7 @@ to the catalog and the point's MLflow run through its one update path.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,6 +72,41 @@ def twin_speed(rows: Rows, twins: Mapping[str, str]) -> dict[str, dict[str, Any]
         values = {c: base[c] for c in SPEED_COLUMNS if c in base}
         if any(not same(row.get(c), v) for c, v in values.items()):
             out[key] = values
+    return out
+
+
+def _serve_tps(row: Mapping[str, Any] | None) -> list[float]:
+    """A row's per-round output tokens/s from its `serving` column ([] without one)."""
+    if row is None or not isinstance(row.get("serving"), str):
+        return []
+    return [float(r["output_tps"]) for r in json.loads(row["serving"]).get("rounds", [])]
+
+
+def serving_speedups(
+    rows: Rows, points: list[GridPoint], half_width: float
+) -> dict[str, dict[str, float]]:
+    """grid key -> its serving speed-up columns (`pipeline.evaluation.serving`), for
+    every point whose row and dense row have serving rounds, where they differ. The
+    dense row's is 1 by definition."""
+    from pipeline.evaluation.serving import serving_speedup
+    from pipeline.evaluation.speed import speedup_bound
+
+    dense = {p.model.label: rows.get(p.key) for p in points if p.is_dense}
+    out = {}
+    for p in points:
+        row, base = rows.get(p.key), dense.get(p.model.label)
+        variant_tps, dense_tps = _serve_tps(row), _serve_tps(base)
+        if row is None or not variant_tps or not dense_tps:
+            continue
+        if p.is_dense:
+            values = {"serve_speedup": 1.0, "serve_speedup_measured": 1.0,
+                      "serve_speedup_low": 1.0, "serve_speedup_high": 1.0,
+                      "serve_resolved": 1.0}  # fmt: skip
+        else:
+            bound = speedup_bound(p.model.n_blocks, len(p.layers))
+            values = serving_speedup(variant_tps, dense_tps, bound, half_width)
+        if any(not same(row.get(c), v) for c, v in values.items()):
+            out[p.key] = values
     return out
 
 

@@ -44,6 +44,9 @@ class PointResult:
     """Per task: the split and item count scored (also `n_<task>` in `metrics`)."""
     repair: list[dict[str, Any]] = field(default_factory=list)
     """Per repaired run: `lorp.repair.RunFit.record()` (form, lambda, residuals)."""
+    serving: dict[str, Any] = field(default_factory=dict)
+    """vLLM serving: the settings and every timed round's figures
+    (`pipeline.evaluation.serving.measure_serving`)."""
 
 
 @dataclass
@@ -209,6 +212,7 @@ def catalog_row(
         "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
         "evaluation": json.dumps(asdict(spec.evaluation), sort_keys=True),
         "zero_shot": json.dumps(result.zero_shot, sort_keys=True) if result.zero_shot else None,
+        "serving": json.dumps(result.serving, sort_keys=True) if result.serving else None,
         "stats_file": facts.stats_file,
         "params": result.params,
         "params_dense": result.params_dense,

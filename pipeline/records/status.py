@@ -34,6 +34,8 @@ class RunStatus:
     """Repaired twins planning left out this attempt, with the reason."""
     predicted: str = ""
     """The pruned rows' predicted speed-ups (from the config, not timed), one line."""
+    serving: str = ""
+    """The pruned rows' vLLM serving speed-ups (output tokens/s over dense), one line."""
     last_event: str = ""
     busy: str = ""
     """How busy the attempt kept its slots (`pipeline.records.timeline`), one line."""
@@ -59,6 +61,7 @@ def run_status(run_dir: Path) -> RunStatus:
     st.repaired = sum(1 for r in pruned if (r.get("repair") or "none") != "none")
     st.pruned = len(pruned) - st.repaired
     st.predicted = _predicted(pruned)
+    st.serving = _serving(pruned)
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
         return st
@@ -178,6 +181,16 @@ def _predicted(pruned: list[dict[str, Any]]) -> str:
     )
 
 
+def _serving(pruned: list[dict[str, Any]]) -> str:
+    """The range of the pruned rows' resolved serving speed-ups, and how many resolved."""
+    served = [r for r in pruned if not _missing(r.get("serve_speedup_measured"))]
+    if not served:
+        return ""
+    values = [r["serve_speedup"] for r in served if not _missing(r.get("serve_speedup"))]
+    span = f"{min(values):.2f}-{max(values):.2f}x" if values else "none resolved"
+    return f"output tokens/s {span} over dense; {len(values)} of {len(served)} resolved (vLLM)"
+
+
 def _missing(value: Any) -> bool:
     return value is None or value != value  # None or NaN
 
@@ -210,6 +223,8 @@ def format_status(st: RunStatus) -> list[str]:
     lines += [f"not repaired {why}" for why in st.refused]
     if st.predicted:
         lines.append(f"predicted    {st.predicted}")
+    if st.serving:
+        lines.append(f"serving      {st.serving}")
     if st.speed_pending:
         lines.append(f"speed        {st.speed_pending} rows await the speed pass")
     if st.speed_unresolved:

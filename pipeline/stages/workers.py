@@ -301,9 +301,18 @@ def _execute_point(task: PointTask) -> PointResult:
         saved = _save_checkpoint(task, lm, scratch, provenance)
         metrics = _evaluate(task, lm, saved or lm.path)
     seconds = time.perf_counter() - start
+    serving = metrics.pop("serving", None) or {}
     info = _zero_shot_info(task.evaluation, metrics)
     return PointResult(
-        task.grid_key, kept, int(params), int(params_dense), metrics, seconds, info, records
+        task.grid_key,
+        kept,
+        int(params),
+        int(params_dense),
+        metrics,
+        seconds,
+        info,
+        records,
+        serving,
     )
 
 
@@ -368,9 +377,10 @@ def _save_checkpoint(
     return local
 
 
-def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, float]:
+def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:
     """The point's figures: from the model in memory (transformers), or from `model_dir`,
-    the local checkpoint (or the dense model's directory on this node) for vLLM."""
+    the local checkpoint (or the dense model's directory on this node) for vLLM (with
+    its serving rounds under `serving` when the spec asks for them)."""
     from pipeline.evaluation.backends import (
         TransformersBackend,
         VLLMBackend,
@@ -390,6 +400,8 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, float]:
 
     free_memory()
     max_len = ev.seq_len + 8
+    if ev.serving is not None:
+        max_len = max(max_len, ev.serving.prompt_len + ev.serving.output_len + 8)
     engine = VLLMBackend(str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size)
     with open_backend(engine) as be:
         return evaluate(be, tokenizer, ev)
