@@ -136,10 +136,22 @@ def checkpoint_rel(point: GridPoint) -> str:
 
 
 def evaluation_key(spec: EvaluationSpec, backend: str) -> dict[str, Any]:
-    """The evaluation settings that change a figure (batch sizes and parallelism do not)."""
+    """The evaluation settings that change a point's figures: not batch sizes or
+    parallelism, nor how long the speed pass times (it re-times on its own terms:
+    `lorp run --force-speed`). No serving leaves the key as it was before serving
+    existed, so earlier catalogs stay valid."""
     fields = asdict(spec)
-    for name in ("batch_size", "tensor_parallel_size", "backend", "degraded_ratio"):
+    for name in (
+        "batch_size",
+        "tensor_parallel_size",
+        "backend",
+        "degraded_ratio",
+        "speed_budget_s",
+        "speed_half_width",
+    ):
         fields.pop(name, None)
+    if fields.get("serving") is None:
+        fields.pop("serving", None)
     return {**fields, "backend": backend}
 
 

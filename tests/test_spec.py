@@ -164,3 +164,18 @@ def test_safe_defaults_in_shipped_specs() -> None:
     for path in (root / "jobs").glob("*.yaml"):
         spec = load_spec(path)
         assert not any(m.trust_remote_code or m.allow_pickle for m in spec.models), path
+
+
+def test_how_long_the_speed_pass_times_leaves_grid_keys_alone() -> None:
+    """A catalog's points stay done when only the speed pass's budget or interval
+    changes (`--force-speed` re-times); asking for serving changes the figures, so the key.
+    The key of a job without serving is what it was before serving existed."""
+    from pipeline.plan import evaluation_key
+    from pipeline.spec import EvaluationSpec, ServingSpec
+
+    base = evaluation_key(EvaluationSpec(), "vllm")
+    assert "serving" not in base and "speed_budget_s" not in base
+    timed = EvaluationSpec(speed_budget_s=30.0, speed_half_width=0.05)
+    assert evaluation_key(timed, "vllm") == base
+    served = evaluation_key(EvaluationSpec(serving=ServingSpec()), "vllm")
+    assert served != base and served["serving"]["concurrency"] == 64

@@ -3,9 +3,9 @@
 `measure_serving(llm, spec, vocab_size)` drives the engine of a `vllm.LLM` (its
 `llm_engine`: `add_request` / `step`) closed-loop: `concurrency` requests in flight, a new
 one added as each finishes, until `requests` have been served. Every prompt is
-`prompt_len` fixed synthetic token ids (seeded, different per request, so no prefix cache
-can serve one from another) and generates exactly `output_len` tokens (`ignore_eos`,
-greedy). Per request, as vLLM's serving benchmark defines them:
+`prompt_len` fixed synthetic token ids (seeded by round, different per request and per
+round, so no prefix cache can serve one from another) and generates exactly `output_len`
+tokens (`ignore_eos`, greedy). Per request, as vLLM's serving benchmark defines them:
 
 - TTFT, time to first token: from the request's submission to the step that returns its
   first token;
@@ -97,11 +97,11 @@ def _round_figures(
     wall: float,
 ) -> dict[str, float]:
     tokens = sum(n for _, n in ended.values())
-    ttft = [(first[r] - sent[r]) * 1000 for r in sent]
+    ttft = [(first[r] - sent[r]) * 1000 for r in sent if r in first]
     tpot = [(end - first[r]) * 1000 / (n - 1) for r, (end, n) in ended.items() if n > 1]
     return {
         "output_tps": tokens / wall,
-        "ttft_ms": statistics.median(ttft),
+        "ttft_ms": statistics.median(ttft) if ttft else math.nan,
         "tpot_ms": statistics.median(tpot) if tpot else math.nan,
         "output_tokens": float(tokens),
     }
@@ -111,9 +111,14 @@ def measure_serving(llm: Any, spec: ServingSpec, vocab_size: int) -> dict[str, A
     """A warm-up round, then `spec.rounds` timed rounds. Returns the row's medians
     (`serve_output_tps`, `serve_ttft_ms`, `serve_tpot_ms`) and, under `serving`, the
     settings and every round's figures."""
-    prompts = synthetic_prompts(spec, vocab_size)
-    serve_round(llm, spec, prompts[: spec.concurrency])  # warm-up: one wave, untimed
-    rounds = [serve_round(llm, spec, prompts) for _ in range(spec.rounds)]
+    # Every round its own prompts (seeded by the round): an engine's prefix cache (on by
+    # default in vLLM) must not serve a round's prefills from an earlier round's.
+    warm = synthetic_prompts(spec, vocab_size, seed=0)[: spec.concurrency]
+    serve_round(llm, spec, warm)  # warm-up: one wave, untimed
+    rounds = [
+        serve_round(llm, spec, synthetic_prompts(spec, vocab_size, seed=1 + i))
+        for i in range(spec.rounds)
+    ]
     return {
         "serve_output_tps": statistics.median(r["output_tps"] for r in rounds),
         "serve_ttft_ms": statistics.median(r["ttft_ms"] for r in rounds),
