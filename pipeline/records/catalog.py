@@ -60,6 +60,7 @@ CORE_SCHEMA = pa.schema(
         ("calibration", pa.string()),
         ("evaluation", pa.string()),
         ("zero_shot", pa.string()),
+        ("serving", pa.string()),
         ("stats_file", pa.string()),
         ("params", pa.int64()),
         ("params_dense", pa.int64()),
