@@ -39,9 +39,15 @@ def test_timed_rows_do_not_await_the_speed_pass_and_unresolved_ones_are_counted(
     st = run_status(_run_dir(tmp_path, rows))
     assert (st.state, st.speed_pending, st.speed_unresolved) == ("finished", 1, 1)
     lines = format_status(st)
+    # the one timed pruned row with a measured ratio did not resolve: no range to show
+    assert "measured     prefill none resolved over dense; 0 of 1 resolved (timed)" in lines
     assert "speed        1 rows await the speed pass" in lines
     assert "speed        1 figure(s) not resolved" in lines
 
+    timed = [*rows, _row("fast", speedup=1.31, speedup_measured=1.31, speed_resolved=1.0)]
+    timed.append(_row("slow", speedup=1.12, speedup_measured=1.12, speed_resolved=1.0))
+    lines = format_status(run_status(_run_dir(tmp_path / "timed", timed)))
+    assert "measured     prefill 1.12-1.31x over dense; 2 of 3 resolved (timed)" in lines
     resolved = [r for r in rows if r["grid_key"] not in ("untimed", "unresolved")]
     lines = format_status(run_status(_run_dir(tmp_path / "all-timed", resolved)))
     assert not [line for line in lines if line.startswith("speed")]

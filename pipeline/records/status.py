@@ -34,6 +34,8 @@ class RunStatus:
     """Repaired twins planning left out this attempt, with the reason."""
     predicted: str = ""
     """The pruned rows' predicted speed-ups (from the config, not timed), one line."""
+    measured: str = ""
+    """The pruned rows' resolved prefill speed-ups, and how many resolved, one line."""
     serving: str = ""
     """The pruned rows' vLLM serving speed-ups (output tokens/s over dense), one line."""
     last_event: str = ""
@@ -61,6 +63,7 @@ def run_status(run_dir: Path) -> RunStatus:
     st.repaired = sum(1 for r in pruned if (r.get("repair") or "none") != "none")
     st.pruned = len(pruned) - st.repaired
     st.predicted = _predicted(pruned)
+    st.measured = _measured(pruned)
     st.serving = _serving(pruned)
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
@@ -181,6 +184,16 @@ def _predicted(pruned: list[dict[str, Any]]) -> str:
     )
 
 
+def _measured(pruned: list[dict[str, Any]]) -> str:
+    """The range of the pruned rows' resolved prefill speed-ups, and how many resolved."""
+    timed = [r for r in pruned if not _missing(r.get("speedup_measured"))]
+    if not timed:
+        return ""
+    values = [r["speedup"] for r in timed if not _missing(r.get("speedup"))]
+    span = f"{min(values):.2f}-{max(values):.2f}x" if values else "none resolved"
+    return f"prefill {span} over dense; {len(values)} of {len(timed)} resolved (timed)"
+
+
 def _serving(pruned: list[dict[str, Any]]) -> str:
     """The range of the pruned rows' resolved serving speed-ups, and how many resolved."""
     served = [r for r in pruned if not _missing(r.get("serve_speedup_measured"))]
@@ -223,6 +236,8 @@ def format_status(st: RunStatus) -> list[str]:
     lines += [f"not repaired {why}" for why in st.refused]
     if st.predicted:
         lines.append(f"predicted    {st.predicted}")
+    if st.measured:
+        lines.append(f"measured     {st.measured}")
     if st.serving:
         lines.append(f"serving      {st.serving}")
     if st.speed_pending:
