@@ -490,7 +490,7 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     groups = _groups(pruned, lambda layers: per_block * (n - len(layers)), _free_bytes(dense) / 2)
     timing: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + task.budget_s
-    for group in groups or [[]]:
+    for i, group in enumerate(groups or [[]]):
         copies = {}
         for key, layers in group:  # a pruned copy shares nothing with the dense model
             pruned_copy = copy.deepcopy(dense)
@@ -503,7 +503,8 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
             n_blocks=n,
             min_runs=task.min_rounds,
             max_runs=MAX_SPEED_ROUNDS,
-            budget_s=max(deadline - time.monotonic(), 0.0),
+            # what is left, shared by the groups left: no group spends the others' time
+            budget_s=max(deadline - time.monotonic(), 0.0) / (max(len(groups), 1) - i),
             half_width=task.half_width,
         )
         del copies
