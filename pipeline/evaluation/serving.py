@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.evaluation.speed import BOUND_SLACK, CONFIDENCE, SLOWDOWN_FLOOR
+from pipeline.evaluation.speed import CONFIDENCE, lower_index, publishable
 from pipeline.spec import ServingSpec
 
 
@@ -155,15 +155,7 @@ def ratio_interval(
 @functools.cache
 def _moses_index(m: int, n: int, confidence: float) -> int | None:
     """0-based index of the interval's lower ratio, None when [min, max] falls short."""
-    counts = _mann_whitney_counts(m, n)
-    total = sum(counts)
-    tail, index = 0.0, None
-    for u in range(m * n // 2):
-        tail += counts[u] / total  # P(U <= u)
-        if tail > (1 - confidence) / 2:
-            break
-        index = u
-    return index
+    return lower_index(_mann_whitney_counts(m, n), confidence)
 
 
 @functools.cache
@@ -186,8 +178,7 @@ def serving_speedup(
 ) -> dict[str, float]:
     """The row's serving speed-up columns from each side's per-round output tokens/s."""
     mid, lo, hi, enough = ratio_interval(variant_tps, dense_tps)
-    plausible = SLOWDOWN_FLOOR <= mid <= BOUND_SLACK * bound
-    resolved = enough and plausible and (hi - lo) / 2 <= half_width * mid
+    resolved = enough and publishable(mid, lo, hi, bound, half_width)
     return {
         "serve_speedup": mid if resolved else math.nan,
         "serve_speedup_measured": mid,

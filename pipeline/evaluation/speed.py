@@ -119,13 +119,29 @@ def median_interval(
 def _order_index(n: int, confidence: float) -> int | None:
     """0-based index of the interval's lower order statistic, None when even [min, max]
     covers the median with less than `confidence` (1 - 2 / 2**n)."""
-    tail, index = 0.0, None
-    for i in range(n // 2):
-        tail += math.comb(n, i) / 2**n  # P(B <= i)
-        if tail > (1 - confidence) / 2:
+    return lower_index([math.comb(n, i) for i in range(n + 1)], confidence)
+
+
+def lower_index(counts: Sequence[int], confidence: float) -> int | None:
+    """The largest u whose lower tail P(X <= u) under the null distribution `counts`
+    (how many outcomes give X = 0, 1, ...; symmetric) is at most (1 - confidence) / 2:
+    the 0-based index of a distribution-free interval's lower order statistic. None when
+    even u = 0 has a larger tail (too few samples for `confidence`)."""
+    total, tail, index = sum(counts), 0, None
+    for u in range((len(counts) - 1) // 2):
+        tail += counts[u]  # outcomes with X <= u
+        if tail / total > (1 - confidence) / 2:
             break
-        index = i
+        index = u
     return index
+
+
+def publishable(mid: float, lo: float, hi: float, bound: float, half_width: float) -> bool:
+    """Whether a speed-up `mid` with 95% interval [lo, hi] is a result: physically
+    possible (0.97 to 1.05 x `bound`) and its interval's half-width within `half_width`
+    of it. The rule of the prefill (`timed_speedups`) and serving speed-ups alike."""
+    plausible = SLOWDOWN_FLOOR <= mid <= BOUND_SLACK * bound
+    return plausible and (hi - lo) / 2 <= half_width * mid
 
 
 def rounds_for(confidence: float = CONFIDENCE) -> int:
@@ -229,8 +245,7 @@ class _Rule:
         if len(paired) < self.need:
             return False
         mid, lo, hi = median_interval([d / v for d, v in paired])
-        plausible = SLOWDOWN_FLOOR <= mid <= BOUND_SLACK * self.bounds[key]
-        return plausible and (hi - lo) / 2 <= self.half_width * mid
+        return publishable(mid, lo, hi, self.bounds[key], self.half_width)
 
 
 @dataclass
