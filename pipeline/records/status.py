@@ -186,22 +186,23 @@ def _predicted(pruned: list[dict[str, Any]]) -> str:
 
 def _measured(pruned: list[dict[str, Any]]) -> str:
     """The range of the pruned rows' resolved prefill speed-ups, and how many resolved."""
-    timed = [r for r in pruned if not _missing(r.get("speedup_measured"))]
-    if not timed:
-        return ""
-    values = [r["speedup"] for r in timed if not _missing(r.get("speedup"))]
-    span = f"{min(values):.2f}-{max(values):.2f}x" if values else "none resolved"
-    return f"prefill {span} over dense; {len(values)} of {len(timed)} resolved (timed)"
+    return _resolved_range(pruned, "speedup", "prefill", "timed")
 
 
 def _serving(pruned: list[dict[str, Any]]) -> str:
     """The range of the pruned rows' resolved serving speed-ups, and how many resolved."""
-    served = [r for r in pruned if not _missing(r.get("serve_speedup_measured"))]
-    if not served:
+    return _resolved_range(pruned, "serve_speedup", "output tokens/s", "vLLM")
+
+
+def _resolved_range(pruned: list[dict[str, Any]], column: str, what: str, how: str) -> str:
+    """`what` lo-hi x over dense; r of m resolved (`how`): the rows that measured `column`
+    (`<column>_measured`) and those of them that published it; "" when none measured."""
+    measured = [r for r in pruned if not _missing(r.get(f"{column}_measured"))]
+    if not measured:
         return ""
-    values = [r["serve_speedup"] for r in served if not _missing(r.get("serve_speedup"))]
+    values = [r[column] for r in measured if not _missing(r.get(column))]
     span = f"{min(values):.2f}-{max(values):.2f}x" if values else "none resolved"
-    return f"output tokens/s {span} over dense; {len(values)} of {len(served)} resolved (vLLM)"
+    return f"{what} {span} over dense; {len(values)} of {len(measured)} resolved ({how})"
 
 
 def _missing(value: Any) -> bool:
