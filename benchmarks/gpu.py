@@ -305,32 +305,22 @@ def measure_serving_8b(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve_dir(model_dir: str, spec: Any, device: str) -> dict[str, Any]:
-    import gc
-
-    from vllm import LLM
-
     from pipeline.evaluation.serving import measure_serving
+    from pipeline.evaluation.vllm_engine import free_memory, make_engine
 
-    cpu = not device.startswith("cuda")
-    if cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(
-        model=model_dir,
+    llm = make_engine(
+        model_dir,
         dtype="bfloat16",
         max_model_len=spec.prompt_len + spec.output_len + 8,
+        enforce_eager=not device.startswith("cuda"),  # CUDA graphs where there are any
         max_num_seqs=spec.concurrency,
-        enforce_eager=cpu,
-        skip_tokenizer_init=True,
         enable_prefix_caching=False,
-        seed=0,
     )
     try:
         return measure_serving(llm, spec, llm.llm_engine.model_config.get_vocab_size())
     finally:
         del llm
-        gc.collect()
-        if not cpu:
-            torch.cuda.empty_cache()
+        free_memory()
 
 
 def render_serving(section: dict[str, Any]) -> str:

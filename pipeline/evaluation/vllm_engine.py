@@ -30,9 +30,12 @@ def make_engine(
     max_model_len: int = 2048,
     tensor_parallel_size: int = 1,
     seed: int = 0,
+    enforce_eager: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """A `vllm.LLM` over a local checkpoint; tokenizer-less checkpoints take token ids."""
+    """A `vllm.LLM` over a local checkpoint; tokenizer-less checkpoints take token ids.
+    `enforce_eager=False` lets a GPU engine capture CUDA graphs (serving throughput);
+    CPU engines must stay eager."""
     import torch
     from vllm import LLM
 
@@ -46,7 +49,7 @@ def make_engine(
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         seed=seed,
         skip_tokenizer_init=not has_tokenizer,
         **kwargs,
