@@ -221,7 +221,7 @@ def speed_table(t: View) -> Markup | None:
         return None
     head = [th(c) for c in t["size_cols"]]
     if t["speed"]:
-        head += [th(f"speedup {PM} std"), th("bound N/(N-k)")]
+        head += [th(f"speedup {PM} 95% half-width"), th("bound N/(N-k)")]
 
     def cells(r: View) -> list[Markup]:
         return [value_td(x) for x in r["size"]] + (speed_tds(r["speed"]) if t["speed"] else [])
