@@ -124,6 +124,33 @@ def add_catalog(sub: argparse._SubParsersAction) -> None:
     m.add_argument("catalogs", nargs="+", metavar="CATALOG.parquet")
     m.add_argument("--out", required=True, metavar="OUT.parquet")
     m.set_defaults(func=merge)
+    ls = csub.add_parser(
+        "ls",
+        help="the rows of a catalog (a job's or the shared one), folded and filtered",
+        description="CATALOG: a catalog.parquet, a run directory, a job's storage, or a "
+        "shared catalog (directory or URI).",
+    )
+    ls.add_argument("catalog", metavar="CATALOG")
+    for name in ("model", "family", "method", "repair", "protocol", "job"):
+        ls.add_argument(f"--{name}", default=None)
+    ls.add_argument("--budget", type=int, default=None)
+    ls.add_argument(
+        "--degraded", choices=("yes", "no"), default=None, help="only degraded rows, or none"
+    )
+    ls.add_argument("--json", action="store_true", help="one JSON object per row")
+    ls.set_defaults(func=catalog_ls)
+    b = csub.add_parser(
+        "best",
+        help="the best non-degraded variant of a model at a budget, within one protocol",
+        description="The ranking the registry's aliases use (`best-<budget>` is the "
+        "reference protocol's; --protocol names another).",
+    )
+    b.add_argument("catalog", metavar="CATALOG")
+    b.add_argument("--model", required=True)
+    b.add_argument("--budget", type=int, required=True)
+    b.add_argument("--protocol", default=None, help="default: the model's reference protocol")
+    b.add_argument("--json", action="store_true", help="the row as one JSON object")
+    b.set_defaults(func=catalog_best)
 
 
 def merge(args: argparse.Namespace) -> int:
@@ -132,6 +159,70 @@ def merge(args: argparse.Namespace) -> int:
     rows = merge_catalogs(args.catalogs)
     write_catalog(args.out, rows)
     print(f"wrote {args.out}: {len(rows)} rows from {len(args.catalogs)} catalogs")
+    return 0
+
+
+LS_COLUMNS = ("job", "model", "method_label", "budget", "protocol", "degraded", "ppl_ratio")
+
+
+def _json_line(row: dict) -> str:
+    import json
+    import math
+
+    def plain(v: object) -> object:
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return json.dumps({k: plain(v) for k, v in row.items()}, default=str, sort_keys=True)
+
+
+def catalog_ls(args: argparse.Namespace) -> int:
+    """`lorp catalog ls CATALOG`: rows, filtered; a table, or JSON lines with --json."""
+    from pipeline.records.shared_catalog import matches, open_catalog
+
+    rows = open_catalog(args.catalog)
+    degraded = None if args.degraded is None else args.degraded == "yes"
+    want = {k: getattr(args, k) for k in ("model", "family", "method", "repair", "protocol")}
+    want |= {"job": args.job, "budget": args.budget, "degraded": degraded}
+    rows = [r for r in rows if matches(r, **want)]
+    rows.sort(key=lambda r: (r["model"], r["protocol"], r["budget"], r["method_label"], r["job"]))
+    if args.json:
+        for r in rows:
+            print(_json_line(r))
+        return 0
+    shown = [[str(r.get(c)) for c in LS_COLUMNS] for r in rows]
+    widths = [max([len(c)] + [len(s[i]) for s in shown]) for i, c in enumerate(LS_COLUMNS)]
+    for line in [list(LS_COLUMNS), *shown]:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+    print(f"{len(rows)} row(s)", file=sys.stderr)
+    return 0
+
+
+def catalog_best(args: argparse.Namespace) -> int:
+    """`lorp catalog best CATALOG --model M --budget B [--protocol P]`."""
+    from pipeline.records import ranking
+    from pipeline.records.shared_catalog import open_catalog
+
+    rows = [r for r in open_catalog(args.catalog) if r["model"] == args.model]
+    if not rows:
+        raise ValueError(f"--model: {args.model!r} has no rows in {args.catalog}")
+    protocol = args.protocol or ranking.reference_protocol(rows)
+    known = ranking.protocols(rows)
+    if protocol not in known:
+        raise ValueError(f"--protocol: {protocol!r} is not one of {args.model}'s: {known}")
+    row = ranking.best(rows, args.budget, protocol)
+    if row is None:
+        raise ValueError(
+            f"--budget: no non-degraded variant of {args.model} at {args.budget} under {protocol}"
+        )
+    if args.json:
+        print(_json_line(dict(row)))
+        return 0
+    column = ranking.rank_column(row) or "acc_avg"
+    where = row.get("model_uri") or "not registered"
+    print(
+        f"{row['method_label']} at {row['budget']} ({protocol}; job {row['job']}): "
+        f"{column} {row.get(column)}; {where}"
+    )
     return 0
 
 

@@ -35,7 +35,6 @@ from lorp.cost import ModelShape
 from lorp.model_profile import Profile
 from lorp.sources import read_config
 from pipeline.cluster.nodes import first_line
-from pipeline.evaluation.metrics import metric_name
 from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
 from pipeline.records import model_registry, row_updates
 from pipeline.records.catalog import Catalog, slot
@@ -50,6 +49,7 @@ from pipeline.records.rows import (
     headline,
     point_params,
 )
+from pipeline.records.shared_catalog import SharedCatalog
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.spec import JobSpec
 from pipeline.stages.statistics import ModelRepairStats, ModelStats, describe
@@ -72,7 +72,8 @@ class Recorder:
         self.storage = Storage(spec.storage or self.run_dir)
         here = self.storage.local_path() == self.run_dir.resolve()
         mirror = None if here else self.storage
-        self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror)
+        self.shared = SharedCatalog(spec.catalog) if spec.catalog else None
+        self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror, self.shared, spec.name)
         self.events = EventLog(self.run_dir / EventLog.NAME, mirror)
         ckpts, elsewhere = self.storage.uri(CHECKPOINTS), None if here else self.storage.uri()
         self.summary = RunSummary(self.run_dir, self.catalog.path, uri, ckpts, storage=elsewhere)
@@ -89,9 +90,10 @@ class Recorder:
     def open(self) -> frozenset[str]:
         """Repair what a killed predecessor left (stale MLflow runs, partial checkpoints)
         and return the grid keys already done (none with `force`)."""
-        self.catalog.compact()  # what a killed predecessor recorded, folded in
+        self.catalog.compact()  # what a killed predecessor recorded, folded in (and published)
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
         closed = self.tracker.close_stale_runs(self.spec.name, completed)
+        elsewhere = row_updates.stored_elsewhere(self.catalog.rows, self.storage.uri())
         ckpt_root = self.storage.local_path(CHECKPOINTS)  # remote: unmarked, ignored
         if ckpt_root is not None and ckpt_root.is_dir():
             for partial in ckpt_root.glob("*/.*.partial"):
@@ -103,8 +105,18 @@ class Recorder:
             closed_stale_runs=closed,
             pid=os.getpid(),
             host=socket.gethostname(),
+            storage=self.storage.uri(),
+            catalog=self.shared.uri() if self.shared else None,
+            redo_elsewhere=len(elsewhere),
         )
-        return frozenset() if self.force else frozenset(self.catalog.by_key())
+        for where, keys in sorted(row_updates.by_value(elsewhere).items()):
+            self.progress.note(
+                f"{len(keys)} row(s) of the working copy belong to storage {where}: "
+                f"redone here, in {self.storage.uri()}"
+            )
+        if self.force:
+            return frozenset()
+        return frozenset(self.catalog.by_key()) - frozenset(elsewhere)
 
     def cluster(self, kind: str, slots: Mapping[str, float], models: int) -> None:
         self.events("cluster", kind=kind, slots=dict(slots), models=models)
@@ -266,6 +278,7 @@ class Recorder:
         self._share_twin_speed(points)
         self._serving_speedups(points)
         self._quality_gate(points)
+        self._reference_claim(points)
         if self.spec.tracking.register:
             self._register(plan, points)
         self.span("gate", plan.label, start, time.time())
@@ -295,8 +308,9 @@ class Recorder:
         rel = checkpoint(self.spec, point)
         ckpt = self.storage.uri(rel) if rel else None
         ctx = RowContext(
-            self.tracker.display_uri, self.tracker.experiment_id, run_id, ckpt, backend
-        )
+            self.tracker.display_uri, self.tracker.experiment_id, run_id, ckpt, backend,
+            self.storage.uri(),
+        )  # fmt: skip
         row = catalog_row(self.spec, point, self.facts[point.model.label], result, ctx)
         self.catalog.put(row)  # before FINISHED: see the module docstring
         metrics = {
@@ -386,17 +400,23 @@ class Recorder:
             if v.degraded:
                 self.summary.degraded.append(f"{names[v.key]}: {v.column} x{v.ratio:,.1f}")
 
+    def _reference_claim(self, points: list[GridPoint]) -> None:
+        """Rows say whether their job claims the reference protocol
+        (`tracking.reference`) as the spec says now: a rerun may take it over."""
+        claim, keys = self.spec.tracking.reference, {p.key for p in points}
+        for key, row in self.catalog.by_key().items():
+            if key in keys and row.get("reference_claim") != claim:
+                self._update(key, {"reference_claim": claim})
+
     def _register(self, plan: ModelPlan, points: list[GridPoint]) -> None:
-        """The model's saved variants (and its dense version) as registry versions, the
-        aliases moved, each row's `model_uri`. A registry failure fails this model's
-        registration only."""
+        """The model's saved variants (and its dense version) as registry versions, each
+        row's `model_uri`, then the aliases over every job's versions. A registry failure
+        fails this model's registration only."""
         from mlflow.exceptions import MlflowException
 
-        ev = self.spec.evaluation
-        ppl = metric_name(ev.perplexity[0]) if ev.enabled and ev.perplexity else None
         rows = self.catalog.by_key()
         parent = self.parents[plan.label]
-        entries = model_registry.model_entries(self.spec.name, points, rows, parent, ppl)
+        entries = model_registry.model_entries(self.spec.name, points, rows, parent)
         if not entries:
             return
         try:
@@ -404,18 +424,30 @@ class Recorder:
             for key, uri in reg.uris.items():
                 if rows[key].get("model_uri") != uri:
                     self._update(key, {"model_uri": uri})
-            aliases = model_registry.move_aliases(
-                self.tracker.client, reg.name, entries, reg.versions
+            aliases, moves = model_registry.move_aliases(
+                self.tracker.client, reg.name, self.spec.name, self._shared_rows
             )
         except MlflowException as exc:
             cause = str(exc).splitlines()[0][:500]
             self.summary.failed.append(f"{plan.label}/registry: {cause}")
             self.events("register_failed", model=plan.label, cause=cause)
             return
+        for m in moves:
+            self.events("alias", model=plan.label, name=reg.name, alias=m.alias,
+                        version=m.version, previous=m.previous, job=self.spec.name)  # fmt: skip
         versions = len(reg.versions)
         self.events(
             "register", model=plan.label, name=reg.name, versions=versions,
             created=reg.created, aliases=aliases,
         )  # fmt: skip
         shown = ", ".join(f"{a}=v{v}" for a, v in sorted(aliases.items()))
-        self.progress.note(f"registry {reg.name}: {versions} versions ({reg.created} new); {shown}")
+        self.progress.note(
+            f"registry {reg.name}: {versions} versions of this job ({reg.created} new), "
+            f"{len(moves)} alias move(s); {shown}"
+        )
+
+    def _shared_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """The shared catalog's rows by (grid key, run id); none without one."""
+        if self.shared is None:
+            return {}
+        return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in self.shared.read()}

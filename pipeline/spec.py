@@ -200,7 +200,12 @@ class TrackingSpec:
     register: bool = True
     """Register every saved checkpoint in the MLflow Model Registry when the job ends: one
     registered model per base model (`lorp-<model>`), a version per variant pointing at its
-    checkpoint directory (nothing copied), aliases `best-<budget>` and `dense`."""
+    checkpoint directory (nothing copied), aliases `best-<budget>-<protocol>`,
+    `best-<budget>` and `dense`, recomputed over every job's versions of the model."""
+    reference: bool = False
+    """Make this job's evaluation protocol the reference of its models: the one their
+    `best-<budget>` aliases rank in (default: the protocol of the first job that
+    registered the model)."""
 
 
 BACKENDS = ("auto", "transformers", "vllm")
@@ -323,6 +328,12 @@ class JobSpec:
     catalog, events, MLflow artifacts and, unless cache_dir is set, the cached S files go
     there; output_dir is the driver's working copy, synced after every point, and a rerun
     resumes from the catalog in storage. Default: output_dir itself."""
+    catalog: str | None = None
+    """The organisation's shared catalog: a local or shared directory, or a URI as for
+    storage (s3://bucket/catalog). Every row this job records is also published there
+    (as parts, safe when many jobs write at once; a rerun replaces this job's rows only),
+    and the registry's aliases rank over every job's rows in it. Default: none, the
+    job's own catalog only."""
     save_checkpoints: bool = True
     """Write each pruned checkpoint (safetensors) under <storage>/checkpoints."""
     cache_dir: str | None = None
@@ -363,6 +374,8 @@ class JobSpec:
                 raise SpecError(f"budgets[{i}]: a fraction must be in (0, 1), got {b}")
         if self.storage is not None:
             _check_storage(self.storage)
+        if self.catalog is not None:
+            _check_storage(self.catalog, "catalog")
         _unique("models", [m.label for m in self.models])
         _unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
         _unique("budgets", list(self.budgets))
@@ -397,14 +410,14 @@ def _positive(name: str, value: int, minimum: int = 1) -> None:
         raise SpecError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
-def _check_storage(location: str) -> None:
+def _check_storage(location: str, field: str = "storage") -> None:
     """Opens the filesystem (pyarrow resolves the scheme and its options) before any work."""
     from pipeline.storage import Storage
 
     try:
         Storage(location)
     except ValueError as exc:
-        raise SpecError(f"storage: {exc}") from None
+        raise SpecError(f"{field}: {exc}") from None
 
 
 def _check_bos(value: str) -> None:

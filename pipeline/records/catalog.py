@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from lorp.atomic import atomic_file
 
 if TYPE_CHECKING:
+    from pipeline.records.shared_catalog import SharedCatalog
     from pipeline.storage import Storage
 
 CORE_SCHEMA = pa.schema(
@@ -58,13 +59,17 @@ CORE_SCHEMA = pa.schema(
         ("k", pa.int64()),
         ("labels", pa.list_(pa.int64())),
         ("calibration", pa.string()),
+        ("calibration_id", pa.string()),
         ("evaluation", pa.string()),
+        ("protocol", pa.string()),
+        ("reference_claim", pa.bool_()),
         ("zero_shot", pa.string()),
         ("serving", pa.string()),
         ("stats_file", pa.string()),
         ("params", pa.int64()),
         ("params_dense", pa.int64()),
         ("checkpoint", pa.string()),
+        ("storage", pa.string()),
         ("eval_backend", pa.string()),
         ("degraded", pa.bool_()),
         ("tracking_uri", pa.string()),
@@ -78,6 +83,7 @@ CORE_SCHEMA = pa.schema(
 CORE = set(CORE_SCHEMA.names)
 
 
+NAME = "catalog.parquet"
 PARTS = "catalog.parts"
 
 
@@ -165,12 +171,22 @@ class Catalog:
 
     With a `mirror` (the job's storage, when it is not the run directory) the local files
     are a working copy: the storage's catalog and parts replace them at the start, so a
-    job resumes from storage on any machine, and every part is copied to storage."""
+    job resumes from storage on any machine, and every part is copied to storage.
 
-    NAME = "catalog.parquet"
+    With `publish` (the organisation's shared catalog, `pipeline.records.shared_catalog`)
+    every part is published there too, under the job's name, and `compact` replaces the
+    job's rows there with all of its rows here."""
 
-    def __init__(self, path: Path, mirror: Storage | None = None) -> None:
-        self.path, self.mirror = path, mirror
+    NAME = NAME
+
+    def __init__(
+        self,
+        path: Path,
+        mirror: Storage | None = None,
+        publish: SharedCatalog | None = None,
+        job: str = "",
+    ) -> None:
+        self.path, self.mirror, self.publish, self.job = path, mirror, publish, job
         self.parts = parts_dir(path)
         self.n = 0
         if mirror is not None:
@@ -197,14 +213,20 @@ class Catalog:
     def _record(self, part: dict[str, Any]) -> None:
         self.n += 1
         name = f"{time.time_ns():020d}-{os.getpid()}-{self.n:06d}.json"
+        data = json.dumps(part, default=_plain).encode()
         with atomic_file(self.parts / name) as tmp:
-            tmp.write_bytes(json.dumps(part, default=_plain).encode())
+            tmp.write_bytes(data)
         if self.mirror is not None:
             self.mirror.put_file(self.parts / name, f"{PARTS}/{name}")
+        if self.publish is not None:
+            self.publish.put_part(self.job, name, data)
 
     def compact(self) -> None:
-        """Fold the parts into the parquet file (atomically), then delete them."""
+        """Fold the parts into the parquet file (atomically), then delete them; the
+        job's rows in the shared catalog are replaced with all of them."""
         done = sorted(self.parts.glob("*.json")) if self.parts.is_dir() else []
+        if self.publish is not None:
+            self.publish.replace_rows(self.job, self.rows)
         if not done:
             return
         write_catalog(self.path, self.rows)

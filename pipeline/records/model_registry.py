@@ -17,9 +17,16 @@ the row: figures added later, a new `degraded` flag). A point redone under a new
 (`--force`, changed evaluation settings) rewrites the same checkpoint directory, so its
 old version, whose run lorp has deleted, is deleted too: one version per directory.
 
-Aliases move when a job ends: `best-<budget>` to the non-degraded variant with the lowest
-first perplexity (`ppl_<first corpus>`; with no perplexity, the highest `acc_avg`), `dense`
-to the base model. The catalog's `model_uri` column names each row's version.
+Aliases are recomputed when a job ends, over every version of the registered model,
+whichever job made it (`pipeline.records.ranking` is the rule): `best-<budget>-<protocol>`
+for each protocol, `best-<budget>` for the model's reference protocol, `dense` at the
+model's oldest dense version (stable). A version's figures are its row in the shared
+catalog when the job has one (`catalog:`), else its own tags, which repeat its row. Two
+jobs that end together cannot leave a stale view behind: after moving the aliases a job
+reads the versions again and recomputes until nothing changed under it, so whichever job
+ends last, the aliases are the same. Each move is logged with the job that made it (the
+job's events, and a tag `lorp.alias.<alias>` on the registered model). The catalog's
+`model_uri` column names each row's version.
 
 `load_variant` and `pull` read a version back (a checkpoint in remote storage is fetched
 to a local directory first, and refused without its completion marker); they live here,
@@ -31,10 +38,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +55,8 @@ from mlflow.tracking import MlflowClient
 
 from lorp.atomic import atomic_dir
 from lorp.surgery import PROVENANCE_FILE
+from pipeline.records import ranking
+from pipeline.records.protocol import rank_column
 from pipeline.records.tracking import GRID_KEY, redact
 from pipeline.storage import Storage, is_remote
 
@@ -58,7 +69,8 @@ TAG_COLUMNS = (
     "job", "model", "model_ref", "family", "fingerprint", "dtype", "n_blocks", "method",
     "method_label", "variant", "options", "budget", "pruned_layers", "kept_layers", "rls",
     "k", "stats_file", "calibration", "checkpoint", "params", "eval_backend", "acc_avg",
-    "speedup", "ppl_ratio", "degraded", "repair", "repair_residual",
+    "speedup", "ppl_ratio", "degraded", "repair", "repair_residual", "protocol",
+    "calibration_id", "reference_claim", "created_at", "storage",
 )  # fmt: skip
 
 
@@ -81,9 +93,10 @@ def tag_value(value: Any) -> str | None:
 
 
 def version_tags(row: Mapping[str, Any], key: str) -> dict[str, str]:
-    """The tags of a row's version: the row's columns (`TAG_COLUMNS`, every `ppl_*`)."""
+    """The tags of a row's version: the row's columns (`TAG_COLUMNS`, every `ppl_*`) and
+    `rank_by`, the column its protocol ranks by."""
     columns = [*TAG_COLUMNS, *sorted(c for c in row if c.startswith("ppl_"))]
-    tags = {c: tag_value(row.get(c)) for c in columns}
+    tags = {c: tag_value(row.get(c)) for c in columns} | {"rank_by": rank_column(row)}
     return {GRID_KEY: key} | {c: v for c, v in tags.items() if v is not None}
 
 
@@ -101,30 +114,7 @@ class Entry:
     tags: dict[str, str]
     budget: int
     label: str
-    rank: tuple[int, float] | None
-    """Lower is better; None: never a best variant (degraded, or nothing measured)."""
     in_catalog: bool = True
-
-
-def _finite(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
-def rank(row: Mapping[str, Any], ppl_column: str | None) -> tuple[int, float] | None:
-    """The alias order: lowest `ppl_column`, else highest `acc_avg`; degraded rows none."""
-    if row.get("degraded"):
-        return None
-    ppl = _finite(row.get(ppl_column)) if ppl_column else None
-    if ppl is not None:
-        return (0, ppl)
-    acc = _finite(row.get("acc_avg"))
-    return (1, -acc) if acc is not None else None
 
 
 def source_uri(source: Path | str) -> str:
@@ -133,15 +123,13 @@ def source_uri(source: Path | str) -> str:
     return text if is_remote(text) else Path(text).resolve().as_uri()
 
 
-def variant_entry(point: GridPoint, row: Mapping[str, Any], ppl: str | None) -> Entry | None:
+def variant_entry(point: GridPoint, row: Mapping[str, Any]) -> Entry | None:
     """A pruned row's version, when its checkpoint was saved completely (save_checkpoints)."""
     ckpt = row.get("checkpoint")
     if not ckpt or not Storage(ckpt).complete() or not row.get("mlflow_run_id"):
         return None
     tags = version_tags(row, point.key)
-    return Entry(
-        point.key, row["mlflow_run_id"], ckpt, tags, point.budget, point.label, rank(row, ppl)
-    )
+    return Entry(point.key, row["mlflow_run_id"], ckpt, tags, point.budget, point.label)
 
 
 def dense_entry(
@@ -162,7 +150,7 @@ def dense_entry(
         run_id, in_catalog = row["mlflow_run_id"], True
     tags = version_tags(row, key)
     path = Path(plan.path).resolve()
-    return Entry(key, run_id, path, tags, 0, DENSE, None, in_catalog=in_catalog)
+    return Entry(key, run_id, path, tags, 0, DENSE, in_catalog=in_catalog)
 
 
 def model_entries(
@@ -170,14 +158,10 @@ def model_entries(
     points: list[GridPoint],
     rows: Mapping[str, Mapping[str, Any]],
     parent_run: str,
-    ppl: str | None,
 ) -> list[Entry]:
     """One model's versions from its points' catalog rows (`rows`: grid key -> row): the
-    dense version first, then one per saved variant; nothing without a variant. `ppl` is
-    the perplexity column that ranks them (None: accuracy)."""
-    variants = [
-        variant_entry(p, rows[p.key], ppl) for p in points if not p.is_dense and p.key in rows
-    ]
+    dense version first, then one per saved variant; nothing without a variant."""
+    variants = [variant_entry(p, rows[p.key]) for p in points if not p.is_dense and p.key in rows]
     variants = [v for v in variants if v is not None]
     if not variants:
         return []
@@ -312,24 +296,96 @@ def sync_tags(client: MlflowClient, mv: ModelVersion, tags: Mapping[str, str]) -
             client.set_model_version_tag(mv.name, str(mv.version), key, value)
 
 
+def version_records(
+    versions: list[ModelVersion], shared: Mapping[tuple[str, str], Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each version as a row for `pipeline.records.ranking`: its row in the shared
+    catalog (`shared`: (grid key, run id) -> row) when there is one, else its tags; with
+    `version` added."""
+    out = []
+    for mv in versions:
+        key = mv.tags.get(GRID_KEY, "")
+        row = shared.get((key, mv.run_id or ""))
+        record = dict(row) if row is not None else dict(mv.tags)
+        record |= {"grid_key": key, "version": str(mv.version)}
+        record.setdefault("rank_by", mv.tags.get("rank_by"))
+        out.append(record)
+    return out
+
+
+def wanted_aliases(records: list[dict[str, Any]]) -> dict[str, str]:
+    """alias -> version: `dense` at the oldest dense version, and the ranking's `best-*`
+    (`pipeline.records.ranking.wanted_aliases`)."""
+    out = {a: str(r["version"]) for a, r in ranking.wanted_aliases(records).items()}
+    dense = [int(r["version"]) for r in records if r.get("method") == DENSE]
+    return ({DENSE: str(min(dense))} if dense else {}) | out
+
+
+def _view(versions: list[ModelVersion]) -> list[tuple[str, str, tuple]]:
+    """What the aliases are computed from, to see whether it changed."""
+    return sorted((str(v.version), v.run_id or "", tuple(sorted(v.tags.items()))) for v in versions)
+
+
+@dataclass(frozen=True)
+class Move:
+    """An alias set (`version`), moved (`previous` another) or removed (`version` None)."""
+
+    alias: str
+    version: str | None
+    previous: str | None
+
+
 def move_aliases(
-    client: MlflowClient, name: str, entries: list[Entry], versions: Mapping[str, str]
-) -> dict[str, str]:
-    """`dense`, and `best-<budget>` per budget of the job: set where they should point,
-    removed where no variant of that budget qualifies. Returns alias -> version."""
-    wanted = {DENSE: versions[entries[0].key]}
-    current = {a: str(v) for a, v in client.get_registered_model(name).aliases.items()}
-    for budget in sorted({e.budget for e in entries if e.budget}):
-        alias = f"best-{budget}"
-        ranked = [e for e in entries if e.budget == budget and e.rank is not None]
-        if ranked:
-            wanted[alias] = versions[min(ranked, key=lambda e: (e.rank, e.label)).key]
-        elif alias in current:
-            client.delete_registered_model_alias(name, alias)
-    for alias, version in wanted.items():
-        if current.get(alias) != version:
-            client.set_registered_model_alias(name, alias, version)
-    return wanted
+    client: MlflowClient,
+    name: str,
+    job: str,
+    shared: Callable[[], Mapping[tuple[str, str], Mapping[str, Any]]] | None = None,
+    attempts: int = 10,
+) -> tuple[dict[str, str], list[Move]]:
+    """Point `name`'s aliases where the ranking over all its versions says (see the
+    module docstring); `shared` reads the shared catalog's rows by (grid key, run id).
+    Returns alias -> version and the moves made, each also tagged on the model."""
+    moves: list[Move] = []
+    for attempt in range(attempts):
+        versions = all_versions(client, name)
+        wanted = wanted_aliases(version_records(versions, shared() if shared else {}))
+        current = {a: str(v) for a, v in client.get_registered_model(name).aliases.items()}
+        try:
+            for alias in sorted(set(current) | set(wanted)):
+                move = _move(client, name, alias, wanted.get(alias), current.get(alias), job)
+                if move is not None:
+                    moves.append(move)
+        except MlflowException:  # another job moved it at the same moment: look again
+            time.sleep(0.1 * (1 + attempt) * random.random())
+            continue
+        if _view(all_versions(client, name)) == _view(versions):
+            break
+    return wanted, moves
+
+
+def _move(
+    client: MlflowClient, name: str, alias: str, target: str | None, before: str | None, job: str
+) -> Move | None:
+    """One alias to `target` (None: removed), logged on the model; lorp's aliases only."""
+    if target == before or not (alias == DENSE or alias.startswith("best-")):
+        return None
+    if target is None:
+        client.delete_registered_model_alias(name, alias)
+    else:
+        client.set_registered_model_alias(name, alias, target)
+    note = f"v{target} by {job} at {now()}" if target else f"removed by {job} at {now()}"
+    client.set_registered_model_tag(name, f"lorp.alias.{alias}", note)
+    return Move(alias, target, before)
+
+
+def now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def all_versions(client: MlflowClient, name: str) -> list[ModelVersion]:
+    return list(existing_versions(client, name).values())
 
 
 # -- reading a version back ---------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.evaluation.metrics import metric_name
-from pipeline.plan import GridPoint
+from pipeline.plan import CHECKPOINTS, GridPoint
 from pipeline.spec import EvaluationSpec
 
 SPEED_COLUMNS = (
@@ -59,6 +59,37 @@ def unmeasured(
         for p in points
         if p.key in rows and p.key not in twins and (again or missing(rows[p.key], "latency_ms"))
     ]
+
+
+def row_storage(row: Mapping[str, Any]) -> str | None:
+    """Where a row's files are: its `storage` column, else (rows written before it) the
+    storage its checkpoint lies in; None when the row says neither."""
+    if row.get("storage"):
+        return str(row["storage"])
+    ckpt = row.get("checkpoint")
+    if not ckpt:
+        return None
+    marker = f"/{CHECKPOINTS}/"
+    return ckpt.rsplit(marker, 1)[0] if marker in ckpt else None
+
+
+def stored_elsewhere(rows: list[Mapping[str, Any]], storage: str) -> dict[str, str]:
+    """grid key -> its storage, for the rows whose files are not in `storage` (the
+    job's): a working copy left by a run with another storage. They are not done here."""
+    out = {}
+    for r in rows:
+        where = row_storage(r)
+        if where is not None and where != storage:
+            out[r["grid_key"]] = where
+    return out
+
+
+def by_value(mapping: Mapping[str, str]) -> dict[str, list[str]]:
+    """value -> the keys that have it."""
+    out: dict[str, list[str]] = {}
+    for key, value in mapping.items():
+        out.setdefault(value, []).append(key)
+    return out
 
 
 def twin_speed(rows: Rows, twins: Mapping[str, str]) -> dict[str, dict[str, Any]]:

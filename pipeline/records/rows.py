@@ -20,6 +20,7 @@ from lorp.cost import ModelShape, cost_columns
 from lorp.provenance import provenance as lorp_provenance
 from lorp.surgery import kept_layers
 from pipeline.plan import GridPoint
+from pipeline.records.protocol import calibration_id, protocol_id
 from pipeline.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -178,6 +179,8 @@ class RowContext:
     run_id: str
     checkpoint: str | None
     backend: str
+    storage: str | None = None
+    """The job's storage (`Storage.uri()`): where the row's files are."""
 
 
 def catalog_row(
@@ -210,13 +213,17 @@ def catalog_row(
         "k": int(k) if k is not None else None,
         "labels": facts.labels,
         "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
+        "calibration_id": calibration_id(asdict(spec.calibration)),
         "evaluation": json.dumps(asdict(spec.evaluation), sort_keys=True),
+        "protocol": protocol_id(asdict(spec.evaluation), plan.spec.dtype),
+        "reference_claim": spec.tracking.reference,
         "zero_shot": json.dumps(result.zero_shot, sort_keys=True) if result.zero_shot else None,
         "serving": json.dumps(result.serving, sort_keys=True) if result.serving else None,
         "stats_file": facts.stats_file,
         "params": result.params,
         "params_dense": result.params_dense,
         "checkpoint": ctx.checkpoint,
+        "storage": ctx.storage,
         "eval_backend": ctx.backend,
         "tracking_uri": ctx.tracking_uri,
         "experiment_id": ctx.experiment_id,

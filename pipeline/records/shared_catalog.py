@@ -1,0 +1,181 @@
+"""The organisation's shared catalog: every job's rows in one place (`catalog:` in a job
+spec), written by many jobs at once, read folded.
+
+Layout, in any storage (`pipeline.storage`: a directory, a shared mount, `s3://...`):
+
+    jobs/<job>.parquet               the job's rows, folded (replaced whole, atomically)
+    parts/<job>~<time>-<pid>-<n>.json the job's changes since (one `put` or `update` each)
+
+Each job writes only its own names, so jobs never contend: no lock, no row lost, none
+doubled. A job publishes every change of its own catalog as a part at once
+(`pipeline.records.catalog.Catalog`), and at its start and end replaces its snapshot
+with all its rows and then deletes the parts the snapshot holds: a rerun replaces that
+job's rows and no one else's. A reader folds each job's snapshot and parts; it reads
+every snapshot again after the parts, and starts over when one changed meanwhile (a
+job compacted under it), so it never misses the parts a compaction folded away.
+
+Rows are identified by (job, grid key); two jobs that measured the same point both keep
+their row (each with its checkpoint and run). The job name is a job's identity here, as
+it is in MLflow's experiments.
+
+`open_catalog` reads any catalog by location: a catalog file, a job's run directory or
+storage, or a shared catalog.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.records.catalog import NAME, PARTS, apply_parts, read_catalog, to_table
+from pipeline.records.protocol import row_protocol
+from pipeline.storage import Storage, is_remote
+
+JOBS, SHARED_PARTS = "jobs", "parts"
+SEP = "~"
+"""Between a part's job name and its own name; job names cannot hold it."""
+READ_ATTEMPTS = 8
+
+
+class SharedCatalog:
+    """One shared catalog location; `job` is the publishing job, when there is one."""
+
+    def __init__(self, location: str | Storage) -> None:
+        self.storage = location if isinstance(location, Storage) else Storage(location)
+
+    def uri(self) -> str:
+        return self.storage.uri()
+
+    # -- one job's writes --------------------------------------------------------------
+
+    def put_part(self, job: str, name: str, data: bytes) -> None:
+        """One change of `job`'s rows (a part of its own catalog, same bytes)."""
+        self.storage.write_bytes(f"{SHARED_PARTS}/{job}{SEP}{name}", data)
+
+    def replace_rows(self, job: str, rows: Iterable[Mapping[str, Any]]) -> int:
+        """`job`'s rows, whole: its snapshot replaced, then the parts it folds deleted
+        (only the ones listed before the snapshot was written). Returns the row count."""
+        mine = [dict(r) for r in rows if r.get("job") == job]
+        done = self._part_names(job)
+        with self.storage.writer(f"{JOBS}/{job}.parquet") as fh:
+            pq.write_table(to_table(mine), fh)
+        for name in done:
+            self.storage.delete(f"{SHARED_PARTS}/{name}")
+        return len(mine)
+
+    def _part_names(self, job: str | None = None) -> list[str]:
+        names = [n for n in self.storage.list(SHARED_PARTS) if n.endswith(".json")]
+        return [n for n in names if job is None or n.split(SEP, 1)[0] == job]
+
+    # -- reading -----------------------------------------------------------------------
+
+    def _snapshots(self) -> dict[str, bytes]:
+        out = {}
+        for name in self.storage.list(JOBS):
+            if name.endswith(".parquet"):
+                data = self.storage.read_bytes(f"{JOBS}/{name}")
+                if data is not None:
+                    out[name.removesuffix(".parquet")] = data
+        return out
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every job's rows, folded (see the module docstring)."""
+        for _ in range(READ_ATTEMPTS):
+            before = self._snapshots()
+            parts: dict[str, list[dict[str, Any]]] = {}
+            for name in sorted(self._part_names()):
+                data = self.storage.read_bytes(f"{SHARED_PARTS}/{name}")
+                if data is not None:  # folded away meanwhile: the snapshot check sees it
+                    parts.setdefault(name.split(SEP, 1)[0], []).append(json.loads(data))
+            if self._snapshots() == before:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"{self.uri()}: the catalog kept changing while it was read")
+        rows: list[dict[str, Any]] = []
+        for job in sorted(set(before) | set(parts)):
+            base = pq.read_table(pa.BufferReader(before[job])).to_pylist() if job in before else []
+            rows.extend(apply_parts(base, parts.get(job, [])))
+        return rows
+
+    def is_shared(self) -> bool:
+        """Whether the location holds a shared catalog (or is empty)."""
+        return bool(self.storage.list(JOBS) or self.storage.list(SHARED_PARTS))
+
+
+# -- any catalog by location --------------------------------------------------------------
+
+
+def open_catalog(location: str) -> list[dict[str, Any]]:
+    """The rows of the catalog at `location`, folded, every row with its `protocol`:
+    a catalog file (`catalog.parquet`), a job's run directory or storage, or a shared
+    catalog. One-line errors for anything else."""
+    rows = _read_any(location)
+    for r in rows:
+        r["protocol"] = row_protocol(r)
+    return rows
+
+
+def _read_any(location: str) -> list[dict[str, Any]]:
+    if not is_remote(location):
+        path = Path(location)
+        if path.is_file():
+            try:
+                return read_catalog(path)
+            except pa.ArrowInvalid as exc:
+                raise ValueError(f"{location!r} is not a parquet catalog ({exc})") from None
+        if not path.is_dir():
+            raise FileNotFoundError(f"catalog not found: {location!r}")
+    store = Storage(location)
+    shared = SharedCatalog(store)
+    if shared.is_shared():
+        return shared.read()
+    if store.read_bytes(NAME) is not None or store.list(PARTS):
+        return _read_job_storage(store)
+    raise FileNotFoundError(
+        f"no catalog at {store.uri()!r} (neither {NAME} nor a shared catalog's {JOBS}/)"
+    )
+
+
+def _read_job_storage(store: Storage) -> list[dict[str, Any]]:
+    data = store.read_bytes(NAME)
+    rows = pq.read_table(pa.BufferReader(data)).to_pylist() if data is not None else []
+    parts = []
+    for name in store.list(PARTS):
+        raw = store.read_bytes(f"{PARTS}/{name}")
+        if raw is not None:
+            parts.append(json.loads(raw))
+    return apply_parts(rows, parts)
+
+
+FILTERS = ("model", "family", "method", "budget", "repair", "protocol", "job")
+
+
+def matches(row: Mapping[str, Any], **want: Any) -> bool:
+    """Whether a row passes `lorp catalog ls`'s filters: each given one must equal the
+    row's value (`method` matches the method or its catalog label; `repair` none
+    matches unrepaired rows; `degraded` a bool)."""
+    for key, value in want.items():
+        if value is None:
+            continue
+        if key == "method":
+            if value not in (row.get("method"), row.get("method_label")):
+                return False
+        elif key == "repair":
+            if (row.get("repair") or "none") != value:
+                return False
+        elif key == "degraded":
+            if bool(row.get("degraded")) != value:
+                return False
+        elif key == "budget":
+            if int(row.get("budget") or 0) != int(value):
+                return False
+        elif row.get(key) != value:
+            return False
+    return True

@@ -1,0 +1,238 @@
+"""One catalog for the organisation, on real components: a `mlflow server` process
+(tracking and registry over HTTP, its own backend store and artifact root) shared by two
+jobs that run at once on a local Ray, both publishing to one shared catalog directory,
+with different evaluation protocols and methods. The aliases are checked by value
+against the rows, and again after each job is rerun last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from cli_runner import lorp
+from job_specs import tiny_job
+from local_servers import free_port, wait_for_port
+from mlflow.tracking import MlflowClient
+from tiny_models import save_tiny_ptb
+
+from pipeline.records.protocol import calibration_id, protocol_id, row_protocol
+from pipeline.records.shared_catalog import SharedCatalog, open_catalog
+from pipeline.run import run_job
+from pipeline.spec import parse_spec
+
+pytestmark = [pytest.mark.integration]
+NAME = "lorp-tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+    """`mlflow server` with a sqlite backend and a served artifact root, on loopback."""
+    root = tmp_path_factory.mktemp("server")
+    port = free_port()
+    log = root / "server.log"
+    cmd = [
+        str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+        "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{root / 'backend.db'}",
+        "--artifacts-destination", str(root / "artifacts"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    wait_for_port(port, proc, log, "mlflow server")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def job(root: Path, model: Path, name: str, seq_len: int, methods: list[str], **more: Any) -> Any:
+    evaluation = {"perplexity": ["ptb"], "seq_len": seq_len, "max_windows": 2, "speed": False}
+    spec = tiny_job(root, model, name=name, budgets=[1, 2], evaluation=evaluation)
+    spec["methods"] = [{"name": m} for m in methods]
+    spec["storage"] = str(root / f"storage-{name}")
+    spec["catalog"] = str(root / "shared")
+    spec["cache_dir"] = str(root / "cache")
+    return parse_spec(spec | more)
+
+
+@pytest.fixture(scope="module")
+def fleet(server: str, tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Two jobs at once (threads of one driver process, one local Ray): `a` measures
+    perplexity on 48-token windows with lorp and shortgpt, `b` on 32-token windows with
+    shortgpt and angular."""
+    root = tmp_path_factory.mktemp("org")
+    model = save_tiny_ptb("llama", root / "model")
+    specs = {
+        "a": job(root, model, "team-a", 48, ["lorp", "shortgpt"]),
+        "b": job(root, model, "team-b", 32, ["shortgpt", "angular"]),
+    }
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    summaries: dict[str, Any] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", server)
+        threads = [
+            threading.Thread(target=lambda k=k: summaries.__setitem__(k, run_job(specs[k])))
+            for k in specs
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        yield {"root": root, "model": model, "specs": specs, "summaries": summaries,
+               "server": server}  # fmt: skip
+    ray.shutdown()
+
+
+def aliases(server: str) -> dict[str, str]:
+    client = MlflowClient(tracking_uri=server, registry_uri=server)
+    return {a: str(v) for a, v in client.get_registered_model(NAME).aliases.items()}
+
+
+def expected(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The alias rule by brute force over the rows: per protocol and budget the lowest
+    ppl_ptb of the non-degraded variants, ties to the first method label (shortgpt and
+    angular often remove the same blocks); `best-<b>` in the protocol of the oldest row."""
+    version = {r["grid_key"]: r["model_uri"].rsplit("/", 1)[1] for r in rows}
+    reference = min(rows, key=lambda r: r["created_at"])["protocol"]
+    out = {}
+    for p in {r["protocol"] for r in rows}:
+        for b in (1, 2):
+            ok = [r for r in rows if r["protocol"] == p and r["budget"] == b and not r["degraded"]]
+            if ok:
+                best = min(ok, key=lambda r: (r["ppl_ptb"], r["method_label"]))
+                out[f"best-{b}-{p}"] = version[best["grid_key"]]
+                if p == reference:
+                    out[f"best-{b}"] = version[best["grid_key"]]
+    return out
+
+
+def test_protocol_ids_name_what_makes_figures_comparable() -> None:
+    ev = {"enabled": True, "perplexity": ["ptb"], "seq_len": 256, "max_windows": 8}
+    base = protocol_id(ev, "float32")
+    assert base.startswith("ptb256-") and len(base) == len("ptb256-") + 8
+    assert protocol_id(ev | {"batch_size": 16, "backend": "vllm"}, "float32") == base
+    for change in ({"seq_len": 512}, {"max_windows": 4}, {"bos": "never"},
+                   {"zero_shot": ["boolq"]}, {"perplexity": ["ptb", "wikitext2"]}):  # fmt: skip
+        assert protocol_id(ev | change, "float32") != base, change
+    assert protocol_id(ev, "bfloat16") != base
+    assert protocol_id({"enabled": False}, "float32") == "none"
+    row = {"evaluation": json.dumps(ev), "dtype": "float32"}  # a row from before the column
+    assert row_protocol(row) == base
+    cal = {"dataset": "ptb", "split": "train", "samples": 128, "seq_len": 2048, "seed": 0}
+    assert calibration_id(cal | {"shards": 8}) == calibration_id(cal) != calibration_id(
+        cal | {"seed": 1}
+    )
+
+
+def test_two_jobs_at_once_share_one_catalog_and_one_server(fleet) -> None:  # type: ignore[no-untyped-def]
+    summaries, specs = fleet["summaries"], fleet["specs"]
+    for s in summaries.values():
+        assert s.done == 5 and not s.failed  # dense + 2 budgets x 2 methods each
+    rows = open_catalog(str(fleet["root"] / "shared"))
+    assert len(rows) == 10
+    assert len({(r["job"], r["grid_key"]) for r in rows}) == 10
+    for key, spec in specs.items():
+        own = open_catalog(str(summaries[key].catalog))
+        mine = [r for r in rows if r["job"] == spec.name]
+        assert sorted(r["grid_key"] for r in mine) == sorted(r["grid_key"] for r in own)
+    protocols = {r["job"]: {r["protocol"] for r in rows if r["job"] == r["job"]} for r in rows}
+    by_job = {j: {r["protocol"] for r in rows if r["job"] == j} for j in protocols}
+    assert all(len(p) == 1 for p in by_job.values())
+    assert by_job["team-a"] != by_job["team-b"]
+    assert all(r["model_uri"] and r["storage"] for r in rows)
+    assert aliases(fleet["server"]) | {"dense": "-"} == expected(rows) | {"dense": "-"}
+    assert "dense" in aliases(fleet["server"])
+
+
+def test_catalog_ls_and_best_agree_with_the_aliases(fleet) -> None:  # type: ignore[no-untyped-def]
+    shared = str(fleet["root"] / "shared")
+    out = lorp("catalog", "ls", shared, "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 10 and all("protocol" in r for r in rows)
+    some = lorp("catalog", "ls", shared, "--json", "--method", "shortgpt", "--budget", "2")
+    assert [json.loads(x)["method"] for x in some.stdout.splitlines()] == ["shortgpt"] * 2
+    now = aliases(fleet["server"])
+    by_version = {r["model_uri"].rsplit("/", 1)[1]: r for r in rows}
+    for alias, version in now.items():
+        if not alias.startswith("best-"):
+            continue
+        parts = alias.split("-", 2)
+        args = ["catalog", "best", shared, "--model", "tiny", "--budget", parts[1], "--json"]
+        if len(parts) == 3:
+            args += ["--protocol", parts[2]]
+        best = lorp(*args)
+        assert best.returncode == 0, best.stderr
+        assert json.loads(best.stdout)["grid_key"] == by_version[version]["grid_key"], alias
+    bad = lorp("catalog", "best", shared, "--model", "tiny", "--budget", "1", "--protocol", "x")
+    assert bad.returncode != 0 and "--protocol: 'x'" in bad.stderr
+
+
+def test_whichever_job_ends_last_the_aliases_are_the_same(fleet) -> None:  # type: ignore[no-untyped-def]
+    """Each job again, alone, so that it ends last: nothing to redo, the aliases are
+    recomputed and do not move. Then `b` claims the reference: `best-<b>` follows it."""
+    server, specs = fleet["server"], fleet["specs"]
+    before = aliases(server)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", server)
+        for key in ("b", "a"):
+            again = run_job(specs[key])
+            assert again.done == 0 and again.skipped == 5
+            assert aliases(server) == before, key
+        claim = specs["b"].tracking.__class__(reference=True)
+        run_job(parse_spec_with(specs["b"], tracking=claim))
+    rows = open_catalog(str(fleet["root"] / "shared"))
+    b_protocol = {r["protocol"] for r in rows if r["job"] == "team-b"}.pop()
+    now = aliases(server)
+    for b in (1, 2):
+        assert now[f"best-{b}"] == now[f"best-{b}-{b_protocol}"]
+    assert all(r["reference_claim"] == (r["job"] == "team-b") for r in rows)
+    client = MlflowClient(tracking_uri=server, registry_uri=server)
+    tags = client.get_registered_model(NAME).tags
+    assert "by team-" in tags["lorp.alias.best-1"]
+
+
+def parse_spec_with(spec: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(spec, **changes)
+
+
+def test_a_new_storage_gets_every_point(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The same job (same output_dir, its working copy left there) with `storage:`
+    changed: nothing is skipped as done elsewhere; every point lands in the new one."""
+    spec = fleet["specs"]["a"]
+    moved = parse_spec_with(spec, storage=str(tmp_path / "new-storage"), catalog=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", fleet["server"])
+        summary = run_job(moved)
+    assert summary.done == 5 and summary.skipped == 0 and not summary.failed
+    rows = open_catalog(str(tmp_path / "new-storage"))
+    assert len(rows) == 5
+    for r in rows:
+        assert r["storage"] == str((tmp_path / "new-storage").resolve())
+        if r["method"] != "dense":
+            assert Path(r["checkpoint"]).is_dir()
+            assert r["checkpoint"].startswith(r["storage"])
+    old = SharedCatalog(str(fleet["root"] / "shared")).read()
+    assert {r["storage"] for r in old if r["job"] == "team-a"} == {
+        str(Path(spec.storage).resolve())
+    }
+
+
+def test_catalog_ls_refuses_what_is_not_a_catalog(tmp_path: Path) -> None:
+    (tmp_path / "x.parquet").write_text("no")
+    out = lorp("catalog", "ls", str(tmp_path / "x.parquet"))
+    assert out.returncode != 0 and "is not a parquet catalog" in out.stderr
+    out = lorp("catalog", "ls", str(tmp_path))
+    assert out.returncode != 0 and "no catalog at" in out.stderr
+    out = lorp("catalog", "ls", str(tmp_path / "missing"))
+    assert out.returncode != 0 and "catalog not found" in out.stderr
+    assert os.path.exists(tmp_path / "x.parquet")
