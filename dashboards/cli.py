@@ -9,10 +9,15 @@ from pathlib import Path
 def add_dashboard(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "dashboard",
-        help="write the fleet dashboard (static HTML) for a run directory",
-        description="Reads RUN_DIR/catalog.parquet (or --catalog files) and the cached S files.",
+        help="write the fleet dashboard (static HTML) for a run directory or a catalog",
+        description="Reads RUN_DIR's catalog (a run directory, a job's storage, or a shared "
+        "catalog: directory or URI; or --catalog files) and the cached S files.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory or a job's storage URI")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run directory, a job's storage URI, or a shared catalog (`catalog:`)",
+    )
     p.add_argument("--catalog", nargs="*", default=None, help="catalogs to show instead")
     p.add_argument(
         "--out", default=None, help="a directory or storage URI (default: RUN_DIR/dashboard)"
@@ -35,16 +40,21 @@ def run(args: argparse.Namespace) -> int:
 
 def write(args: argparse.Namespace, run_dir: Path, out: Path) -> Path:
     from dashboards.site import build_site, legacy_tracking
-    from pipeline.records.catalog import merge_catalogs
+    from pipeline.records.catalog import merge_catalogs, newest_per_key
+    from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 
-    catalogs = args.catalog or [str(run_dir / "catalog.parquet")]
-    rows = merge_catalogs(catalogs)
+    shared = not args.catalog and run_dir.is_dir() and SharedCatalog(str(run_dir)).is_shared()
+    if args.catalog:
+        rows = merge_catalogs(args.catalog)
+    else:
+        rows = newest_per_key(open_catalog(str(run_dir)))
     # Rows name their own store and experiment; only older catalogs need RUN_DIR's store.
     return build_site(
         rows,
         out,
         fallback_tracking=legacy_tracking(run_dir, rows),
-        events_file=run_dir / "events.jsonl",  # the timeline page (copied here when remote)
+        # the job's timeline (copied here when remote); a shared catalog has no one job's
+        events_file=None if shared else run_dir / "events.jsonl",
     )
 
 
@@ -58,12 +68,12 @@ def run_remote(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
         run_dir = Path(args.run_dir)
         if is_remote(args.run_dir):
-            from pipeline.records.catalog import PARTS, Catalog
+            from pipeline.records.catalog import Catalog, write_catalog
+            from pipeline.records.shared_catalog import open_catalog
 
             run_dir, store = Path(tmp) / "run", Storage(args.run_dir)
-            Catalog(run_dir / Catalog.NAME, store)  # the file and its parts, a running job's too
-            if not (run_dir / Catalog.NAME).is_file() and not (run_dir / PARTS).is_dir():
-                raise FileNotFoundError(f"no catalog.parquet in {store.uri()}")
+            rows = open_catalog(args.run_dir)  # a job's catalog and parts, or a shared one
+            write_catalog(run_dir / Catalog.NAME, rows)
             for name in ("events.jsonl",):
                 store.get_file(name, run_dir / name)
         index = write(args, run_dir, Path(tmp) / "site")

@@ -98,10 +98,16 @@ def tradeoff_svg(
     xlabel: str,
     ylabel: str,
     dense: float | None,
+    front: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """Quality against cost, one line per method (points sorted by cost)."""
+    """Quality against cost, one line per method (points sorted by cost); `front` (the
+    Pareto front's points) drawn as grey steps with rings."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    if front:
+        fx, fy = [p["x"] for p in front], [p["y"] for p in front]
+        ax.step(fx, fy, where="post", color="#888888", lw=3, alpha=0.5, label="Pareto front")
+        ax.scatter(fx, fy, s=140, facecolors="none", edgecolors="#555555", zorder=4)
     for i, (method, pts) in enumerate(sorted(lines.items())):
         _tradeoff_line(ax, pts, PALETTE[i % len(PALETTE)], method)
     if dense is not None and np.isfinite(dense):

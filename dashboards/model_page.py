@@ -51,6 +51,14 @@ def header(mv: View) -> Markup:
             f", K = {mv['k'] or '-'}; fingerprint ",
             el("code", mv["fingerprint"]),
         ),
+        el(
+            "p",
+            "Evaluation protocol ",
+            el("code", mv["protocol"], data_protocol=mv["protocol"]),
+            " (every figure on this page was measured under it); calibration ",
+            el("code", mv["calibration_id"] or "-"),
+            ".",
+        ),
     )
 
 
@@ -263,8 +271,18 @@ def tradeoff_figures(mv: View) -> Markup | None:
             caption += " Error bars: 95% intervals."
         if any(p[3] for p in pts):
             caption += " Crossed = degraded (failed the quality gate)."
-        svg = tradeoff_svg(f["lines"], f["xlabel"], f["ylabel"], f["dense"])
+        caption += " Grey steps and rings = the Pareto front (nothing is both cheaper and better)."
+        svg = tradeoff_svg(f["lines"], f["xlabel"], f["ylabel"], f["dense"], f["front"])
+        front = ", ".join(f"{p['label']} ({p['x']:.6g}, {p['y']:.4f})" for p in f["front"])
         figs.append(figure(svg, caption))
+        figs.append(
+            el(
+                "p",
+                f"Pareto front ({f['quality']} vs {f['cost']}): {front or 'none'}",
+                class_="front",
+                data_front=f"{f['quality']}:{f['cost']}",
+            )  # fmt: skip
+        )
     return frag(el("h2", "Trade-off"), figs) if figs else None
 
 

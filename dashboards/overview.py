@@ -41,6 +41,7 @@ def model_tr(row: View) -> Markup:
     return el(
         "tr",
         td(el("a", row["model"], href=row["page"]), left=True),
+        td(el("code", row["protocol"]), left=True, data_v=row["protocol"]),
         td(row["family"], left=True),
         value_td(row["n_blocks"]),
         value_td(row["rls"], 3),
@@ -51,6 +52,7 @@ def model_tr(row: View) -> Markup:
         td(link(row["run_url"], "run"), left=True),
         data_row=True,
         data_family=row["family"],
+        data_protocol=row["protocol"],
         data_method=" ".join(row["methods"]),
         data_budget=" ".join(map(str, row["budgets"])),
     )
@@ -65,6 +67,7 @@ def overview_table(ov: View) -> Markup:
     metric = ov["metric"] or "n/a"
     head = [
         th("model", left=True),
+        th("protocol", left=True),
         th("family", left=True),
         th("N"),
         th("RLS"),
@@ -120,16 +123,23 @@ def overview_page(
         _select("family", ov["families"]),
         _select("method", ov["methods"]),
         _select("budget", ov["budgets"]),
+        _select("protocol", ov["protocols"]),
     ]
     note = (
-        f"Best = lowest {metric} among the variants at that budget that passed the quality "
-        f"gate; degraded variants ({ov['n_degraded']} in the fleet) are never best. Click a "
-        "header to sort; MLflow links need the command below."
+        f"One line per model and evaluation protocol: figures are compared only within one "
+        f"protocol (its id names the corpora, windows, BOS, tasks and dtype). Best = lowest "
+        f"{metric} among the variants at that budget that passed the quality gate; degraded "
+        f"variants ({ov['n_degraded']} in the fleet) are never best. Click a header to sort; "
+        "MLflow links need the command below."
     )
     decay = figure(distance_svg(profiles), DECAY_CAPTION) if profiles else None
     return page(
         "lorp fleet",
-        el("h1", f"lorp fleet: {len(ov['rows'])} models, {ov['n_points']} pruned variants"),
+        el(
+            "h1",
+            f"lorp fleet: {ov['n_models']} models, {len(ov['protocols'])} protocol(s), "
+            f"{ov['n_points']} pruned variants",
+        ),
         nav_bar(nav),
         el("div", filters, class_="filters"),
         overview_table(ov),

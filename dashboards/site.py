@@ -89,13 +89,14 @@ def build_site(
     S_of = {m: load_S(rs[0]) for m, rs in by_model.items()}
     profiles = {m: S for m, S in S_of.items() if S is not None}
     tracking = job_tracking(rows, fallback_tracking)
-    for model, model_rows in by_model.items():
-        view = views.model_view(model, model_rows, S_of[model], tracking, mlflow_ui)
+    by_page = views.group_pages(rows)
+    for (model, protocol), page_rows in by_page.items():
+        view = views.model_view(model, page_rows, S_of[model], tracking, mlflow_ui)
         page = model_page(view, S_of[model], profiles)
-        (out / f"model-{views.slug(model)}.html").write_text(page)
+        (out / views.page_names(by_page)[(model, protocol)]).write_text(page)
     index = out / "index.html"
     nav = [("job timeline", TIMELINE)] if has_events else []
-    ov = views.overview(by_model, tracking, mlflow_ui)
+    ov = views.overview(by_page, tracking, mlflow_ui)
     index.write_text(overview_page(ov, profiles, nav=nav))
     return index
 

@@ -61,6 +61,48 @@ def group_by_model(rows: Iterable[Row]) -> dict[str, list[Row]]:
     return dict(sorted(out.items()))
 
 
+def protocol_of(row: Row) -> str:
+    """The row's evaluation protocol (`pipeline.records.protocol`): what its figures may
+    be compared with."""
+    from pipeline.records.protocol import row_protocol
+
+    return row_protocol(row)
+
+
+def group_pages(rows: Iterable[Row]) -> dict[tuple[str, str], list[Row]]:
+    """(model, protocol) -> its rows, in name order: one page each, since figures are
+    compared only within one protocol."""
+    out: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        out[(r["model"], protocol_of(r))].append(r)
+    return dict(sorted(out.items()))
+
+
+def page_names(keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """(model, protocol) -> its page: `model-<model>.html` for a model measured under one
+    protocol, `model-<model>-<protocol>.html` for each of several."""
+    keys = list(keys)
+    count = defaultdict(int)
+    for model, _ in keys:
+        count[model] += 1
+    return {
+        (m, p): f"model-{slug(m)}.html" if count[m] == 1 else f"model-{slug(m)}-{slug(p)}.html"
+        for m, p in keys
+    }
+
+
+def pareto_front(pts: Sequence[tuple], higher_is_better: bool = False) -> list[tuple]:
+    """The points no other point beats on both cost (x, lower is better) and quality (y):
+    the trade-off's efficient frontier, by cost. Degraded points (p[3]) never count."""
+    sign = -1.0 if higher_is_better else 1.0
+    ok = sorted((p for p in pts if not p[3]), key=lambda p: (p[0], sign * p[1]))
+    front: list[tuple] = []
+    for p in ok:
+        if not front or sign * p[1] < sign * front[-1][1]:
+            front.append(p)
+    return front
+
+
 def split_dense(rows: Iterable[Row]) -> tuple[Row | None, list[Row]]:
     """(the dense row or None, the pruned variants by method label then budget)."""
     rows = list(rows)
@@ -239,14 +281,19 @@ def best_per_budget(rows: Sequence[Row], metric: str | None, budget: int) -> Vie
 
 
 def overview_row(
-    model: str, rows: Sequence[Row], metric: str | None, budgets: Sequence[int], links: View
+    key: tuple[str, str], rows: Sequence[Row], budgets: Sequence[int], links: View, page: str
 ) -> View:
-    """One model's line of the overview table (links: tracking and mlflow_ui)."""
+    """One (model, protocol)'s line of the overview table (links: tracking and
+    mlflow_ui); "best" ranks by the protocol's first perplexity."""
+    model, protocol = key
     first = rows[0]
     dense, _ = split_dense(rows)
+    metric = ppl_metric(rows)
     return {
         "model": model,
-        "page": f"model-{slug(model)}.html",
+        "protocol": protocol,
+        "metric": metric,
+        "page": page,
         "family": first["family"],
         "n_blocks": first["n_blocks"],
         "rls": finite(first.get("rls")),
@@ -261,10 +308,13 @@ def overview_row(
 
 
 def overview(
-    by_model: Mapping[str, Sequence[Row]], tracking: Mapping[str, View], mlflow_ui: str
+    by_page: Mapping[tuple[str, str], Sequence[Row]],
+    tracking: Mapping[str, View],
+    mlflow_ui: str,
 ) -> View:
-    """Everything the fleet page shows, by model."""
-    all_rows = [r for rs in by_model.values() for r in rs]
+    """Everything the fleet page shows, by (model, protocol) (`group_pages`)."""
+    all_rows = [r for rs in by_page.values() for r in rs]
+    pages = page_names(by_page)
     metric = ppl_metric(all_rows)
     budgets = sorted({r["budget"] for r in all_rows if r["budget"]})
     links = {"tracking": tracking, "mlflow_ui": mlflow_ui}
@@ -275,7 +325,9 @@ def overview(
         "methods": sorted({r["method_label"] for r in all_rows if r["method"] != "dense"}),
         "n_points": sum(1 for r in all_rows if r["method"] != "dense"),
         "n_degraded": sum(is_degraded(r) for r in all_rows),
-        "rows": [overview_row(m, rs, metric, budgets, links) for m, rs in by_model.items()],
+        "protocols": sorted({k[1] for k in by_page}),
+        "n_models": len({k[0] for k in by_page}),
+        "rows": [overview_row(k, rs, budgets, links, pages[k]) for k, rs in by_page.items()],
         "jobs": tracking_view(tracking, mlflow_ui),
     }
 
@@ -390,8 +442,10 @@ def tradeoffs(dense: Row | None, points: Sequence[Row]) -> list[View]:
         for cost, xlabel in COSTS:
             lines = tradeoff_lines(points, quality, cost)
             if lines:
+                higher = not quality.startswith("ppl")
                 out.append(
                     {
+                        "front": _front_of(lines, higher),
                         "quality": quality,
                         "cost": cost,
                         "xlabel": xlabel,
@@ -401,6 +455,14 @@ def tradeoffs(dense: Row | None, points: Sequence[Row]) -> list[View]:
                     }
                 )
     return out
+
+
+def _front_of(lines: Mapping[str, Sequence[tuple]], higher: bool) -> list[View]:
+    """The Pareto front of every method's points together, each with its method."""
+    tagged = [(*p[:4], method) for method, pts in lines.items() for p in pts]
+    return [
+        {"x": p[0], "y": p[1], "label": p[4]} for p in pareto_front(tagged, higher_is_better=higher)
+    ]
 
 
 def repair_of(row: Row) -> str:
@@ -453,6 +515,8 @@ def model_view(
     jobs = sorted({r["job"] for r in rows})
     return {
         "model": model,
+        "protocol": protocol_of(first),
+        "calibration_id": first.get("calibration_id") or "",
         "family": first["family"],
         "n_blocks": int(first["n_blocks"]),
         "rls": finite(first.get("rls")),

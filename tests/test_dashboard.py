@@ -208,3 +208,76 @@ def check_timeline_page(page, events_file: Path) -> None:  # type: ignore[no-unt
     first = bars.first
     assert first.is_visible() and first.locator("title").text_content()
     assert page.locator("#timeline-models tbody tr").count() == 2  # one row per model
+
+
+def shared_catalog(catalog, root: Path) -> tuple[Path, str, str]:  # type: ignore[no-untyped-def]
+    """A shared catalog of two jobs: the module's job (protocol A), and another job that
+    measured tiny-llama again on 32-token windows (protocol B; perplexities made 10%
+    higher, one variant's far lower at twice the parameters, so the front has a choice)."""
+    import json
+
+    from pipeline.records.protocol import protocol_id
+    from pipeline.records.shared_catalog import SharedCatalog
+
+    rows = with_gate_and_accuracy(catalog[0])
+    other = []
+    for r in rows:
+        if r["model"] != "tiny-llama":
+            continue
+        ev = json.loads(r["evaluation"]) | {"seq_len": 32}
+        r = dict(r, job="other", grid_key=r["grid_key"] + "-b", evaluation=json.dumps(ev))
+        r["protocol"] = protocol_id(ev, r["dtype"])
+        r["ppl_ptb"] = 1.1 * r["ppl_ptb"]
+        other.append(r)
+    shared = SharedCatalog(str(root / "shared"))
+    shared.replace_rows("dash", rows)
+    shared.replace_rows("other", other)
+    return root / "shared", rows[0]["protocol"], other[0]["protocol"]
+
+
+def front_points(rows: list[dict], protocol: str) -> set[tuple[float, float]]:
+    """tiny-llama's Pareto front (params against ppl_ptb) by brute force: the passing
+    variants no other passing variant matches or beats on both."""
+    pts = [
+        (float(r["params"]), float(r["ppl_ptb"]))
+        for r in rows
+        if r["model"] == "tiny-llama" and r["protocol"] == protocol
+        and r["method"] != "dense" and not r["degraded"]
+    ]  # fmt: skip
+    return {
+        p for p in pts
+        if not any(q != p and q[0] <= p[0] and q[1] <= p[1] for q in pts)
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed")
+def test_a_shared_catalog_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`lorp dashboard <shared catalog>`: one overview line per model and protocol, a
+    protocol filter, one page per protocol with its Pareto front."""
+    from cli_runner import lorp
+
+    from pipeline.records.shared_catalog import open_catalog
+
+    playwright = pytest.importorskip("playwright.sync_api")
+    location, a, b = shared_catalog(catalog, tmp_path)
+    out = lorp("dashboard", str(location), "--out", str(tmp_path / "site"))
+    assert out.returncode == 0, out.stderr
+    rows = open_catalog(str(location))
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto((tmp_path / "site" / "index.html").as_uri())
+        lines = page.locator("#overview tbody tr")
+        assert lines.count() == 3  # tiny-llama under A and B, tiny-qwen3 under A
+        assert "2 models, 2 protocol(s)" in page.locator("h1").inner_text()
+        page.select_option('select[data-filter="protocol"]', b)
+        assert page.locator("#overview tbody tr:visible").count() == 1
+        page.locator("#overview tbody tr:visible a").first.click()
+        assert page.url.endswith(f"model-tiny-llama-{b}.html")
+        assert page.locator(f'code[data-protocol="{b}"]').count() == 1
+        front = page.locator('p.front[data-front="ppl_ptb:params"]').inner_text()
+        shown = set(re.findall(r"\(([^,()]+), ([^()]+)\)", front))
+        assert shown == {(f"{x:.6g}", f"{y:.4f}") for x, y in front_points(rows, b)}
+        assert len(shown) >= 1
+        page.screenshot(path=str(ARTIFACTS / "dashboard-shared.png"), full_page=True)
+        browser.close()

@@ -106,7 +106,7 @@ def test_best_per_budget_skips_degraded_rows() -> None:
     b2 = views.best_per_budget(rows, "ppl_ptb", 2)
     assert b2["status"] == "all-degraded" and b2["label"] is None and b2["skipped"] == 2
     assert views.best_per_budget(rows, "ppl_ptb", 3)["status"] == "none"
-    ov = views.overview(views.group_by_model(rows), job_tracking(rows), UI)
+    ov = views.overview(views.group_pages(rows), job_tracking(rows), UI)
     assert [b["status"] for b in ov["rows"][0]["best"]] == ["ok", "all-degraded"]
     assert ov["n_degraded"] == 3
 

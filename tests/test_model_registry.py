@@ -20,15 +20,14 @@ from dashboards.views import variant_view
 from lorp import SimilarityStats
 from pipeline.records.catalog import read_catalog
 from pipeline.records.model_registry import (
-    Entry,
     load_variant,
     move_aliases,
     parse_models_uri,
     pull,
-    rank,
     registered_name,
     tag_value,
 )
+from pipeline.records.tracking import GRID_KEY
 from pipeline.run import run_job
 from pipeline.spec import parse_spec
 
@@ -67,14 +66,17 @@ def versions(client: MlflowClient) -> dict[str, Any]:
 
 
 def expected_aliases(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """`best-<b>`: the lowest ppl_ptb among non-degraded rows of budget b (brute force)."""
+    """`best-<b>` and `best-<b>-<protocol>` (one job, one protocol): the lowest ppl_ptb
+    among non-degraded rows of budget b (brute force)."""
     uri = {r["method"]: r["model_uri"] for r in rows if r["method"] == "dense"}
     out = {"dense": uri["dense"].rsplit("/", 1)[1]}
     for b in sorted({r["budget"] for r in rows if r["budget"]}):
         ok = [r for r in rows if r["budget"] == b and not r["degraded"]]
         if ok:
             best = sorted(ok, key=lambda r: (r["ppl_ptb"], r["method_label"]))[0]
-            out[f"best-{b}"] = best["model_uri"].rsplit("/", 1)[1]
+            out[f"best-{b}"] = out[f"best-{b}-{best['protocol']}"] = best["model_uri"].rsplit(
+                "/", 1
+            )[1]
     return out
 
 
@@ -91,33 +93,52 @@ def test_names_and_uris() -> None:
 
 
 def test_alias_rule_on_a_real_store(tmp_path: Path) -> None:
-    """best-<b>: lowest perplexity among non-degraded variants, else highest acc_avg; an
-    alias with no qualifying variant is removed."""
+    """Over every version, whichever job made it: `best-<b>-<protocol>` is the lowest
+    perplexity among the protocol's non-degraded variants (else the highest acc_avg);
+    `best-<b>` is the reference protocol's (the oldest row's, unless a job claims it);
+    `dense` the oldest dense version; a stale alias with no qualifying variant goes."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     client.create_registered_model("lorp-unit")
+    p, q = "ptb48-00000000", "ptb32-11111111"
     rows = {
-        "dense": {"budget": 0, "ppl_ptb": 9.0},
-        "a": {"budget": 1, "ppl_ptb": 10.0, "degraded": False},
-        "b": {"budget": 1, "ppl_ptb": 12.0, "degraded": False},
-        "c": {"budget": 2, "ppl_ptb": 40.0, "degraded": True},
-        "d": {"budget": 2, "ppl_ptb": 50.0, "degraded": True},
-        "e": {"budget": 3, "acc_avg": 40.0},
-        "f": {"budget": 3, "acc_avg": 55.0},
+        "dense-q": {"method": "dense", "budget": 0, "protocol": q, "t": 5},
+        "dense-p": {"method": "dense", "budget": 0, "protocol": p, "t": 1},
+        "a": {"budget": 1, "ppl_ptb": 10.0, "protocol": p, "t": 2},
+        "b": {"budget": 1, "ppl_ptb": 12.0, "protocol": p, "t": 3},
+        "c": {"budget": 2, "ppl_ptb": 40.0, "degraded": True, "protocol": p, "t": 4},
+        "d": {"budget": 1, "ppl_ptb": 11.0, "protocol": q, "t": 6},
+        "e": {"budget": 3, "acc_avg": 40.0, "protocol": p, "t": 7},
+        "f": {"budget": 3, "acc_avg": 55.0, "protocol": p, "t": 8},
+        "g": {"budget": 2, "ppl_ptb": 9.0, "protocol": q, "t": 9},
     }
-    entries, versions = [], {}
+    ids = {}
     for key, row in rows.items():
         (tmp_path / key).mkdir()
-        mv = client.create_model_version("lorp-unit", (tmp_path / key).as_uri())
-        versions[key] = str(mv.version)
-        r = rank(row, "ppl_ptb") if key != "dense" else None
-        entries.append(Entry(key, "", tmp_path / key, {}, row["budget"], key, r))
-    client.set_registered_model_alias("lorp-unit", "best-2", versions["c"])  # stale
-    wanted = move_aliases(client, "lorp-unit", entries, versions)
-    expect = {"dense": versions["dense"], "best-1": versions["a"], "best-3": versions["f"]}
+        job = "k" if row["protocol"] == q else "j"  # two jobs, one protocol each
+        tags = {"method": row.get("method", "lorp"), "method_label": key, "job": job,
+                "created_at": f"2026-12-01T00:00:0{row['t']}", "rank_by": "ppl_ptb",
+                GRID_KEY: key} | {k: tag_value(v) for k, v in row.items() if k != "t"}  # fmt: skip
+        mv = client.create_model_version("lorp-unit", (tmp_path / key).as_uri(), tags=tags)
+        ids[key] = str(mv.version)
+    client.set_registered_model_alias("lorp-unit", "best-2", ids["c"])  # stale
+    client.set_registered_model_alias("lorp-unit", "champion", ids["b"])  # not lorp's
+    wanted, moves = move_aliases(client, "lorp-unit", "job-x")
+    expect = {
+        "dense": ids["dense-q"],  # the lower version number: created first
+        "best-1": ids["a"], f"best-1-{p}": ids["a"], f"best-1-{q}": ids["d"],
+        f"best-2-{q}": ids["g"], "best-3": ids["f"], f"best-3-{p}": ids["f"],
+    }  # fmt: skip
     assert wanted == expect
     aliases = client.get_registered_model("lorp-unit").aliases
-    assert {a: str(v) for a, v in aliases.items()} == expect
+    assert {a: str(v) for a, v in aliases.items()} == expect | {"champion": ids["b"]}
+    assert {m.alias for m in moves} == set(expect) | {"best-2"}
+    tags = client.get_registered_model("lorp-unit").tags
+    assert tags["lorp.alias.best-2"].startswith("removed by job-x")
+    client.set_model_version_tag("lorp-unit", ids["d"], "reference_claim", "true")  # job k
+    wanted, moves = move_aliases(client, "lorp-unit", "job-y")
+    assert wanted["best-1"] == ids["d"] and wanted["best-2"] == ids["g"] and "best-3" not in wanted
+    assert {m.alias for m in moves} == {"best-1", "best-2", "best-3"}
 
 
 def test_every_saved_variant_is_a_version_of_one_registered_model(store) -> None:  # type: ignore[no-untyped-def]

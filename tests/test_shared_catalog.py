@@ -126,8 +126,10 @@ def test_protocol_ids_name_what_makes_figures_comparable() -> None:
     row = {"evaluation": json.dumps(ev), "dtype": "float32"}  # a row from before the column
     assert row_protocol(row) == base
     cal = {"dataset": "ptb", "split": "train", "samples": 128, "seq_len": 2048, "seed": 0}
-    assert calibration_id(cal | {"shards": 8}) == calibration_id(cal) != calibration_id(
-        cal | {"seed": 1}
+    assert (
+        calibration_id(cal | {"shards": 8})
+        == calibration_id(cal)
+        != calibration_id(cal | {"seed": 1})
     )
 
 
@@ -148,7 +150,14 @@ def test_two_jobs_at_once_share_one_catalog_and_one_server(fleet) -> None:  # ty
     assert by_job["team-a"] != by_job["team-b"]
     assert all(r["model_uri"] and r["storage"] for r in rows)
     assert aliases(fleet["server"]) | {"dense": "-"} == expected(rows) | {"dense": "-"}
-    assert "dense" in aliases(fleet["server"])
+    dense = [r for r in rows if r["method"] == "dense"]
+    assert aliases(fleet["server"])["dense"] == str(
+        min(int(r["model_uri"].rsplit("/", 1)[1]) for r in dense)
+    )
+    status = lorp("status", str(summaries["a"].run_dir)).stdout
+    a_protocol = by_job["team-a"].pop()
+    assert f"protocol     {a_protocol} (calibration ptb-" in status
+    assert f"shared catalog {fleet['root'] / 'shared'}" in status
 
 
 def test_catalog_ls_and_best_agree_with_the_aliases(fleet) -> None:  # type: ignore[no-untyped-def]

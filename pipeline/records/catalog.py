@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,8 +32,17 @@ import pyarrow.parquet as pq
 from lorp.atomic import atomic_file
 
 if TYPE_CHECKING:
-    from pipeline.records.shared_catalog import SharedCatalog
     from pipeline.storage import Storage
+
+
+class Publisher(Protocol):
+    """Where a job's changes are published besides its own catalog: the shared catalog
+    (`pipeline.records.shared_catalog.SharedCatalog`)."""
+
+    def put_part(self, job: str, name: str, data: bytes) -> None: ...
+
+    def replace_rows(self, job: str, rows: Iterable[Mapping[str, Any]]) -> int: ...
+
 
 CORE_SCHEMA = pa.schema(
     [
@@ -183,7 +192,7 @@ class Catalog:
         self,
         path: Path,
         mirror: Storage | None = None,
-        publish: SharedCatalog | None = None,
+        publish: Publisher | None = None,
         job: str = "",
     ) -> None:
         self.path, self.mirror, self.publish, self.job = path, mirror, publish, job
@@ -245,18 +254,26 @@ def _plain(value: Any) -> Any:
 
 def merge_catalogs(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
     """One row per grid key across catalogs; the newest `created_at` wins."""
-    best: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"catalog not found: {str(path)!r}")
         try:
-            rows = read_catalog(path)
+            got = read_catalog(path)
         except pa.ArrowInvalid as exc:
             raise ValueError(f"{str(path)!r} is not a parquet catalog ({exc})") from None
-        for row in rows:
-            if "grid_key" not in row:
-                raise ValueError(f"{str(path)!r} is not a lorp catalog (no grid_key column)")
-            current = best.get(row["grid_key"])
-            if current is None or row["created_at"] >= current["created_at"]:
-                best[row["grid_key"]] = row
+        if any("grid_key" not in row for row in got):
+            raise ValueError(f"{str(path)!r} is not a lorp catalog (no grid_key column)")
+        rows.extend(got)
+    return newest_per_key(rows)
+
+
+def newest_per_key(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per grid key (the newest `created_at`; two jobs that measured the same
+    point hold the same figures), sorted by model, method label and budget."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        current = best.get(row["grid_key"])
+        if current is None or row["created_at"] >= current["created_at"]:
+            best[row["grid_key"]] = row
     return sorted(best.values(), key=lambda r: (r["model"], r["method_label"], r["budget"]))

@@ -212,11 +212,7 @@ def catalog_row(
         "rls": facts.rls,
         "k": int(k) if k is not None else None,
         "labels": facts.labels,
-        "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
-        "calibration_id": calibration_id(asdict(spec.calibration)),
-        "evaluation": json.dumps(asdict(spec.evaluation), sort_keys=True),
-        "protocol": protocol_id(asdict(spec.evaluation), plan.spec.dtype),
-        "reference_claim": spec.tracking.reference,
+        **protocol_columns(spec, plan.spec.dtype),
         "zero_shot": json.dumps(result.zero_shot, sort_keys=True) if result.zero_shot else None,
         "serving": json.dumps(result.serving, sort_keys=True) if result.serving else None,
         "stats_file": facts.stats_file,
@@ -236,6 +232,17 @@ def catalog_row(
         row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
     row |= costs(spec, point, facts, result)
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
+
+
+def protocol_columns(spec: JobSpec, dtype: str) -> dict[str, Any]:
+    """What a row was fitted on and measured under (`pipeline.records.protocol`)."""
+    return {
+        "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
+        "calibration_id": calibration_id(asdict(spec.calibration)),
+        "evaluation": json.dumps(asdict(spec.evaluation), sort_keys=True),
+        "protocol": protocol_id(asdict(spec.evaluation), dtype),
+        "reference_claim": spec.tracking.reference,
+    }
 
 
 def costs(

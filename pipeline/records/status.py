@@ -38,6 +38,11 @@ class RunStatus:
     """The pruned rows' resolved prefill speed-ups, and how many resolved, one line."""
     serving: str = ""
     """The pruned rows' vLLM serving speed-ups (output tokens/s over dense), one line."""
+    protocols: str = ""
+    """The rows' evaluation protocols (and calibration ids), one line: the ids their
+    figures are compared under (`pipeline.records.protocol`)."""
+    places: list[str] = field(default_factory=list)
+    """Where the attempt writes: its storage, and the shared catalog it publishes to."""
     last_event: str = ""
     busy: str = ""
     """How busy the attempt kept its slots (`pipeline.records.timeline`), one line."""
@@ -65,6 +70,7 @@ def run_status(run_dir: Path) -> RunStatus:
     st.predicted = _predicted(pruned)
     st.measured = _measured(pruned)
     st.serving = _serving(pruned)
+    st.protocols = _protocols(rows)
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
         return st
@@ -78,6 +84,9 @@ def run_status(run_dir: Path) -> RunStatus:
 
 def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
     st.job = attempt[0].get("job", "?")
+    for key, what in (("storage", "storage"), ("catalog", "shared catalog")):
+        if attempt[0].get(key):
+            st.places.append(f"{what} {attempt[0][key]}")
     st.last_event = f"{attempt[-1]['event']} at {attempt[-1]['time']}"
     for e in attempt:
         if e["event"] == "grid":  # one per model as it is ready
@@ -170,6 +179,14 @@ def _driver_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
+def _protocols(rows: list[dict[str, Any]]) -> str:
+    """`<protocol> (calibration <id>): n rows` for each protocol among the rows."""
+    from pipeline.records.protocol import row_protocol
+
+    counts = Counter((row_protocol(r), r.get("calibration_id") or "?") for r in rows)
+    return "; ".join(f"{p} (calibration {c}): {n} rows" for (p, c), n in sorted(counts.items()))
+
+
 def _predicted(pruned: list[dict[str, Any]]) -> str:
     """The range of the pruned rows' predicted speed-ups, prefill and decode."""
     parts = []
@@ -229,6 +246,9 @@ def format_status(st: RunStatus) -> list[str]:
         f"of {st.planned} to run",
         f"catalog      {st.rows} rows" + (f" ({models})" if st.rows else ""),
     ]
+    if st.protocols:
+        lines.append(f"protocol     {st.protocols}")
+    lines += [f"writes to    {where}" for where in st.places]
     if st.repaired or st.refused:
         lines.append(
             f"repair       {st.repaired} repaired variant(s) beside {st.pruned} pruned"
