@@ -47,10 +47,11 @@ test: lint $(STAMP_VLLM) $(STAMP_MODELS)
 demo: $(STAMP_TEST) $(STAMP_MODELS)
 	$(VENV)/bin/lorp run jobs/demo.yaml
 	$(VENV)/bin/lorp dashboard runs/demo
+	$(VENV)/bin/lorp catalog best runs/catalog --model smollm2-135m --budget 8
 
 format: $(STAMP_TEST)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs/demo
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs/demo runs/catalog

@@ -275,7 +275,10 @@ def best_per_budget(rows: Sequence[Row], metric: str | None, budget: int) -> Vie
     if cands and not passed:
         view["status"] = "all-degraded"
     elif passed and metric:
-        best = min(passed, key=lambda r: _rank(r.get(metric)))
+        best = min(
+            passed,
+            key=lambda r: (_rank(r.get(metric)), str(r["method_label"]), str(r.get("job"))),
+        )  # the ties of `pipeline.records.ranking`
         view.update(status="ok", label=best["method_label"], value=finite(best.get(metric)))
     return view
 

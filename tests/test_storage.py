@@ -190,6 +190,10 @@ def test_a_bad_storage_fails_at_the_spec(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"^storage: 'xx://a' cannot be opened: .*xx://a"):
         parse_spec(spec | {"storage": "xx://a"})
     assert parse_spec(spec | {"storage": str(tmp_path / "shared")}).storage
+    with pytest.raises(SpecError, match=r"^catalog: 'yy://b' cannot be opened: .*yy://b"):
+        parse_spec(spec | {"catalog": "yy://b"})
+    with pytest.raises(SpecError, match=r"^tracking.reference: expected true or false, got str"):
+        parse_spec(spec | {"tracking": {"reference": "yes"}})
 
 
 # -- the marker, on S3 -------------------------------------------------------------------
