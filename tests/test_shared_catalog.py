@@ -1,8 +1,8 @@
 """One catalog for the organisation, on real components: a `mlflow server` process
 (tracking and registry over HTTP, its own backend store and artifact root) shared by two
-jobs that run at once on a local Ray, both publishing to one shared catalog directory,
-with different evaluation protocols and methods. The aliases are checked by value
-against the rows, and again after each job is rerun last."""
+jobs that run at once (two `lorp run` processes on one local Ray), both publishing to one
+shared catalog directory, with different evaluation protocols and methods. The aliases
+are checked by value against the rows, and again after each job is rerun last."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 from cli_runner import lorp
-from job_specs import tiny_job
+from job_specs import tiny_job, write_job
 from local_servers import free_port, wait_for_port
 from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
 
 from pipeline.records.protocol import calibration_id, protocol_id, row_protocol
+from pipeline.records.rows import read_events
 from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.run import run_job
 from pipeline.spec import parse_spec
@@ -52,41 +52,52 @@ def server(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     proc.wait(timeout=30)
 
 
-def job(root: Path, model: Path, name: str, seq_len: int, methods: list[str], **more: Any) -> Any:
+def raw_job(root: Path, model: Path, name: str, seq_len: int, methods: list[str]) -> dict:  # type: ignore[type-arg]
     evaluation = {"perplexity": ["ptb"], "seq_len": seq_len, "max_windows": 2, "speed": False}
     spec = tiny_job(root, model, name=name, budgets=[1, 2], evaluation=evaluation)
     spec["methods"] = [{"name": m} for m in methods]
     spec["storage"] = str(root / f"storage-{name}")
     spec["catalog"] = str(root / "shared")
     spec["cache_dir"] = str(root / "cache")
-    return parse_spec(spec | more)
+    return spec
+
+
+def job(root: Path, model: Path, name: str, seq_len: int, methods: list[str]) -> Any:
+    return parse_spec(raw_job(root, model, name, seq_len, methods))
 
 
 @pytest.fixture(scope="module")
 def fleet(server: str, tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """Two jobs at once (threads of one driver process, one local Ray): `a` measures
-    perplexity on 48-token windows with lorp and shortgpt, `b` on 32-token windows with
-    shortgpt and angular."""
+    """Two jobs at once, each a `lorp run` process of its own joining one local Ray:
+    `a` measures perplexity on 48-token windows with lorp and shortgpt, `b` on 32-token
+    windows with shortgpt and angular."""
     root = tmp_path_factory.mktemp("org")
     model = save_tiny_ptb("llama", root / "model")
-    specs = {
-        "a": job(root, model, "team-a", 48, ["lorp", "shortgpt"]),
-        "b": job(root, model, "team-b", 32, ["shortgpt", "angular"]),
+    raw = {
+        "a": raw_job(root, model, "team-a", 48, ["lorp", "shortgpt"]),
+        "b": raw_job(root, model, "team-b", 32, ["shortgpt", "angular"]),
     }
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    summaries: dict[str, Any] = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", server)
-        threads = [
-            threading.Thread(target=lambda k=k: summaries.__setitem__(k, run_job(specs[k])))
-            for k in specs
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        yield {"root": root, "model": model, "specs": specs, "summaries": summaries,
-               "server": server}  # fmt: skip
+    specs = {k: parse_spec(v) for k, v in raw.items()}
+    context = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    env = os.environ | {
+        "MLFLOW_TRACKING_URI": server,
+        "RAY_ADDRESS": context.address_info["gcs_address"],
+    }
+    lorp_bin = str(Path(sys.executable).parent / "lorp")
+    procs = {
+        k: subprocess.Popen(
+            [lorp_bin, "run", str(write_job(root, raw[k])), "-q"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for k in specs
+    }
+    outputs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}
+    codes = {k: p.returncode for k, p in procs.items()}
+    yield {"root": root, "model": model, "specs": specs, "outputs": outputs, "codes": codes,
+           "server": server}  # fmt: skip
     ray.shutdown()
 
 
@@ -134,18 +145,22 @@ def test_protocol_ids_name_what_makes_figures_comparable() -> None:
 
 
 def test_two_jobs_at_once_share_one_catalog_and_one_server(fleet) -> None:  # type: ignore[no-untyped-def]
-    summaries, specs = fleet["summaries"], fleet["specs"]
-    for s in summaries.values():
-        assert s.done == 5 and not s.failed  # dense + 2 budgets x 2 methods each
+    specs = fleet["specs"]
+    for key, out in fleet["outputs"].items():
+        assert fleet["codes"][key] == 0, out
+        assert "grid points  5 done, 0 already done, 0 failed" in out  # dense + 2 x 2
     rows = open_catalog(str(fleet["root"] / "shared"))
     assert len(rows) == 10
     assert len({(r["job"], r["grid_key"]) for r in rows}) == 10
-    for key, spec in specs.items():
-        own = open_catalog(str(summaries[key].catalog))
+    spans = []
+    for spec in specs.values():
+        own = open_catalog(spec.output_dir)
+        events = read_events(Path(spec.output_dir) / "events.jsonl")
+        spans.append([e["time"] for e in events if e["event"] in ("start", "end")])
         mine = [r for r in rows if r["job"] == spec.name]
         assert sorted(r["grid_key"] for r in mine) == sorted(r["grid_key"] for r in own)
-    protocols = {r["job"]: {r["protocol"] for r in rows if r["job"] == r["job"]} for r in rows}
-    by_job = {j: {r["protocol"] for r in rows if r["job"] == j} for j in protocols}
+    assert spans[0][0] < spans[1][-1] and spans[1][0] < spans[0][-1]  # they overlapped
+    by_job = {j: {r["protocol"] for r in rows if r["job"] == j} for j in {r["job"] for r in rows}}
     assert all(len(p) == 1 for p in by_job.values())
     assert by_job["team-a"] != by_job["team-b"]
     assert all(r["model_uri"] and r["storage"] for r in rows)
@@ -154,7 +169,7 @@ def test_two_jobs_at_once_share_one_catalog_and_one_server(fleet) -> None:  # ty
     assert aliases(fleet["server"])["dense"] == str(
         min(int(r["model_uri"].rsplit("/", 1)[1]) for r in dense)
     )
-    status = lorp("status", str(summaries["a"].run_dir)).stdout
+    status = lorp("status", specs["a"].output_dir).stdout
     a_protocol = by_job["team-a"].pop()
     assert f"protocol     {a_protocol} (calibration ptb-" in status
     assert f"shared catalog {fleet['root'] / 'shared'}" in status
