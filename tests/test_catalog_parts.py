@@ -4,9 +4,11 @@ storage holds the same parts, so a job resumes from it on another machine."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from pipeline.records.catalog import PARTS, Catalog, read_catalog, write_catalog
+from pipeline.records.shared_catalog import SharedCatalog
 from pipeline.storage import Storage
 
 
@@ -75,3 +77,38 @@ def test_the_storage_holds_the_same_parts(tmp_path: Path) -> None:
     cat.compact()
     assert store.list(PARTS) == [] and store.read_bytes(Catalog.NAME) is not None
     assert view(Catalog(tmp_path / "c" / Catalog.NAME, store).rows) == view(cat.rows)
+
+
+class Flaky(SharedCatalog):
+    """A shared catalog that is unreachable while `down` is set."""
+
+    down = True
+
+    def put_part(self, job: str, name: str, data: bytes) -> None:
+        if self.down:
+            raise OSError("connection refused")
+        super().put_part(job, name, data)
+
+    def replace_rows(self, job: str, rows) -> int:  # type: ignore[no-untyped-def]
+        if self.down:
+            raise OSError("connection refused")
+        return super().replace_rows(job, rows)
+
+
+def test_a_shared_catalog_outage_loses_nothing(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """While the shared catalog is down the job records on (its own catalog whole, one
+    warning per failure); its next compaction publishes every row."""
+    logger = logging.getLogger("pipeline")  # `lorp run` may have stopped its propagation
+    logger.addHandler(caplog.handler)
+    shared = Flaky(str(tmp_path / "shared"))
+    cat = Catalog(tmp_path / "run" / Catalog.NAME, publish=shared, job="j")
+    for i in range(5):
+        cat.put(row(i))
+    cat.compact()
+    assert len(read_catalog(cat.path)) == 5 and shared.read() == []
+    assert sum("shared catalog" in r.message for r in caplog.records) == 6
+    logger.removeHandler(caplog.handler)
+    shared.down = False
+    cat.put(row(5))
+    cat.compact()
+    assert view(shared.read()) == view(read_catalog(cat.path)) and len(shared.read()) == 6

@@ -228,14 +228,20 @@ class Catalog:
         if self.mirror is not None:
             self.mirror.put_file(self.parts / name, f"{PARTS}/{name}")
         if self.publish is not None:
-            self.publish.put_part(self.job, name, data)
+            try:
+                self.publish.put_part(self.job, name, data)
+            except OSError as exc:  # the job's own records are whole; the next compact repairs
+                _unpublished(self.publish, self.job, exc)
 
     def compact(self) -> None:
         """Fold the parts into the parquet file (atomically), then delete them; the
         job's rows in the shared catalog are replaced with all of them."""
         done = sorted(self.parts.glob("*.json")) if self.parts.is_dir() else []
         if self.publish is not None:
-            self.publish.replace_rows(self.job, self.rows)
+            try:
+                self.publish.replace_rows(self.job, self.rows)
+            except OSError as exc:
+                _unpublished(self.publish, self.job, exc)
         if not done:
             return
         write_catalog(self.path, self.rows)
@@ -245,6 +251,21 @@ class Catalog:
             if self.mirror is not None:
                 self.mirror.delete(f"{PARTS}/{f.name}")
             f.unlink(missing_ok=True)
+
+
+def _unpublished(publish: Publisher, job: str, exc: OSError) -> None:
+    """The shared catalog could not be written: said once per failure, never fatal. The
+    job's own catalog has every row; its next compaction (the job's end, or its next
+    start) publishes all of them again."""
+    import logging
+
+    logging.getLogger("pipeline").warning(
+        "shared catalog %s not written (%s): job %s's rows are published again at its "
+        "next start or end",
+        getattr(publish, "uri", lambda: "?")(),
+        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        job,
+    )
 
 
 def _plain(value: Any) -> Any:
