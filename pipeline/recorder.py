@@ -447,7 +447,13 @@ class Recorder:
         )
 
     def _shared_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """The shared catalog's rows by (grid key, run id); none without one."""
+        """The shared catalog's rows by (grid key, run id); none without one, or when it
+        cannot be read (the aliases then rank by the versions' own tags)."""
         if self.shared is None:
             return {}
-        return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in self.shared.read()}
+        try:
+            rows = self.shared.read()
+        except OSError as exc:
+            self.progress.note(f"shared catalog {self.shared.uri()} not read: {first_line(exc)}")
+            return {}
+        return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in rows}
