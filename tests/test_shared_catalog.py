@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,12 +44,13 @@ def server(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
         "--backend-store-uri", f"sqlite:///{root / 'backend.db'}",
         "--artifacts-destination", str(root / "artifacts"),
     ]  # fmt: skip
+    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no huey workers
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
     wait_for_port(port, proc, log, "mlflow server")
     yield f"http://127.0.0.1:{port}"
-    proc.terminate()
+    os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker
     proc.wait(timeout=30)
 
 
@@ -56,6 +58,7 @@ def raw_job(root: Path, model: Path, name: str, seq_len: int, methods: list[str]
     evaluation = {"perplexity": ["ptb"], "seq_len": seq_len, "max_windows": 2, "speed": False}
     spec = tiny_job(root, model, name=name, budgets=[1, 2], evaluation=evaluation)
     spec["methods"] = [{"name": m} for m in methods]
+    spec["calibration"] |= {"samples": 8, "shards": 1, "batch_size": 4}  # one capture worker
     spec["storage"] = str(root / f"storage-{name}")
     spec["catalog"] = str(root / "shared")
     spec["cache_dir"] = str(root / "cache")

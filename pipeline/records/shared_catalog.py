@@ -85,22 +85,38 @@ class SharedCatalog:
         return out
 
     def read(self) -> list[dict[str, Any]]:
-        """Every job's rows, folded (see the module docstring)."""
-        for _ in range(READ_ATTEMPTS):
-            before = self._snapshots()
-            parts: dict[str, list[dict[str, Any]]] = {}
-            for name in sorted(self._part_names()):
-                data = self.storage.read_bytes(f"{SHARED_PARTS}/{name}")
-                if data is not None:  # folded away meanwhile: the snapshot check sees it
-                    parts.setdefault(name.split(SEP, 1)[0], []).append(json.loads(data))
-            if self._snapshots() == before:
-                break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError(f"{self.uri()}: the catalog kept changing while it was read")
+        """Every job's rows, folded (see the module docstring). A read that fails
+        (an object store's transient error) is tried again, up to `READ_ATTEMPTS`."""
+        error: OSError | None = None
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                before, parts = self._snapshots(), self._parts()
+                if self._snapshots() == before:
+                    return self._fold(before, parts)
+            except OSError as exc:
+                error = exc
+            time.sleep(0.05 * (1 + attempt))
+        if error is not None:
+            raise error
+        raise RuntimeError(f"{self.uri()}: the catalog kept changing while it was read")
+
+    def _parts(self) -> dict[str, list[dict[str, Any]]]:
+        """job -> its parts, in order."""
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for name in sorted(self._part_names()):
+            data = self.storage.read_bytes(f"{SHARED_PARTS}/{name}")
+            if data is not None:  # folded away meanwhile: the snapshot check sees it
+                parts.setdefault(name.split(SEP, 1)[0], []).append(json.loads(data))
+        return parts
+
+    @staticmethod
+    def _fold(
+        snapshots: dict[str, bytes], parts: dict[str, list[dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
-        for job in sorted(set(before) | set(parts)):
-            base = pq.read_table(pa.BufferReader(before[job])).to_pylist() if job in before else []
+        for job in sorted(set(snapshots) | set(parts)):
+            data = snapshots.get(job)
+            base = pq.read_table(pa.BufferReader(data)).to_pylist() if data is not None else []
             rows.extend(apply_parts(base, parts.get(job, [])))
         return rows
 
