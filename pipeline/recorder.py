@@ -90,6 +90,8 @@ class Recorder:
     def open(self) -> frozenset[str]:
         """Repair what a killed predecessor left (stale MLflow runs, partial checkpoints)
         and return the grid keys already done (none with `force`)."""
+        if self.shared is not None:  # before publishing: never replace another job's rows
+            self.shared.check_owner(self.spec.name, self.storage.uri(), self.catalog.rows)
         self.catalog.compact()  # what a killed predecessor recorded, folded in (and published)
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
         closed = self.tracker.close_stale_runs(self.spec.name, completed)

@@ -232,6 +232,26 @@ def parse_spec_with(spec: Any, **changes: Any) -> Any:
     return dataclasses.replace(spec, **changes)
 
 
+def test_another_job_of_the_same_name_is_refused(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Another team's job named like `team-a` (its own run directory and storage) would
+    replace team-a's rows in the shared catalog: refused in one line, nothing changed."""
+    spec = fleet["specs"]["a"]
+    other = parse_spec_with(
+        spec, output_dir=str(tmp_path / "run"), storage=str(tmp_path / "their-storage")
+    )
+    shared = SharedCatalog(str(fleet["root"] / "shared"))
+    before = sorted((r["grid_key"], r["mlflow_run_id"]) for r in shared.rows_of("team-a"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", fleet["server"])
+        with pytest.raises(
+            ValueError,
+            match=r"^catalog: .* already holds 5 row\(s\) of another job named 'team-a' \(storage ",
+        ):
+            run_job(other)
+    after = sorted((r["grid_key"], r["mlflow_run_id"]) for r in shared.rows_of("team-a"))
+    assert after == before
+
+
 def test_a_new_storage_gets_every_point(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The same job (same output_dir, its working copy left there) with `storage:`
     changed: nothing is skipped as done elsewhere; every point lands in the new one."""

@@ -120,6 +120,30 @@ class SharedCatalog:
             rows.extend(apply_parts(base, parts.get(job, [])))
         return rows
 
+    def rows_of(self, job: str) -> list[dict[str, Any]]:
+        """`job`'s rows in the shared catalog, folded."""
+        return [r for r in self.read() if r.get("job") == job]
+
+    def check_owner(self, job: str, storage: str, own: Iterable[Mapping[str, Any]]) -> None:
+        """Refuse (one line) to publish as `job` when the shared catalog holds rows of a
+        job of that name that this job does not know: another team's job of the same
+        name, writing to another storage, whose rows this job would replace. A job that
+        moved its storage still holds its old rows in its working copy: not refused."""
+        mine = {(r["grid_key"], r.get("mlflow_run_id")) for r in own}
+        foreign = [
+            r
+            for r in self.rows_of(job)
+            if r.get("storage") not in (None, storage)
+            and (r["grid_key"], r.get("mlflow_run_id")) not in mine
+        ]
+        if foreign:
+            where = sorted({str(r["storage"]) for r in foreign})[0]
+            raise ValueError(
+                f"catalog: {self.uri()} already holds {len(foreign)} row(s) of another job "
+                f"named {job!r} (storage {where}); give this job another name, or remove "
+                f"those rows there first"
+            )
+
     def is_shared(self) -> bool:
         """Whether the location holds a shared catalog (or is empty)."""
         return bool(self.storage.list(JOBS) or self.storage.list(SHARED_PARTS))
