@@ -66,7 +66,16 @@ class TransformersBackend:
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, model_dir: str, dtype: str, max_model_len: int, tp: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str,
+        max_model_len: int,
+        tp: int = 1,
+        trust_remote_code: bool = False,
+    ) -> None:
+        """`trust_remote_code` as the model's spec allows (a custom-code checkpoint fails
+        in vLLM without it)."""
         from lm_eval.models.vllm_causallms import VLLM
 
         from pipeline.evaluation.vllm_engine import prepare_vllm
@@ -79,6 +88,7 @@ class VLLMBackend:
             enforce_eager=True,
             max_model_len=max_model_len,
             tensor_parallel_size=tp,
+            trust_remote_code=trust_remote_code,
         )
 
     def perplexity(self, windows: torch.Tensor) -> float:

@@ -402,7 +402,10 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:
     max_len = ev.seq_len + 8
     if ev.serving is not None:
         max_len = max(max_len, ev.serving.prompt_len + ev.serving.output_len + 8)
-    engine = VLLMBackend(str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size)
+    engine = VLLMBackend(
+        str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size,
+        task.model.trust_remote_code,
+    )  # fmt: skip
     with open_backend(engine) as be:
         return evaluate(be, tokenizer, ev)
 
