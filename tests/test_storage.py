@@ -141,11 +141,16 @@ def test_a_shared_catalog_takes_many_jobs_at_once(store: Storage, tmp_path: Path
             if i % 2:
                 cat.compact()
 
+    failures: list[BaseException] = []
+
     def read() -> None:
-        while not stop.is_set():
-            rows = shared.read()
-            for j in jobs:
-                counts[j].append(sum(r["job"] == j for r in rows))
+        try:
+            while not stop.is_set():
+                rows = shared.read()
+                for j in jobs:
+                    counts[j].append(sum(r["job"] == j for r in rows))
+        except BaseException as exc:  # the test fails on it, not a dead thread
+            failures.append(exc)
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -156,6 +161,7 @@ def test_a_shared_catalog_takes_many_jobs_at_once(store: Storage, tmp_path: Path
         t.join()
     stop.set()
     reader.join()
+    assert failures == []
     rows = shared.read()
     assert sorted((r["job"], r["grid_key"]) for r in rows) == sorted(
         (j, f"k{i:03d}") for j in jobs for i in range(20)

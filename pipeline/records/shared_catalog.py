@@ -40,11 +40,13 @@ from pipeline.storage import Storage, is_remote
 JOBS, SHARED_PARTS = "jobs", "parts"
 SEP = "~"
 """Between a part's job name and its own name; job names cannot hold it."""
-READ_ATTEMPTS = 8
+READ_TIMEOUT_S = 60.0
+"""How long a read keeps trying while compactions overtake it (jobs compact at their
+start and end, so a real catalog settles in far less)."""
 
 
 class SharedCatalog:
-    """One shared catalog location; `job` is the publishing job, when there is one."""
+    """One shared catalog location (layout and rules: the module docstring)."""
 
     def __init__(self, location: str | Storage) -> None:
         self.storage = location if isinstance(location, Storage) else Storage(location)
@@ -85,17 +87,23 @@ class SharedCatalog:
         return out
 
     def read(self) -> list[dict[str, Any]]:
-        """Every job's rows, folded (see the module docstring). A read that fails
-        (an object store's transient error) is tried again, up to `READ_ATTEMPTS`."""
-        error: OSError | None = None
-        for attempt in range(READ_ATTEMPTS):
+        """Every job's rows, folded (see the module docstring). A read that a compaction
+        overtook, or that failed (an object store's transient error), is tried again
+        for up to `READ_TIMEOUT_S`."""
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        attempt, error = 0, None
+        while True:
             try:
                 before, parts = self._snapshots(), self._parts()
                 if self._snapshots() == before:
                     return self._fold(before, parts)
+                error = None
             except OSError as exc:
                 error = exc
-            time.sleep(0.05 * (1 + attempt))
+            if time.monotonic() > deadline:
+                break
+            attempt += 1
+            time.sleep(min(0.05 * attempt, 0.5))
         if error is not None:
             raise error
         raise RuntimeError(f"{self.uri()}: the catalog kept changing while it was read")
@@ -104,7 +112,12 @@ class SharedCatalog:
         """job -> its parts, in order."""
         parts: dict[str, list[dict[str, Any]]] = {}
         for name in sorted(self._part_names()):
-            data = self.storage.read_bytes(f"{SHARED_PARTS}/{name}")
+            try:
+                data = self.storage.read_bytes(f"{SHARED_PARTS}/{name}")
+            except OSError:  # an object store cut the read of a part deleted under it
+                if name in self._part_names():
+                    raise
+                data = None
             if data is not None:  # folded away meanwhile: the snapshot check sees it
                 parts.setdefault(name.split(SEP, 1)[0], []).append(json.loads(data))
         return parts
