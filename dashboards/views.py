@@ -30,23 +30,13 @@ import numpy as np
 
 from dashboards.links import NO_TRACKING, model_version_url, run_url, tracking_view
 from dashboards.shapes import Row, View
+from pipeline.records.ranking import finite
 
 Z95 = 1.96
 MIN_COMPARABLE_ITEMS = 100
 BOUND_TOLERANCE = 0.05
 SMALL = "small"  # fewer than MIN_COMPARABLE_ITEMS items
 UNKNOWN = "unknown"  # no item count in the catalog
-
-
-def finite(x: Any) -> float | None:
-    """x as a float, or None when it is missing, not a number or not finite."""
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def slug(name: str) -> str:

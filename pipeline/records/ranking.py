@@ -27,7 +27,8 @@ from pipeline.records.protocol import NO_EVALUATION, rank_column, row_protocol
 Row = Mapping[str, Any]
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
+    """`value` as a float, or None when it is missing, not a number or not finite."""
     if value is None or isinstance(value, bool):
         return None
     try:
@@ -48,10 +49,10 @@ def rank(row: Row, ppl_column: str | None = None) -> tuple[int, float] | None:
     if _true(row.get("degraded")):
         return None
     column = ppl_column or row.get("rank_by") or rank_column(row)
-    ppl = _finite(row.get(column)) if column else None
+    ppl = finite(row.get(column)) if column else None
     if ppl is not None:
         return (0, ppl)
-    acc = _finite(row.get("acc_avg"))
+    acc = finite(row.get("acc_avg"))
     return (1, -acc) if acc is not None else None
 
 
