@@ -30,7 +30,7 @@ import numpy as np
 
 from dashboards.links import NO_TRACKING, model_version_url, run_url, tracking_view
 from dashboards.shapes import Row, View
-from pipeline.records.ranking import finite
+from pipeline.records.ranking import finite, order_key
 
 Z95 = 1.96
 MIN_COMPARABLE_ITEMS = 100
@@ -108,6 +108,18 @@ def ppl_metric(rows: Iterable[Row]) -> str | None:
     names = sorted({k for r in rows for k in r if k.startswith("ppl_") and r[k] is not None})
     names = [n for n in names if n != "ppl_ratio"]
     return names[0] if names else None
+
+
+def rank_metric(rows: Sequence[Row]) -> str | None:
+    """The column "best" ranks by, as the registry's aliases do: the protocol's first
+    perplexity (`pipeline.records.protocol.rank_column`); catalogs without an
+    `evaluation` column: the first perplexity column by name."""
+    from pipeline.records.protocol import rank_column
+
+    column = rank_column(rows[0]) if rows else None
+    if column and any(finite(r.get(column)) is not None for r in rows):
+        return column
+    return ppl_metric(rows)
 
 
 def is_degraded(row: Row) -> bool:
@@ -242,11 +254,6 @@ def cluster_labels(rows: Sequence[Row], S: np.ndarray | None) -> list[int] | Non
 # -- overview ----------------------------------------------------------------------------
 
 
-def _rank(value: Any) -> float:
-    v = finite(value)
-    return math.inf if v is None else v
-
-
 def best_per_budget(rows: Sequence[Row], metric: str | None, budget: int) -> View:
     """The lowest-`metric` variant at `budget` that the quality gate passed.
 
@@ -265,10 +272,7 @@ def best_per_budget(rows: Sequence[Row], metric: str | None, budget: int) -> Vie
     if cands and not passed:
         view["status"] = "all-degraded"
     elif passed and metric:
-        best = min(
-            passed,
-            key=lambda r: (_rank(r.get(metric)), str(r["method_label"]), str(r.get("job"))),
-        )  # the ties of `pipeline.records.ranking`
+        best = min(passed, key=lambda r: order_key(r, metric))  # the aliases' order
         view.update(status="ok", label=best["method_label"], value=finite(best.get(metric)))
     return view
 
@@ -281,7 +285,7 @@ def overview_row(
     model, protocol = key
     first = rows[0]
     dense, _ = split_dense(rows)
-    metric = ppl_metric(rows)
+    metric = rank_metric(rows)
     return {
         "model": model,
         "protocol": protocol,

@@ -56,10 +56,9 @@ def rank(row: Row, ppl_column: str | None = None) -> tuple[int, float] | None:
     return (1, -acc) if acc is not None else None
 
 
-def order_key(row: Row) -> tuple[Any, ...]:
-    """The total order of ranked rows (see the module docstring)."""
-    r = rank(row)
-    assert r is not None
+def order_key(row: Row, ppl_column: str | None = None) -> tuple[Any, ...]:
+    """The total order of rows (see the module docstring); rows without a figure last."""
+    r = rank(row, ppl_column) or (2, 0.0)
     return (r, str(row.get("method_label")), str(row.get("job")), str(row.get("grid_key")))
 
 
