@@ -114,9 +114,12 @@ def wanted_aliases(rows: Sequence[Row]) -> dict[str, Row]:
     reference protocol's. (`dense` is the registry's: `pipeline.records.model_registry`.)"""
     out: dict[str, Row] = {}
     reference = reference_protocol(rows)
+    by_protocol: dict[str, list[Row]] = {}
+    for r in rows:  # each row's protocol once, not once per budget and protocol
+        by_protocol.setdefault(row_protocol(r), []).append(r)
     for protocol in protocols(rows):
         for b in budgets(rows):
-            row = best(rows, b, protocol)
+            row = best(by_protocol[protocol], b, protocol)
             if row is None:
                 continue
             out[f"best-{b}-{protocol}"] = row
