@@ -30,6 +30,7 @@ import numpy as np
 
 from dashboards.links import NO_TRACKING, model_version_url, run_url, tracking_view
 from dashboards.shapes import Row, View
+from pipeline.records.protocol import rank_column, row_protocol
 from pipeline.records.ranking import finite, order_key
 
 Z95 = 1.96
@@ -54,8 +55,6 @@ def group_by_model(rows: Iterable[Row]) -> dict[str, list[Row]]:
 def protocol_of(row: Row) -> str:
     """The row's evaluation protocol (`pipeline.records.protocol`): what its figures may
     be compared with."""
-    from pipeline.records.protocol import row_protocol
-
     return row_protocol(row)
 
 
@@ -114,8 +113,6 @@ def rank_metric(rows: Sequence[Row]) -> str | None:
     """The column "best" ranks by, as the registry's aliases do: the protocol's first
     perplexity (`pipeline.records.protocol.rank_column`); catalogs without an
     `evaluation` column: the first perplexity column by name."""
-    from pipeline.records.protocol import rank_column
-
     column = rank_column(rows[0]) if rows else None
     if column and any(finite(r.get(column)) is not None for r in rows):
         return column
