@@ -12,7 +12,7 @@ td.l,th.l{text-align:left}tr.dense td{font-style:italic;background:#fafafa}
 tr.degraded td{background:#fbeaec}
 .badge{display:inline-block;margin-left:6px;padding:0 5px;border-radius:3px;font-size:11px;
 font-style:normal;color:#fff;background:#777}
-.badge.degraded{background:#b3263a}.badge.over-bound{background:#c46a00}
+.badge.degraded{background:#b3263a}.badge.fits-calibration{background:#7a4fa0}.badge.over-bound{background:#c46a00}
 .mark{color:#b3263a;font-weight:bold}.mark.unknown{color:#777}
 td.over-bound{color:#c46a00;font-weight:bold}
 figure{display:inline-block;margin:8px 16px 8px 0;vertical-align:top;max-width:560px}

@@ -75,8 +75,17 @@ def degraded_badge(v: View) -> Markup | None:
     return el("span", "degraded", class_="badge degraded", title=title)
 
 
+def fits_badge(v: View) -> Markup | None:
+    """A variant whose held-out ratio is far over its calibration corpus's
+    (`fits_calibration_only`): good only on the kind of text it was fitted on."""
+    if not v.get("fits_calibration_only"):
+        return None
+    title = "its ratio to dense on held-out text is over 1.5x its ratio on calibration text"
+    return el("span", "fits calibration only", class_="badge fits-calibration", title=title)
+
+
 def variant_td(v: View) -> Markup:
-    return td(v["label"], degraded_badge(v), left=True)
+    return td(v["label"], degraded_badge(v), fits_badge(v), left=True)
 
 
 def row_class(v: View) -> str | None:

@@ -141,20 +141,34 @@ def _variant_table(
 def perplexity_table(t: View) -> Markup | None:
     if not t["ppl_cols"]:
         return None
-    head = [th(c) for c in t["ppl_cols"]] + ([th("ratio to dense")] if t["ppl_ratio"] else [])
+    judged = t["judged_on"]
+    gate = "judged" if judged else "ratio to dense"
+    head = [th(c) for c in t["ppl_cols"]] + [th(c) for c in t["ratio_cols"]]
+    head += [th(gate)] if t["ppl_ratio"] else []
 
     def cells(r: View) -> list[Markup]:
         ratio = [value_td(r["ppl_ratio"], 3)] if t["ppl_ratio"] else []
-        return [value_td(x) for x in r["ppl"]] + ratio
+        return [value_td(x) for x in r["ppl"]] + [value_td(x, 3) for x in r["ratios"]] + ratio
 
     caption = (
         "Perplexity (lower is better) on each corpus's test split, non-overlapping windows; "
         "the dense row is the unpruned model."
     )
-    if t["ppl_ratio"]:
+    if judged:
+        caption += (
+            " ratio_<corpus> = variant / dense perplexity there; judged = the worst ratio on "
+            f"text the variants were not calibrated on ({'; '.join(judged)}), what the quality "
+            "gate and best rank by."
+        )
+    elif t["ppl_ratio"]:
         caption += " Ratio = variant / dense perplexity on the first corpus."
     if any(r["degraded"] for r in t["rows"]):
         caption += " Rows marked degraded failed the quality gate."
+    if any(r["fits_calibration_only"] for r in t["rows"]):
+        caption += (
+            " Rows marked fits calibration only are over 1.5x worse, relative to dense, on "
+            "held-out text than on their calibration text: good only in-distribution."
+        )
     return _variant_table("Perplexity (Table 2 layout)", t, cells, head, caption)
 
 

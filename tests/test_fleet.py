@@ -133,15 +133,20 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
 
     spec = tiny_job(tmp_path, models["a"], "broken", budgets=[1])
     spec["methods"] = [{"name": "shortgpt"}, {"name": broken_method}]
-    spec["evaluation"] = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+    ev = {"perplexity": ["ptb", "lee"], "seq_len": 48, "max_windows": 2, "speed": False}
+    spec["evaluation"] = ev
     summary = run_job(parse_spec(spec))
     assert summary.failed == ["tiny: selection broke after points finished"]
 
     rows = {r["method"]: r for r in read_catalog(tmp_path / "broken" / "catalog.parquet")}
     assert set(rows) == {"dense", "shortgpt"} and summary.done == 2
     dense, pruned = rows["dense"], rows["shortgpt"]
-    assert pruned["ppl_ratio"] == pytest.approx(pruned["ppl_ptb"] / dense["ppl_ptb"])
+    # judged on the held-out news (calibrated on PTB), with both ratios kept
+    assert pruned["ratio_ptb"] == pytest.approx(pruned["ppl_ptb"] / dense["ppl_ptb"])
+    assert pruned["ratio_lee"] == pytest.approx(pruned["ppl_lee"] / dense["ppl_lee"])
+    assert pruned["ppl_ratio"] == pruned["ratio_lee"] and pruned["judged_on"] == "lee"
     assert pruned["degraded"] == (pruned["ppl_ratio"] > 3.0)
+    assert pruned["fits_calibration_only"] == (pruned["ratio_lee"] > 1.5 * pruned["ratio_ptb"])
     client = MlflowClient(tracking_uri=summary.tracking_uri, registry_uri=summary.tracking_uri)
     by_version = {
         f"models:/lorp-tiny/{v.version}": v.tags["lorp.grid_key"]
@@ -175,7 +180,7 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     again = run_job(parse_spec(spec | {"budgets": [1, 2]}))
     assert (again.done, again.skipped, again.failed) == (1, 2, summary.failed)
     rows = {r["budget"]: r for r in read_catalog(tmp_path / "broken" / "catalog.parquet")}
-    assert rows[2]["ppl_ratio"] == pytest.approx(rows[2]["ppl_ptb"] / dense["ppl_ptb"])
+    assert rows[2]["ppl_ratio"] == pytest.approx(rows[2]["ppl_lee"] / dense["ppl_lee"])
     assert len(client.search_model_versions("name = 'lorp-tiny'")) == 3
     now = client.get_registered_model("lorp-tiny").aliases
     assert now["dense"] == aliases["dense"] and now.get("best-1") == aliases.get("best-1")

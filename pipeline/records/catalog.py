@@ -81,6 +81,8 @@ CORE_SCHEMA = pa.schema(
         ("storage", pa.string()),
         ("eval_backend", pa.string()),
         ("degraded", pa.bool_()),
+        ("judged_on", pa.string()),
+        ("fits_calibration_only", pa.bool_()),
         ("tracking_uri", pa.string()),
         ("experiment_id", pa.string()),
         ("mlflow_run_id", pa.string()),

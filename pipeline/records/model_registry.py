@@ -69,8 +69,8 @@ TAG_COLUMNS = (
     "job", "model", "model_ref", "family", "fingerprint", "dtype", "n_blocks", "method",
     "method_label", "variant", "options", "budget", "pruned_layers", "kept_layers", "rls",
     "k", "stats_file", "calibration", "checkpoint", "params", "eval_backend", "acc_avg",
-    "speedup", "ppl_ratio", "degraded", "repair", "repair_residual", "protocol",
-    "calibration_id", "reference_claim", "created_at", "storage",
+    "speedup", "ppl_ratio", "degraded", "judged_on", "fits_calibration_only", "repair",
+    "repair_residual", "protocol", "calibration_id", "reference_claim", "created_at", "storage",
 )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 NO_EVALUATION = "none"
@@ -91,11 +91,45 @@ def row_protocol(row: Mapping[str, Any]) -> str:
     return protocol_id(json.loads(text), str(row.get("dtype") or "float32"))
 
 
-def rank_column(row: Mapping[str, Any]) -> str | None:
-    """The figure a row is ranked by within its protocol: its first perplexity column
-    (`ppl_<corpus>`); None for a protocol without perplexity (then `acc_avg`)."""
+FITS_CALIBRATION_ONLY = 1.5
+"""A variant whose ratio to dense on held-out text is more than this multiple of its ratio
+on its calibration corpus is marked `fits_calibration_only`: it is good only on the kind
+of text it was fitted on."""
+
+
+def calibration_corpora(calibration: Mapping[str, Any]) -> list[str]:
+    """The corpora a job calibrated on (`calibration.dataset`: a name, or a mix of
+    `{name, weight}` entries)."""
+    data = calibration.get("dataset")
+    items = data if isinstance(data, list | tuple) else [data]
+    return [str(d["name"] if isinstance(d, Mapping) else d) for d in items if d is not None]
+
+
+def held_out(corpora: Sequence[str], calibration: Sequence[str]) -> list[str]:
+    """The evaluation corpora that are not calibration corpora (compared by the name
+    their perplexity column takes: `ptb` is `ptb` whatever the split)."""
     from pipeline.evaluation.metrics import metric_name
 
+    fitted = {metric_name(c) for c in calibration}
+    return [c for c in corpora if metric_name(c) not in fitted]
+
+
+def ratio_name(corpus: str) -> str:
+    """The column of a corpus's perplexity over dense's: `ratio_<corpus>`."""
+    from pipeline.evaluation.metrics import metric_name
+
+    return "ratio_" + metric_name(corpus).removeprefix("ppl_")
+
+
+def rank_column(row: Mapping[str, Any]) -> str | None:
+    """The figure a row is ranked by within its protocol: `ppl_ratio`, the worst ratio to
+    dense on held-out text, for a row the gate judged (`judged_on`); before that column
+    existed, its first perplexity column (`ppl_<corpus>`); None for a protocol without
+    perplexity (then `acc_avg`)."""
+    from pipeline.evaluation.metrics import metric_name
+
+    if row.get("judged_on"):
+        return "ppl_ratio"
     text = row.get("evaluation")
     corpora = json.loads(text).get("perplexity") if isinstance(text, str) else None
     return metric_name(corpora[0]) if corpora else None

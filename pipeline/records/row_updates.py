@@ -1,7 +1,8 @@
-"""What a catalog row learns after it is written, as pure functions over the rows: its
-speed figures (measured, or its unrepaired twin's), and the quality gate (`ppl_ratio`,
-`degraded`). Each returns the new values; the recorder (`pipeline.recorder`) writes them
-to the catalog and the point's MLflow run through its one update path.
+"""What a catalog row learns after it is written, as pure functions over the rows: its speed
+figures (measured, or its unrepaired twin's), and the quality gate (`ppl_ratio` on held-
+out text, `degraded`, `fits_calibration_only`). Each returns the new values; the recorder
+(`pipeline.recorder`) writes them to the catalog and the point's MLflow run through its
+one update path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from pipeline.evaluation.metrics import metric_name
 from pipeline.plan import CHECKPOINTS, GridPoint
+from pipeline.records.protocol import FITS_CALIBRATION_ONLY, held_out, ratio_name
 from pipeline.spec import EvaluationSpec
 
 SPEED_COLUMNS = (
@@ -29,7 +31,8 @@ SPEED_COLUMNS = (
     "peak_mem_gib",
 )
 
-Rows = Mapping[str, Mapping[str, Any]]
+Row = Mapping[str, Any]
+Rows = Mapping[str, Row]
 """grid key -> catalog row."""
 
 
@@ -143,30 +146,71 @@ def serving_speedups(
 
 @dataclass(frozen=True)
 class Verdict:
-    """A row's quality gate: its first perplexity over dense's, and whether that is over
-    `evaluation.degraded_ratio`."""
+    """A row's quality judgement. `ratios`: each corpus's perplexity over dense's
+    (`ratio_<corpus>` columns). `ratio` is the gate's figure, the worst of them over the
+    corpora the job did not calibrate on (`judged_on`); only when every corpus is a
+    calibration corpus is the row judged on that, and `judged_on` says so. Over
+    `evaluation.degraded_ratio` it is `degraded`; held-out more than
+    `FITS_CALIBRATION_ONLY` x the calibration corpus's ratio, `fits_calibration_only`."""
 
     key: str
-    column: str
     ratio: float
+    ratios: dict[str, float]
+    judged_on: str
     degraded: bool
-    changed: bool
-    """The row does not hold these values yet."""
+    fits_calibration_only: bool | None
+    """None: the job evaluated no calibration corpus, or no held-out one."""
+
+    def values(self) -> dict[str, Any]:
+        """The row's columns."""
+        return {
+            "ppl_ratio": self.ratio,
+            **self.ratios,
+            "judged_on": self.judged_on,
+            "degraded": self.degraded,
+            "fits_calibration_only": self.fits_calibration_only,
+        }
+
+    def changed(self, row: Mapping[str, Any]) -> bool:
+        """The row does not hold these values yet."""
+        return any(row.get(c) != v for c, v in self.values().items())
 
 
-def quality_gate(rows: Rows, points: list[GridPoint], ev: EvaluationSpec) -> list[Verdict]:
-    """The verdict of every point whose row and dense row have the first perplexity."""
+def judge(row: Row, dense: Row, corpora: list[str], calibration: list[str], limit: float):  # type: ignore[no-untyped-def]
+    """`row`'s Verdict against `dense` (both with every corpus's perplexity), or None."""
+    ratios = {}
+    for c in corpora:
+        column = metric_name(c)
+        if missing(row, column) or missing(dense, column):
+            return None
+        ratios[c] = float(row[column]) / float(dense[column])
+    unseen = held_out(corpora, calibration)
+    seen = [c for c in corpora if c not in unseen]
+    judged = unseen or corpora[:1]
+    ratio = max(ratios[c] for c in judged)
+    fits_only = None
+    if unseen and seen:
+        fits_only = ratio > FITS_CALIBRATION_ONLY * max(ratios[c] for c in seen)
+    label = ",".join(judged) if unseen else f"{judged[0]} (calibration text)"
+    named = {ratio_name(c): r for c, r in ratios.items()}
+    return Verdict(row["grid_key"], ratio, named, label, ratio > limit, fits_only)
+
+
+def quality_gate(
+    rows: Rows, points: list[GridPoint], ev: EvaluationSpec, calibration: list[str]
+) -> list[Verdict]:
+    """The verdict of every point whose row and dense row have every corpus's perplexity
+    (`calibration`: the corpora the job calibrated on)."""
     if not (ev.enabled and ev.perplexity):
         return []
-    column = metric_name(ev.perplexity[0])
+    corpora = list(ev.perplexity)
     dense = {p.model.label: rows.get(p.key) for p in points if p.is_dense}
     out = []
     for p in points:
         row, base = rows.get(p.key), dense.get(p.model.label)
-        if row is None or base is None or missing(row, column) or missing(base, column):
+        if row is None or base is None:
             continue
-        ratio = float(row[column]) / float(base[column])
-        degraded = ratio > ev.degraded_ratio
-        changed = row.get("ppl_ratio") != ratio or row.get("degraded") != degraded
-        out.append(Verdict(p.key, column, ratio, degraded, changed))
+        verdict = judge({**row, "grid_key": p.key}, base, corpora, calibration, ev.degraded_ratio)
+        if verdict is not None:
+            out.append(verdict)
     return out

@@ -1,0 +1,72 @@
+"""Held-out judgement: variants are gated and ranked on text they were not fitted on
+(`pipeline.records.row_updates.judge`, `pipeline.records.ranking`), the held-out news
+corpus `lee` (`lorp.data`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorp.data import load_corpus
+from pipeline.records.protocol import calibration_corpora, held_out, rank_column
+from pipeline.records.ranking import best
+from pipeline.records.row_updates import judge
+
+
+def test_the_held_out_news_corpus_is_packaged() -> None:
+    test, valid = load_corpus("lee", "test"), load_corpus("lee", "valid")
+    assert len(test.documents) == 300 and len(valid.documents) == 50
+    assert test.documents[0].startswith("Hundreds of people have been forced to vacate")
+    assert "£" in " ".join(valid.documents)  # the Latin-1 file decoded, not mangled
+    assert sum(len(d.split()) for d in test.documents) == 59_890
+    with pytest.raises(ValueError, match="corpus 'lee' has no split 'train'"):
+        load_corpus("lee", "train")
+
+
+def test_held_out_corpora_are_those_not_calibrated_on() -> None:
+    assert held_out(["ptb", "lee"], ["ptb"]) == ["lee"]
+    assert held_out(["ptb"], ["ptb"]) == []
+    assert held_out(["ptb", "lee", "wikitext2"], ["ptb", "wikitext2"]) == ["lee"]
+    assert calibration_corpora({"dataset": "ptb"}) == ["ptb"]
+    mix = {"dataset": [{"name": "ptb", "weight": 0.5}, {"name": "lee", "weight": 0.5}]}
+    assert calibration_corpora(mix) == ["ptb", "lee"]
+
+
+DENSE = {"grid_key": "d", "ppl_ptb": 20.0, "ppl_lee": 40.0}
+
+
+def test_the_gate_judges_on_held_out_text_and_flags_a_divergence() -> None:
+    # fitted on PTB: 1.5x dense there, 4x on the news it never saw
+    row = {"grid_key": "v", "ppl_ptb": 30.0, "ppl_lee": 160.0}
+    v = judge(row, DENSE, ["ptb", "lee"], ["ptb"], limit=3.0)
+    assert v.ratio == 4.0 and v.judged_on == "lee" and v.degraded
+    assert v.ratios == {"ratio_ptb": 1.5, "ratio_lee": 4.0}
+    assert v.fits_calibration_only is True  # 4.0 > 1.5 x 1.5
+    # the same row judged (as before) on its calibration corpus passes the gate
+    old = judge(row, DENSE, ["ptb", "lee"], ["lee"], limit=3.0)
+    assert old.ratio == 1.5 and not old.degraded and old.judged_on == "ptb"
+    assert old.fits_calibration_only is False  # held-out better than the calibration text
+
+    even = judge({**row, "ppl_lee": 88.0}, DENSE, ["ptb", "lee"], ["ptb"], limit=3.0)
+    assert even.ratio == pytest.approx(2.2) and even.fits_calibration_only is False
+
+
+def test_without_a_held_out_corpus_the_row_says_what_it_was_judged_on() -> None:
+    row = {"grid_key": "v", "ppl_ptb": 30.0, "ppl_lee": 160.0}
+    v = judge(row, DENSE, ["ptb"], ["ptb"], limit=3.0)
+    assert v.judged_on == "ptb (calibration text)" and v.ratio == 1.5
+    assert v.fits_calibration_only is None
+    worst = judge(row, DENSE, ["ptb", "lee"], ["wikitext2"], limit=3.0)
+    assert worst.ratio == 4.0 and worst.judged_on == "ptb,lee"  # the worst held-out ratio
+    assert worst.fits_calibration_only is None  # no calibration corpus evaluated
+    assert judge({"grid_key": "v", "ppl_ptb": 30.0}, DENSE, ["ptb", "lee"], ["ptb"], 3.0) is None
+
+
+def test_best_ranks_by_the_held_out_ratio() -> None:
+    """The variant best on its calibration corpus is not best when it fails elsewhere."""
+    common = {"budget": 8, "protocol": "p", "method": "m", "judged_on": "lee"}
+    fits_ptb = {**common, "method_label": "a", "ppl_ptb": 25.0, "ppl_ratio": 2.9}
+    general = {**common, "method_label": "b", "ppl_ptb": 31.0, "ppl_ratio": 1.9}
+    assert rank_column(fits_ptb) == "ppl_ratio"
+    assert best([fits_ptb, general], 8, "p") is general
+    degraded = {**general, "degraded": True}
+    assert best([fits_ptb, degraded], 8, "p") is fits_ptb
