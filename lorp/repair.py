@@ -26,6 +26,15 @@ repaired model falls back to the pruned model instead of dropping the MLP's outp
 those directions. lambda = `ridge` x tr(A) / d, scaled to the statistics; every solve
 is a Cholesky solve of A + lambda I, which the ridge makes positive definite.
 
+Validated (`fit_runs` with statistics that carry `held` sums, over calibration windows the
+fit never saw): the ridge is chosen per run from `RIDGES` by the residual it leaves on
+the held-out windows (the unconstrained map's, for a `normed` run too: one solve per
+candidate), and the fitted map is kept only where it leaves less there than the
+unrepaired map does. Otherwise the run keeps its unrepaired map (`kept: unrepaired`),
+so a repaired variant is never worse than its unrepaired twin on held-out windows. A
+d x d map fitted on a few thousand tokens of one corpus learns that corpus; a larger
+ridge pulls it towards the unrepaired map, and the held-out windows say how far.
+
 Runs are fitted on dense inputs in one pass (mergeable, what a fleet computes once per
 model), or in depth order, each on the inputs the model repaired so far gives it
 (`prune_and_repair(sequential=True)`): an earlier run's leftover error is then part of
@@ -39,7 +48,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,6 +70,8 @@ from lorp.surgery import check_layers, drop_layers
 log = logging.getLogger(__name__)
 
 DEFAULT_RIDGE = 1e-3
+RIDGES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+"""The relative ridges a validated fit chooses among (lambda = ridge x tr(A) / d)."""
 MAX_ROUNDS = 100
 
 
@@ -83,10 +94,20 @@ class RunFit:
     residual: float
     unrepaired: float
     rounds: int = 0
+    relative_ridge: float | None = None
+    """The ridge as chosen (lambda / (tr(A) / d))."""
+    held_residual: float | None = None
+    """The same residuals on the held-out windows (validated fits only)."""
+    held_unrepaired: float | None = None
+    kept: str = "fit"
+    """"fit", or "unrepaired": the fitted map did no better on held-out windows."""
+    validation: dict[float, float] | None = None
+    """Relative ridge -> held-out residual of the unconstrained map, every candidate."""
 
     def record(self) -> dict[str, Any]:
-        """What provenance keeps: the run, the form, lambda and the fit's residuals."""
-        return {
+        """What provenance keeps: the run, the form, lambda and the fit's residuals, and
+        for a validated fit the held-out residuals, the ridges tried and what was kept."""
+        out: dict[str, Any] = {
             "run": list(self.run),
             "form": self.form,
             "lambda": self.ridge,
@@ -94,6 +115,15 @@ class RunFit:
             "unrepaired_residual": round(self.unrepaired, 6),
             "rounds": self.rounds,
         }
+        if self.held_residual is not None:
+            out |= {
+                "ridge": self.relative_ridge,
+                "held_residual": round(self.held_residual, 6),
+                "held_unrepaired_residual": round(float(self.held_unrepaired or 0.0), 6),
+                "kept": self.kept,
+                "ridges_tried": {f"{k:g}": round(v, 6) for k, v in (self.validation or {}).items()},
+            }
+        return out
 
 
 def check_repairable(model: nn.Module, layers: Sequence[int]) -> list[Run]:
@@ -135,25 +165,83 @@ def _unrepaired_map(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
 
 
 def fit_runs(
-    model: nn.Module, stats: RepairStats, *, ridge: float = DEFAULT_RIDGE, rounds: int = MAX_ROUNDS
+    model: nn.Module,
+    stats: RepairStats,
+    *,
+    ridge: float | None = DEFAULT_RIDGE,
+    rounds: int = MAX_ROUNDS,
+    ridges: Sequence[float] = RIDGES,
 ) -> list[RunFit]:
     """Fit every run of `stats` (the model is the dense one the stats came from);
-    `rounds` caps the descent of a `normed` fit (each round is one d x d SVD)."""
-    if not ridge > 0:
+    `rounds` caps the descent of a `normed` fit (each round is one d x d SVD). With
+    held-out sums (`stats.held`) each fit is validated (module docstring): `ridge=None`
+    chooses it among `ridges`, a number fixes it; either way a map that does no better
+    than the unrepaired one on held-out windows is not kept."""
+    if ridge is not None and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it makes every solve well posed), got {ridge!r}")
+    if ridge is None and stats.held is None:
+        raise ValueError("choosing the ridge (ridge=None) needs held-out sums (stats.held)")
     fits = []
     for run in stats.runs:
         form = stats.forms[run]
-        T0 = _unrepaired_map(model, run, form)
         A, B = stats.gram[run[0]].double(), stats.cross[run].double()
-        T0 = T0.to(A.device)
-        if form == "full":
-            fits.append(fit_full(A, B, stats.energy[run], T0, ridge=ridge, run=run))
-        else:
-            fits.append(
-                fit_normed(A, B, stats.energy[run], T0, ridge=ridge, run=run, rounds=rounds)
-            )
+        T0 = _unrepaired_map(model, run, form).to(A.device)
+        if stats.held is None:
+            fits.append(_fit(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
+            continue
+        held = stats.held
+        Av, Bv = held.gram[run[0]].double().to(A.device), held.cross[run].double().to(A.device)
+        fits.append(
+            _validated(form, (A, B, stats.energy[run]), (Av, Bv, held.energy[run]), T0,
+                       [ridge] if ridge is not None else list(ridges), run, rounds)
+        )  # fmt: skip
     return fits
+
+
+def _fit(
+    form: Form, A: torch.Tensor, B: torch.Tensor, energy: float, T0: torch.Tensor,
+    ridge: float, run: Run, rounds: int,
+) -> RunFit:  # fmt: skip
+    if form == "full":
+        return fit_full(A, B, energy, T0, ridge=ridge, run=run)
+    return fit_normed(A, B, energy, T0, ridge=ridge, run=run, rounds=rounds)
+
+
+def _validated(
+    form: Form,
+    fit: tuple[torch.Tensor, torch.Tensor, float],
+    held: tuple[torch.Tensor, torch.Tensor, float],
+    T0: torch.Tensor,
+    ridges: Sequence[float],
+    run: Run,
+    rounds: int,
+) -> RunFit:
+    """The run's map with the ridge the held-out windows prefer, or its unrepaired map
+    when even that one leaves more error on them than T0 does."""
+    A, B, energy = fit
+    scores = {
+        r: residual_of(*held, fit_full(A, B, energy, T0, ridge=r, run=run).matrix) for r in ridges
+    }
+    chosen = min(scores, key=lambda r: (scores[r], -r))  # ties: the larger ridge
+    out = _fit(form, A, B, energy, T0, chosen, run, rounds)
+    T = out.matrix if out.scale is None else out.matrix * out.scale
+    held_fit, held_t0 = residual_of(*held, T), residual_of(*held, T0)
+    kept = "fit"
+    if not held_fit < held_t0:
+        kept = "unrepaired"
+        d = T0.shape[0]
+        eye = torch.eye(d, dtype=T0.dtype, device=T0.device)
+        matrix, scale = (T0, None) if form == "full" else (eye, torch.diagonal(T0).clone())
+        unrepaired = residual_of(A, B, energy, T0)
+        out = replace(out, matrix=matrix, scale=scale, residual=unrepaired)
+    return replace(
+        out,
+        relative_ridge=chosen,
+        held_residual=min(held_fit, held_t0) if kept == "unrepaired" else held_fit,
+        held_unrepaired=held_t0,
+        kept=kept,
+        validation=scores,
+    )
 
 
 def _regularised(A: torch.Tensor, B: torch.Tensor, T0: torch.Tensor, ridge: float):  # type: ignore[no-untyped-def]

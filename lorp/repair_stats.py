@@ -20,6 +20,11 @@ The tokens are S's: padding and the first `skip_prefix` real tokens (a BOS) are 
 
 A run starting at block 0 has no block before it: its X is the embedding output (Y = 0),
 and the map folds into the embedding matrix (`lorp.repair`).
+
+`held` carries the same sums over calibration windows held out from the fit (the job's
+loss windows: same split, another seed, never in S). The fit never sees them; they choose
+its ridge and decide whether the fitted map is kept at all (`lorp.repair.fit_runs`). They
+travel with the fit's sums through `subset`, `merge`, `join` and the file (`held_*`).
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ class RepairStats:
         """Per `normed` start: the post-MLP norm's effective scale (weight + offset) at
         capture, what the unrepaired model applies to X (T0 = diag(base)), so runs can be
         fitted and compared without the model."""
+        self.held: RepairStats | None = None
+        """The same runs' sums over held-out calibration windows (module docstring)."""
 
     @property
     def starts(self) -> list[int]:
@@ -196,6 +203,9 @@ class RepairStats:
         out.state_energy = {r: self.state_energy[r] + other.state_energy[r] for r in self.runs}
         out.base = {**other.base, **self.base}
         out.tokens = self.tokens + other.tokens
+        if (self.held is None) != (other.held is None):
+            raise ValueError("cannot merge repair stats with and without held-out sums")
+        out.held = self.held.merge(other.held) if self.held and other.held else None
         return out
 
     def subset(self, runs: Iterable[Run]) -> RepairStats:
@@ -220,6 +230,7 @@ class RepairStats:
         out.state_energy = {r: self.state_energy[r] for r in wanted}
         out.base = {s: self.base[s] for s in out.starts if s in self.base}
         out.tokens = self.tokens
+        out.held = self.held.subset(wanted) if self.held is not None else None
         return out
 
     @classmethod
@@ -268,6 +279,11 @@ class RepairStats:
             out.state_energy.update(g.state_energy)
             out.base.update(g.base)
         out.tokens = first.tokens
+        helds = [g.held for g in groups]
+        if any(h is not None for h in helds):
+            if any(h is None for h in helds):
+                raise ValueError("cannot join repair stats with and without held-out sums")
+            out.held = cls.join(helds)  # type: ignore[arg-type]
         return out
 
     # -- persistence ----------------------------------------------------------------------
@@ -289,16 +305,24 @@ class RepairStats:
         }
 
     def to_file(self, path: str | os.PathLike[str]) -> Path:
-        """An .npz of the sums with JSON metadata (runs, fingerprints), written atomically."""
+        """An .npz of the sums with JSON metadata (runs, fingerprints), written atomically;
+        the held-out sums, if any, beside them (`held_*`)."""
         path = Path(path)
         if path.suffix != ".npz":
             raise ValueError(f"repair stats file must end in .npz, got {str(path)!r}")
+        meta, arrays = self.metadata(), self._arrays("")
+        if self.held is not None:
+            meta["held"] = self.held.metadata()
+            arrays |= self.held._arrays("held_")
+        with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+            np.savez(fh, metadata=np.array(json.dumps(meta, sort_keys=True)), **arrays)
+        return path
+
+    def _arrays(self, prefix: str) -> dict[str, np.ndarray]:
         arrays = {f"gram_{s}": self.gram[s].cpu().numpy() for s in self.starts}
         arrays |= {f"cross_{s}_{e}": self.cross[(s, e)].cpu().numpy() for s, e in self.runs}
         arrays |= {f"base_{s}": v.cpu().numpy() for s, v in self.base.items()}
-        with atomic_file(path) as tmp, open(tmp, "wb") as fh:
-            np.savez(fh, metadata=np.array(json.dumps(self.metadata(), sort_keys=True)), **arrays)
-        return path
+        return {prefix + k: v for k, v in arrays.items()}
 
     @classmethod
     def from_file(
@@ -315,32 +339,40 @@ class RepairStats:
                 meta = json.loads(str(z["metadata"]))
                 if meta.get("format_version") != FORMAT_VERSION:
                     raise ValueError(f"unsupported format_version {meta.get('format_version')!r}")
-                saved = [(int(r[0]), int(r[1])) for r in meta["runs"]]
-                wanted = saved if runs is None else sorted({(int(s), int(e)) for s, e in runs})
-                missing = sorted(set(wanted) - set(saved))
-                if missing:
-                    raise ValueError(f"no run {missing[0][0]}-{missing[0][1]} in the file")
-                index = {r: i for i, r in enumerate(saved)}
-                out = cls(
-                    meta["n_blocks"],
-                    meta["hidden"],
-                    wanted,
-                    {r: meta["forms"][index[r]] for r in wanted},
-                    model_fingerprint=meta.get("model_fingerprint"),
-                    calibration_fingerprint=meta.get("calibration_fingerprint"),
-                    extra=meta.get("extra") or {},
-                )
-                out.gram = {s: torch.from_numpy(z[f"gram_{s}"].copy()) for s in out.starts}
-                out.cross = {
-                    (s, e): torch.from_numpy(z[f"cross_{s}_{e}"].copy()) for s, e in wanted
-                }
-                out.base = {
-                    s: torch.from_numpy(z[f"base_{s}"].copy())
-                    for s in out.starts
-                    if f"base_{s}" in z.files
-                }
+                out = cls._load(z, meta, "", runs)
+                if meta.get("held"):
+                    out.held = cls._load(z, meta["held"], "held_", out.runs)
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{str(path)!r} is not a lorp repair stats file ({exc})") from None
+        return out
+
+    @classmethod
+    def _load(cls, z: Any, meta: dict[str, Any], prefix: str, runs: Iterable[Run] | None):  # type: ignore[no-untyped-def]
+        """One set of sums from an open .npz: `runs` of them (None: all)."""
+        saved = [(int(r[0]), int(r[1])) for r in meta["runs"]]
+        wanted = saved if runs is None else sorted({(int(s), int(e)) for s, e in runs})
+        missing = sorted(set(wanted) - set(saved))
+        if missing:
+            raise ValueError(f"no run {missing[0][0]}-{missing[0][1]} in the file")
+        index = {r: i for i, r in enumerate(saved)}
+        out = cls(
+            meta["n_blocks"],
+            meta["hidden"],
+            wanted,
+            {r: meta["forms"][index[r]] for r in wanted},
+            model_fingerprint=meta.get("model_fingerprint"),
+            calibration_fingerprint=meta.get("calibration_fingerprint"),
+            extra=meta.get("extra") or {},
+        )
+        out.gram = {s: torch.from_numpy(z[f"{prefix}gram_{s}"].copy()) for s in out.starts}
+        out.cross = {
+            (s, e): torch.from_numpy(z[f"{prefix}cross_{s}_{e}"].copy()) for s, e in wanted
+        }
+        out.base = {
+            s: torch.from_numpy(z[f"{prefix}base_{s}"].copy())
+            for s in out.starts
+            if f"{prefix}base_{s}" in z.files
+        }
         out.energy = {r: float(meta["energy"][index[r]]) for r in wanted}
         out.state_energy = {r: float(meta["state_energy"][index[r]]) for r in wanted}
         out.tokens = int(meta["tokens"])

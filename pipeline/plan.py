@@ -20,7 +20,7 @@ from typing import Any
 from lorp import Selection, get_method, select_layers
 from lorp.architectures import architecture_for
 from lorp.methods import resolve_budget, validate_options
-from lorp.repair import DEFAULT_RIDGE, MAX_ROUNDS
+from lorp.repair import MAX_ROUNDS
 from lorp.repair_stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair_stats import contiguous_runs
 from lorp.similarity import FORMAT_VERSION, SimilarityStats
@@ -163,12 +163,16 @@ def grid_key(
     ev: Any,
     repair: str = "none",
     rounds: int = MAX_ROUNDS,
+    ridge: float | str = "auto",
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
     catalogs and caches of earlier runs stay valid."""
     if repair == "none":
         return content_key(model_key, point, dict(options), budget, ev)
-    fit = {"repair": repair, "ridge": DEFAULT_RIDGE, "fit": "one-pass", "format": REPAIR_FORMAT}
+    # validated: the ridge chosen (or fixed) and the map kept only where it beats the
+    # unrepaired map on held-out calibration windows (lorp.repair.fit_runs)
+    fit = {"repair": repair, "ridge": ridge, "fit": "one-pass", "format": REPAIR_FORMAT,
+           "validated": "heldout"}  # fmt: skip
     if rounds != MAX_ROUNDS:  # the default leaves earlier runs' keys as they were
         fit["rounds"] = rounds
     return content_key(model_key, point, dict(options), budget, ev, fit)
@@ -327,7 +331,10 @@ def plan_points(
             sel, seconds = select(m, budget)
             options = sel.to_dict()["options"]
             for repair in spec.repair:
-                key = grid_key(model_key, m.name, options, budget, ev, repair, spec.repair_rounds)
+                key = grid_key(
+                    model_key, m.name, options, budget, ev, repair, spec.repair_rounds,
+                    spec.repair_ridge,
+                )  # fmt: skip
                 point = GridPoint(key, plan, m, sel, seconds, repair)
                 why = repair_refusal(plan, sel.layers) if repair != "none" else None
                 if why is None:

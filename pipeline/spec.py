@@ -348,13 +348,22 @@ class JobSpec:
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     """What to measure on every pruned checkpoint."""
     repair: tuple[str, ...] = REPAIRS
-    repair_rounds: int = 100
-    """Rounds of a `normed` repair fit at most (each one d x d SVD; `lorp.repair`'s
-    default, 100). Fewer trade fit quality for time (the demo's budget)."""
     """A grid dimension: `none` keeps each pruned variant as it is; `linear` also makes
     its repaired twin (`lorp.repair`: one least-squares map per run of removed blocks,
     fitted from calibration statistics and folded into block s-1's weights; same
     architecture and parameter count). Both by default."""
+    repair_rounds: int = 100
+    """Rounds of a `normed` repair fit at most (each one d x d SVD; `lorp.repair`'s
+    default, 100). Fewer trade fit quality for time (the demo's budget)."""
+    repair_ridge: float | str = "auto"
+    """The repair's relative ridge: auto (each run's chosen among `lorp.repair.RIDGES` by
+    the residual it leaves on the held-out calibration windows) or a number > 0. Either
+    way a run's map is kept only where it beats the unrepaired map on those windows."""
+
+    @property
+    def ridge_value(self) -> float | None:
+        """`repair_ridge` as `lorp.repair.fit_runs` takes it (None: auto)."""
+        return None if self.repair_ridge == "auto" else float(self.repair_ridge)
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -386,6 +395,9 @@ class JobSpec:
                 raise SpecError(f"repair[{i}]: must be one of {', '.join(REPAIRS)}, got {r!r}")
         _unique("repair", list(self.repair))
         _positive("repair_rounds", self.repair_rounds)
+        ridge = self.repair_ridge
+        if ridge != "auto" and not (_is_number(ridge) and float(ridge) > 0):
+            raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
         for i, m in enumerate(self.methods):
             if "+" in m.key:
                 raise SpecError(

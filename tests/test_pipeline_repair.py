@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM
 
-from lorp.repair import fit_runs, fold
+from lorp.repair import RIDGES, fit_runs, fold
 from lorp.repair_stats import capture_repair_stats, contiguous_runs
 from lorp.surgery import drop_layers
 from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
@@ -103,15 +103,23 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         assert config(repaired) == config(twin)
         fits = json.loads(repaired["repair_fits"])
         assert [tuple(f["run"]) for f in fits] == [tuple(r) for r in _runs(twin["pruned_layers"])]
-        for f in fits:
-            assert f["form"] == "normed" and 0 <= f["residual"] < f["unrepaired_residual"]
+        for f in fits:  # validated on the held-out windows: never worse than unrepaired there
+            assert f["form"] == "normed" and f["ridge"] in RIDGES
+            assert f["held_residual"] <= f["held_unrepaired_residual"]
+            assert f["ridges_tried"][f"{f['ridge']:g}"] == min(f["ridges_tried"].values())
+            if f["kept"] == "fit":
+                assert 0 <= f["residual"] < f["unrepaired_residual"]
+            else:
+                assert f["residual"] == f["unrepaired_residual"]
         assert repaired["repair_residual"] == max(f["residual"] for f in fits)
+        kept = sum(f["kept"] == "fit" for f in fits)
+        assert repaired["repair_kept"] == f"{kept}/{len(fits)} runs"
         prov = json.loads(Path(repaired["checkpoint"], "lorp_pruning.json").read_text())
         assert prov["repair"]["method"] == "linear" and prov["repair"]["runs"] == fits
         assert (
             json.loads(Path(twin["checkpoint"], "lorp_pruning.json").read_text())["repair"] is None
         )
-        _same_logits(model, windows, twin["pruned_layers"], Path(repaired["checkpoint"]))
+        _same_logits(model, windows, fits, twin["pruned_layers"], Path(repaired["checkpoint"]))
 
     client = MlflowClient(summary.tracking_uri)
     run = client.get_run(rows["shortgpt+linear"]["mlflow_run_id"])
@@ -144,12 +152,17 @@ def _window_scores(row: dict) -> dict[int, float]:
 
 
 @torch.no_grad()
-def _same_logits(model: Path, windows: torch.Tensor, layers: list[int], saved: Path) -> None:
-    """The saved checkpoint's logits equal the dense model's, repaired here in one pass."""
+def _same_logits(
+    model: Path, windows: torch.Tensor, fits: list[dict], layers: list[int], saved: Path
+) -> None:
+    """The saved checkpoint's logits equal the dense model's, repaired here in one pass
+    with each run's recorded ridge, its map folded where the job kept it."""
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     batches = [windows[i : i + 4] for i in range(0, len(windows), 4)]
     stats = capture_repair_stats(ref, batches, _runs(layers), progress=False)
-    fold(ref, fit_runs(ref, stats))
+    for f in fits:
+        if f["kept"] == "fit":
+            fold(ref, fit_runs(ref, stats.subset([tuple(f["run"])]), ridge=f["ridge"]))
     drop_layers(ref, layers)
     got = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
     ids = windows[:2]

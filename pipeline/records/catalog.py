@@ -64,6 +64,7 @@ CORE_SCHEMA = pa.schema(
         ("stages", pa.string()),
         ("repair", pa.string()),
         ("repair_fits", pa.string()),
+        ("repair_kept", pa.string()),
         ("rls", pa.float64()),
         ("k", pa.int64()),
         ("labels", pa.list_(pa.int64())),

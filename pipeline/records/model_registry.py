@@ -70,7 +70,8 @@ TAG_COLUMNS = (
     "method_label", "variant", "options", "budget", "pruned_layers", "kept_layers", "rls",
     "k", "stats_file", "calibration", "checkpoint", "params", "eval_backend", "acc_avg",
     "speedup", "ppl_ratio", "degraded", "judged_on", "fits_calibration_only", "repair",
-    "repair_residual", "protocol", "calibration_id", "reference_claim", "created_at", "storage",
+    "repair_residual", "repair_kept", "protocol", "calibration_id", "reference_claim",
+    "created_at", "storage",
 )  # fmt: skip
 
 

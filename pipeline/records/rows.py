@@ -126,20 +126,25 @@ def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
         grid_key=point.key,
         job=spec.name,
         calibration=asdict(spec.calibration),
-        repair=repair_record(point, spec.repair_rounds),
+        repair=repair_record(point, spec.repair_rounds, spec.repair_ridge),
     )
 
 
-def repair_record(point: GridPoint, rounds: int = 100) -> dict[str, Any] | None:
+def repair_record(
+    point: GridPoint, rounds: int = 100, ridge: float | str = "auto"
+) -> dict[str, Any] | None:
     """How a repaired point's maps are fitted (the task adds each run's fit)."""
     if point.repair == "none":
         return None
-    from lorp.repair import DEFAULT_RIDGE
+    from lorp.repair import RIDGES
 
     return {
         "method": point.repair,
-        "ridge": DEFAULT_RIDGE,
+        "ridge": ridge,
+        "ridges": list(RIDGES) if ridge == "auto" else [ridge],
         "lambda": "ridge x tr(A_s) / d per run, pulling each map towards the unrepaired one",
+        "validation": "each run's ridge chosen, and its map kept only where it beats the "
+        "unrepaired map, on the held-out calibration windows (seed + 1, never fitted on)",
         "fit": "one pass of calibration statistics on dense inputs (pipeline capture workers)",
         "rounds": rounds,
     }
@@ -230,8 +235,23 @@ def catalog_row(
     row |= {"n_evals": float(point.n_evals), "select_s": point.select_s}
     if result.repair:  # the worst run's share of its gap the repair left, on calibration
         row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
+        row |= repair_validation(result.repair)
     row |= costs(spec, point, facts, result)
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
+
+
+def repair_validation(fits: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the held-out calibration windows said of a repaired point's maps: the worst
+    run's residual there (`repair_held_residual`) and how many runs kept their fitted map
+    (`repair_kept`: "2/2 runs"; "0/2 runs" is a variant equal to its unrepaired twin)."""
+    validated = [f for f in fits if f.get("held_residual") is not None]
+    if not validated:
+        return {}
+    kept = sum(f.get("kept") == "fit" for f in validated)
+    return {
+        "repair_held_residual": max(float(f["held_residual"]) for f in validated),
+        "repair_kept": f"{kept}/{len(validated)} runs",
+    }
 
 
 def protocol_columns(spec: JobSpec, dtype: str) -> dict[str, Any]:

@@ -101,13 +101,16 @@ def repair_statistics(
     force: bool,
 ) -> ModelRepairStats:
     """The repair sums of every run `plan`'s repaired points need, over S's calibration
-    shards, from the cache or computed by capture workers: one model load per worker,
-    as few passes as `resources.repair_memory_gib` allows (runs deduplicated across
-    methods and budgets; runs from one start share A_s)."""
+    shards, and the same sums over the held-out calibration windows (`stats.held`: the
+    loss windows, which choose each run's ridge and whether its map is kept), from the
+    cache or computed by capture workers: one model load per worker, as few passes as
+    `resources.repair_memory_gib` allows (runs deduplicated across methods and budgets;
+    runs from one start share A_s)."""
     from lorp.repair_stats import FORMAT_VERSION, repair_passes
 
     runs = sorted(set(runs))
-    key = content_key(plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs)
+    held_windows, held_fp = _held_windows(spec, plan)
+    key = content_key(plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs, held_fp)
     store, name = stats_store(spec), f"repair-{key}.npz"
     local = store.local_path(name) or run_dir / "stats" / name
     if not force and store.get_file(name, local):
@@ -123,14 +126,25 @@ def repair_statistics(
     except ValueError as exc:
         raise ValueError(f"resources.repair_memory_gib: {exc}") from None
     task = capture_task(spec, plan, shards)
-    stats = distributed_repair_capture(
-        task, load_shards(shards), passes, spec.resources.capture_workers
-    )
+    workers = spec.resources.capture_workers
+    held = Shard("held-out", held_windows.astype(np.int32))
+    stats = distributed_repair_capture(task, load_shards(shards), passes, workers, held)
     seconds = time.perf_counter() - start
-    stats.extra.update({"capture_seconds": seconds, "passes": len(passes)})
+    stats.extra.update({"capture_seconds": seconds, "passes": len(passes), "held_out": held_fp})
     stats.to_file(local)
     store.put_file(local, name)
     return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name), local)
+
+
+def _held_windows(spec: JobSpec, plan: ModelPlan) -> tuple[np.ndarray, str]:
+    """The held-out calibration windows (`pipeline.stages.calibration.heldout_windows`)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.stages.calibration import heldout_windows
+
+    trust = plan.spec.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(str(plan.path), trust_remote_code=trust)
+    return heldout_windows(tokenizer, spec.calibration)
 
 
 def _hidden_size(plan: ModelPlan) -> int:

@@ -53,11 +53,9 @@ def point_task(
 def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask | None:
     if point.repair == "none":
         return None
-    from lorp.repair import DEFAULT_RIDGE
-
     runs = tuple(point.runs)
     stats = tuple(refs[(point.model.label, r)] for r in runs)
-    return RepairTask(runs, stats, DEFAULT_RIDGE, spec.repair_rounds)
+    return RepairTask(runs, stats, spec.ridge_value, spec.repair_rounds)
 
 
 def speed_task(spec: JobSpec, storage: str, points: list[GridPoint]) -> SpeedTask:

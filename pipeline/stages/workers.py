@@ -186,22 +186,28 @@ def distributed_repair_capture(
     shards: list[Shard],
     passes: list[list[tuple[int, int]]],
     workers: int | None = None,
+    held: Shard | None = None,
 ) -> RepairStats:
     """The repair sums of every run in `passes` over all shards: each worker loads the
     model once and makes one pass per group of runs over each shard it takes (a group's
     sums fit the worker's memory budget, `lorp.repair_stats.repair_passes`); each group's
-    partials merge in their own tree, and the groups join into one object."""
+    partials merge in their own tree, and the groups join into one object. `held`: the
+    held-out windows, summed apart by the same workers into the result's `held`."""
     actors = _start_workers(task, capture_workers(len(shards), workers))
     try:
-        put = _put(shards)
+        put = _put(shards + ([held] if held is not None else []))
         jobs = [("repair", (ref, s.name, runs)) for runs in passes for ref, s in put]
         partials = _dispatch(actors, jobs)
-        n = len(put)
-        groups = [tree_reduce(partials[i * n : (i + 1) * n]) for i in range(len(passes))]
+        n, k = len(shards), len(put)
+        groups = [tree_reduce(partials[i * k : i * k + n]) for i in range(len(passes))]
+        held_groups = [tree_reduce([partials[i * k + n]]) for i in range(len(passes)) if held]
     finally:
         for actor in actors:
             ray.kill(actor)
-    return RepairStats.join(groups)
+    stats = RepairStats.join(groups)
+    if held_groups:
+        stats.held = RepairStats.join(held_groups)
+    return stats
 
 
 def _put(shards: list[Shard]) -> list[tuple[Any, Shard]]:
@@ -265,12 +271,13 @@ class PointTask:
 @dataclass(frozen=True)
 class RepairTask:
     """What a repaired point needs: its runs' statistics (object-store refs, one per run,
-    so a point fetches only the sums of its own runs) and the ridge."""
+    so a point fetches only the sums of its own runs, each with its held-out sums) and the
+    ridge (None: chosen per run on the held-out windows, `lorp.repair.fit_runs`)."""
 
     runs: tuple[tuple[int, int], ...]
     stats: tuple[Any, ...]
     """One ObjectRef of a one-run `RepairStats` per run, in `runs` order."""
-    ridge: float
+    ridge: float | None
     rounds: int = 100
     """A normed fit's rounds at most (the job's `repair_rounds`)."""
 
