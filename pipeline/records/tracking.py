@@ -291,9 +291,14 @@ def calibration_input(cal: CalibrationSpec, fingerprint: str, tokens: int) -> Da
         "shards": cal.shards,
         "tokens": tokens,
     }
-    source = corpus_source(cal.dataset, cal.split)
-    name = f"{Path(cal.dataset).name}:{cal.split}"
-    return dataset_input(name, _digest(fingerprint), source, profile, "calibration")
+    if not isinstance(cal.dataset, str):
+        profile["mix"] = [[c, w] for c, w in cal.parts]
+    first = cal.corpora[0]
+    source = corpus_source(first, cal.split)
+    stem = "+".join(Path(c).name for c in cal.corpora)
+    return dataset_input(
+        f"{stem}:{cal.split}", _digest(fingerprint), source, profile, "calibration"
+    )
 
 
 def perplexity_input(corpus: str, ev: EvaluationSpec) -> DatasetInput:

@@ -7,6 +7,7 @@ through the object store, and a retried task re-reads exactly the same tokens.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from lorp.data import (
     Corpus,
     calibration_fingerprint,
     calibration_windows,
+    mixed_windows,
     prepend_bos,
     resolve_bos,
     tokenize_documents,
@@ -43,9 +45,8 @@ class CalibrationShards:
 def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> CalibrationShards:
     """Tokenize, cut `spec.samples` windows and split them into `spec.shards` parquet files.
     Reuses existing shards with the same fingerprint."""
-    corpus = load_any_corpus(spec.dataset, spec.split, spec.text_field)
     bos = resolve_bos(tokenizer, spec.bos)
-    fp = calibration_fingerprint(corpus, spec.samples, spec.seq_len, spec.seed, bos_id=bos)
+    cut, fp = _windows(tokenizer, spec, spec.samples, spec.seed, bos)
     tok_id = hashlib.sha256(
         (getattr(tokenizer, "name_or_path", "") + str(len(tokenizer))).encode()
     ).hexdigest()[:8]
@@ -53,19 +54,37 @@ def write_shards(tokenizer: Any, spec: CalibrationSpec, out_dir: Path) -> Calibr
     shard_dir = out_dir / key
     paths = tuple(shard_dir / f"shard-{i:04d}.parquet" for i in range(spec.shards))
     if not all(p.is_file() for p in paths):
-        windows = calibration_windows(
-            token_documents(tokenizer, corpus),
-            spec.samples,
-            spec.seq_len,
-            spec.seed,
-            name=f"corpus {spec.dataset!r} ({corpus.split})",
-        )
-        if bos is not None:
-            windows = prepend_bos(windows, bos)
+        windows = cut()
         shard_dir.mkdir(parents=True, exist_ok=True)
         for path, part in zip(paths, np.array_split(windows.numpy(), spec.shards), strict=True):
             _write_parquet(path, part)
     return CalibrationShards(fp, paths, spec.samples * spec.seq_len, bos)
+
+
+def _windows(tokenizer: Any, spec: CalibrationSpec, n: int, seed: int, bos: int | None):  # type: ignore[no-untyped-def]
+    """(a function cutting `n` windows with `seed`, BOS first where it goes; their
+    fingerprint). One corpus: `calibration_windows`, its fingerprint as before mixes
+    existed; a mix: `mixed_windows`, the fingerprint of every part's and its weight."""
+    corpora = [load_any_corpus(c, spec.split, spec.text_field) for c in spec.corpora]
+    fps = [calibration_fingerprint(c, n, spec.seq_len, seed, bos_id=bos) for c in corpora]
+    named = [
+        f"corpus {c!r} ({corpus.split})" for c, corpus in zip(spec.corpora, corpora, strict=True)
+    ]
+
+    def cut() -> torch.Tensor:
+        docs = [token_documents(tokenizer, c) for c in corpora]
+        if isinstance(spec.dataset, str):
+            windows = calibration_windows(docs[0], n, spec.seq_len, seed, name=named[0])
+        else:
+            weights = [w for _, w in spec.parts]
+            parts = list(zip(docs, weights, named, strict=True))
+            windows = mixed_windows(parts, n, spec.seq_len, seed)
+        return prepend_bos(windows, bos) if bos is not None else windows
+
+    if isinstance(spec.dataset, str):
+        return cut, fps[0]
+    mix = json.dumps([[fp, w] for fp, (_, w) in zip(fps, spec.parts, strict=True)])
+    return cut, "mix-" + hashlib.sha256(mix.encode()).hexdigest()[:16]
 
 
 _TOKENIZED: dict[tuple[str, str, str, int], list[np.ndarray]] = {}
@@ -95,22 +114,12 @@ def _tokenizer_key(tokenizer: Any) -> str:
 
 
 def heldout_windows(tokenizer: Any, spec: CalibrationSpec) -> tuple[np.ndarray, str]:
-    """`spec.loss_samples` windows from the calibration split, drawn with `seed + 1`, for the
-    losses of loss-guided methods (never part of S), and their fingerprint."""
-    corpus = load_any_corpus(spec.dataset, spec.split, spec.text_field)
+    """`spec.loss_samples` windows from the calibration split (of every corpus of a mix,
+    in its share), drawn with `seed + 1`, for the losses of loss-guided methods and the
+    repair's validation (never part of S or of the repair's fit), and their fingerprint."""
     bos = resolve_bos(tokenizer, spec.bos)
-    seed = spec.seed + 1
-    windows = calibration_windows(
-        token_documents(tokenizer, corpus),
-        spec.loss_samples,
-        spec.seq_len,
-        seed,
-        name=f"corpus {spec.dataset!r} ({corpus.split})",
-    )
-    if bos is not None:
-        windows = prepend_bos(windows, bos)
-    fp = calibration_fingerprint(corpus, spec.loss_samples, spec.seq_len, seed, bos_id=bos)
-    return windows.numpy(), f"heldout:{fp}"
+    cut, fp = _windows(tokenizer, spec, spec.loss_samples, spec.seed + 1, bos)
+    return cut().numpy(), f"heldout:{fp}"
 
 
 def _write_parquet(path: Path, windows: np.ndarray) -> None:

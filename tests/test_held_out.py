@@ -5,6 +5,7 @@ corpus `lee` (`lorp.data`)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lorp.data import load_corpus
 from pipeline.records.protocol import calibration_corpora, held_out, rank_column
@@ -70,3 +71,61 @@ def test_best_ranks_by_the_held_out_ratio() -> None:
     assert best([fits_ptb, general], 8, "p") is general
     degraded = {**general, "degraded": True}
     assert best([fits_ptb, degraded], 8, "p") is fits_ptb
+
+
+# -- calibration from several corpora ---------------------------------------------------
+
+
+def _spec(dataset):  # type: ignore[no-untyped-def]
+    from pipeline.spec import parse_spec
+
+    return parse_spec(
+        {"name": "mix", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}],
+         "calibration": {"dataset": dataset, "samples": 10, "seq_len": 16, "loss_samples": 4}}
+    )  # fmt: skip
+
+
+def test_a_calibration_mix_is_parsed_and_bad_parts_named() -> None:
+    from pipeline.spec import SpecError
+
+    cal = _spec([{"name": "ptb", "weight": 3}, {"name": "wiki"}]).calibration
+    assert cal.corpora == ["ptb", "wiki"] and cal.parts == [("ptb", 3.0), ("wiki", 1.0)]
+    assert _spec("ptb").calibration.parts == [("ptb", 1.0)]
+    with pytest.raises(SpecError, match=r"calibration\.dataset\[1\]\.weight: must be a number > 0"):
+        _spec([{"name": "ptb"}, {"name": "wiki", "weight": -1}])
+    with pytest.raises(SpecError, match="'ptb' appears twice"):
+        _spec([{"name": "ptb"}, {"name": "ptb", "weight": 2}])
+
+
+def test_mixed_windows_hold_each_corpus_in_its_share(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Shards of a mix: 10 windows, 3:2 -> 6 from one corpus and 4 from the other, every
+    window cut from its corpus's tokens, the same on a second call; the held-out windows
+    are another draw of the same mix."""
+    from tiny_models import ptb_tokenizer
+
+    from lorp.data import mixture_counts
+    from pipeline.stages.calibration import heldout_windows, read_shard, write_shards
+
+    tok = ptb_tokenizer()
+    (tmp_path / "a.txt").write_text(" ".join(["the cat sat on the mat"] * 40))
+    (tmp_path / "b.txt").write_text(" ".join(["stocks fell in new york trading"] * 40))
+    mix = [
+        {"name": str(tmp_path / "a.txt"), "weight": 3},
+        {"name": str(tmp_path / "b.txt"), "weight": 2},
+    ]
+    cal = _spec(mix).calibration
+    assert mixture_counts([3, 2], 10) == [6, 4]
+    shards = write_shards(tok, cal, tmp_path / "shards")
+    windows = torch.cat([read_shard(p) for p in shards.paths])
+    a, b = (set(tok(t.read_text())["input_ids"]) for t in (tmp_path / "a.txt", tmp_path / "b.txt"))
+    kinds = [
+        ("a" if set(w.tolist()) <= a else "b" if set(w.tolist()) <= b else "?") for w in windows
+    ]
+    assert sorted(kinds) == ["a"] * 6 + ["b"] * 4
+    again = write_shards(tok, cal, tmp_path / "again")
+    assert again.fingerprint == shards.fingerprint and again.fingerprint.startswith("mix-")
+    assert torch.equal(torch.cat([read_shard(p) for p in again.paths]), windows)
+    held, fp = heldout_windows(tok, cal)
+    assert held.shape == (4, 16) and fp.startswith("heldout:mix-") and fp != shards.fingerprint
+    single = write_shards(tok, _spec(str(tmp_path / "a.txt")).calibration, tmp_path / "one")
+    assert not single.fingerprint.startswith("mix-")

@@ -1,0 +1,185 @@
+"""Held-out quality of pruned and repaired variants, outside the fleet: how the ratio to
+dense on text nothing was fitted on moves with the repair's ridge, the calibration size
+and the calibration mix.
+
+    python benchmarks/heldout.py --models smollm2-135m --calib ptb --tokens 8192 32768
+    python benchmarks/heldout.py --calib ptb:1,wiki:1 --ridge auto 0.001 --json out.json
+
+Per model and calibration setting: S and the repair sums from `--tokens` calibration
+tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows (8 x 256
+of the same mix, seed + 1: what `repair_ridge: auto` validates on), then for each method
+at each budget the pruned variant and its repaired twin under each `--ridge` (auto: the
+product's validated fit; a number: that ridge, every map kept). Perplexity on PTB test
+and on the Lee news corpus (held out: never calibrated on here unless named in --calib),
+12 windows of 512 each (6k tokens), as ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorp.capture import capture_stats  # noqa: E402
+from lorp.data import (  # noqa: E402
+    eval_windows,
+    load_corpus,
+    mixed_windows,
+    prepend_bos,
+    resolve_bos,
+    tokenize_documents,
+)
+from lorp.methods import select_layers  # noqa: E402
+from lorp.perplexity import perplexity  # noqa: E402
+from lorp.repair import RepairRefused, check_repairable, fit_runs, fold, window_scores  # noqa: E402
+from lorp.repair_stats import capture_repair_stats, contiguous_runs  # noqa: E402
+from lorp.sources import load_model  # noqa: E402
+from lorp.surgery import drop_layers  # noqa: E402
+
+SEQ = 256
+HELD = 8
+EVAL = ("ptb", "lee")
+
+
+def parse_mix(text: str) -> list[tuple[str, float]]:
+    """`ptb` or `ptb:1,wiki:1` -> [(corpus, weight)]."""
+    out = []
+    for part in text.split(","):
+        name, _, weight = part.partition(":")
+        out.append((name, float(weight or 1)))
+    return out
+
+
+def calibration(tok: Any, bos: int | None, mix: list[tuple[str, float]], n: int, seed: int):  # type: ignore[no-untyped-def]
+    parts = [(tokenize_documents(tok, load_corpus(c, "train")), w, f"{c} train") for c, w in mix]
+    windows = mixed_windows(parts, n, SEQ, seed)
+    return prepend_bos(windows, bos) if bos is not None else windows
+
+
+def test_windows(tok: Any, bos: int | None, corpus: str, n: int = 12) -> torch.Tensor:
+    ids = torch.cat(
+        [torch.as_tensor(d) for d in tokenize_documents(tok, load_corpus(corpus, "test"))]
+    )
+    windows = eval_windows(ids, 512, n)
+    return prepend_bos(windows, bos) if bos is not None else windows
+
+
+def batches(windows: torch.Tensor, size: int = 8) -> list[torch.Tensor]:
+    return [windows[i : i + size] for i in range(0, len(windows), size)]
+
+
+def ppl_all(model: Any, tests: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {c: perplexity(model, w, batch_size=4) for c, w in tests.items()}
+
+
+def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: int) -> list[dict]:
+    model, tok = loaded.model, loaded.tokenizer
+    bos = resolve_bos(tok)
+    skip = int(bos is not None)
+    mix = parse_mix(mix_text)
+    cal = calibration(tok, bos, mix, tokens // SEQ, 0)
+    held = calibration(tok, bos, mix, HELD, 1)
+    tests = {c: test_windows(tok, bos, c) for c in EVAL}
+    dense = ppl_all(model, tests)
+    stats = capture_stats(model, batches(cal), skip_prefix=skip, progress=False)
+    rows = []
+    for method in args.methods:
+        for budget in args.budgets:
+            kwargs = {}
+            if method == "window":
+
+                def scores(runs, _cal=cal):  # type: ignore[no-untyped-def]
+                    rs = capture_repair_stats(
+                        model, batches(_cal), runs, skip_prefix=skip, progress=False
+                    )
+                    ws = window_scores(rs)
+                    return [ws[r] for r in runs]
+
+                kwargs["repair_scores"] = scores
+            layers = list(select_layers(stats, budget, method, **kwargs).layers)
+            base = {"model": loaded.alias if hasattr(loaded, "alias") else args.current,
+                    "calib": mix_text, "tokens": tokens, "method": method, "budget": budget,
+                    "layers": layers}  # fmt: skip
+            pruned = copy.deepcopy(model)
+            drop_layers(pruned, layers)
+            rows.append(base | {"repair": "none"} | _ratios(ppl_all(pruned, tests), dense))
+            _say(rows[-1], loaded.n_blocks)
+            del pruned
+            try:
+                runs = check_repairable(model, layers)
+            except RepairRefused as exc:
+                print(f"  {method} {budget}: {exc}")
+                continue
+            rs = capture_repair_stats(model, batches(cal), runs, skip_prefix=skip, progress=False)
+            rs.held = capture_repair_stats(
+                model, batches(held), runs, skip_prefix=skip, progress=False
+            )
+            for ridge in args.ridge:
+                start = time.perf_counter()
+                fits = fit_runs(model, rs, ridge=None if ridge == "auto" else float(ridge))
+                repaired = copy.deepcopy(model)
+                fold(repaired, fits)
+                drop_layers(repaired, layers)
+                row = (
+                    base | {"repair": f"linear@{ridge}"} | _ratios(ppl_all(repaired, tests), dense)
+                )
+                row["fits"] = [f.record() for f in fits]
+                row["fit_s"] = round(time.perf_counter() - start, 1)
+                rows.append(row)
+                _say(row, loaded.n_blocks)
+                del repaired
+    return rows
+
+
+def _say(r: dict, n_blocks: int) -> None:
+    if True:
+        runs_txt = " ".join(f"{s}-{e}" for s, e in contiguous_runs(r["layers"], n_blocks))
+        kept = ""
+        if r.get("fits"):
+            kept = " kept " + ",".join(
+                f"{f.get('kept', 'fit')}@{f.get('ridge', '')}" for f in r["fits"]
+            )
+        print(
+            f"  {r['calib']:>14} {r['tokens']:>6} {r['method']:>9}@{r['budget']} "
+            f"{r['repair']:>14}: ptb x{r['ratio_ptb']:.2f}  lee x{r['ratio_lee']:.2f}  [{runs_txt}]{kept}",
+            flush=True,
+        )
+
+
+def _ratios(ppl: dict[str, float], dense: dict[str, float]) -> dict[str, float]:
+    return {f"ratio_{c}": ppl[c] / dense[c] for c in ppl} | {f"ppl_{c}": ppl[c] for c in ppl}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    p.add_argument("--methods", nargs="+", default=["shortgpt", "lorp", "window"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[8])
+    p.add_argument("--calib", nargs="+", default=["ptb"], help="corpus or mix: ptb:1,wiki:1")
+    p.add_argument("--tokens", nargs="+", type=int, default=[8192])
+    p.add_argument("--ridge", nargs="+", default=["auto", "0.001"])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    rows: list[dict] = []
+    for alias in args.models:
+        loaded = load_model(alias)
+        args.current = alias
+        print(f"{alias}: N = {loaded.n_blocks}", flush=True)
+        for mix in args.calib:
+            for tokens in args.tokens:
+                rows += one_setting(loaded, args, mix, tokens)
+                if args.json:
+                    args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
