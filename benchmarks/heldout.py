@@ -140,18 +140,19 @@ def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: in
 
 
 def _say(r: dict, n_blocks: int) -> None:
-    if True:
-        runs_txt = " ".join(f"{s}-{e}" for s, e in contiguous_runs(r["layers"], n_blocks))
-        kept = ""
-        if r.get("fits"):
-            kept = " kept " + ",".join(
-                f"{f.get('kept', 'fit')}@{f.get('ridge', '')}" for f in r["fits"]
-            )
-        print(
-            f"  {r['calib']:>14} {r['tokens']:>6} {r['method']:>9}@{r['budget']} "
-            f"{r['repair']:>14}: ptb x{r['ratio_ptb']:.2f}  lee x{r['ratio_lee']:.2f}  [{runs_txt}]{kept}",
-            flush=True,
+    """One line per variant, as it is measured."""
+    runs_txt = " ".join(f"{s}-{e}" for s, e in contiguous_runs(r["layers"], n_blocks))
+    kept = ""
+    if r.get("fits"):
+        kept = " kept " + ",".join(
+            f"{f.get('kept', 'fit')}@{f.get('ridge', '')}" for f in r["fits"]
         )
+    print(
+        f"  {r['calib']:>14} {r['tokens']:>6} {r['method']:>9}@{r['budget']} "
+        f"{r['repair']:>14}: ptb x{r['ratio_ptb']:.2f}  lee x{r['ratio_lee']:.2f}  "
+        f"[{runs_txt}]{kept}",
+        flush=True,
+    )
 
 
 def _ratios(ppl: dict[str, float], dense: dict[str, float]) -> dict[str, float]:

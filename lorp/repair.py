@@ -268,7 +268,10 @@ def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[R
 
     No model needed: T0 comes from the statistics (`RepairStats.base`). The map is the
     unconstrained one (one Cholesky solve per run), on post-MLP-norm families too, where
-    it is a lower bound of the foldable map's residual (a ranking, not a fit to apply)."""
+    it is a lower bound of the foldable map's residual (a ranking, not a fit to apply).
+    With held-out sums (`stats.held`) the error is the one left on the held-out windows
+    by the validated map (ridge chosen there, or the unrepaired map where no fit beats
+    it), so a window is chosen for how well its repair generalises, not how well it fits."""
     out = {}
     for run in stats.runs:
         A = stats.gram[run[0]].double()
@@ -278,11 +281,17 @@ def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[R
             T0 = torch.diag(stats.base[run[0]].double())
         else:
             T0 = torch.eye(A.shape[0], dtype=torch.float64)
-        fit = fit_full(
-            A, stats.cross[run].double(), stats.energy[run], T0.to(A.device), ridge=ridge, run=run
-        )
-        scale = stats.state_energy[run]
-        out[run] = fit.residual * stats.energy[run] / scale if scale > 0 else float("inf")
+        T0, B = T0.to(A.device), stats.cross[run].double()
+        if stats.held is None:
+            fit = fit_full(A, B, stats.energy[run], T0, ridge=ridge, run=run)
+            residual, energy, scale = fit.residual, stats.energy[run], stats.state_energy[run]
+        else:
+            held = stats.held
+            Av, Bv = held.gram[run[0]].double().to(A.device), held.cross[run].double()
+            sums = (Av, Bv.to(A.device), held.energy[run])
+            fit = _validated("full", (A, B, stats.energy[run]), sums, T0, RIDGES, run, 0)
+            residual, energy, scale = fit.held_residual, held.energy[run], held.state_energy[run]
+        out[run] = float(residual) * energy / scale if scale > 0 else float("inf")
     return out
 
 

@@ -163,6 +163,30 @@ def test_window_scores_are_the_repaired_states_relative_error(family: str) -> No
     assert len(set(scores.values())) == 3  # the windows differ, so the ranking means something
 
 
+def test_with_held_out_sums_windows_are_scored_on_the_held_out_windows() -> None:
+    """The score is the relative error the validated map leaves on windows it was not
+    fitted on, measured here by running those windows with the map applied by a hook."""
+    model = tiny_model("llama")
+    x, held = windows(n=6), windows(n=4, seed=9)
+    runs = [(1, 2), (2, 3), (3, 4)]
+    stats = capture_repair_stats(model, [x], runs, progress=False)
+    stats.held = capture_repair_stats(model, [held], runs, progress=False)
+    scores = window_scores(stats)
+    with torch.no_grad():
+        dense = model(input_ids=held, output_hidden_states=True, use_cache=False).hidden_states
+        for (s, e), score in scores.items():
+            [fit] = fit_runs(model, stats.subset([(s, e)]), ridge=None)
+            with applied_by_hooks(model, [fit]):
+                got = model(input_ids=held, output_hidden_states=True, use_cache=False)
+            target = dense[e + 1].double()
+            error = float(
+                (got.hidden_states[s].double() - target).pow(2).sum() / target.pow(2).sum()
+            )
+            assert score == pytest.approx(error, rel=2e-3)
+    fitted = window_scores(capture_repair_stats(model, [x], runs, progress=False))
+    assert all(scores[r] > fitted[r] for r in runs)  # held-out error exceeds the fit's
+
+
 def test_normed_features_are_the_norm_input_before_its_weight() -> None:
     model = tiny_model("gemma3_text")
     norm = decoder_blocks(model)[1].post_feedforward_layernorm

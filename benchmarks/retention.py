@@ -1,0 +1,152 @@
+"""Zero-shot accuracy retained: dense against the best variant of each model and budget,
+as the figure ReplaceMe and LinearPatch report (% of dense accuracy), with standard errors.
+
+    python benchmarks/retention.py [--catalog runs/quality/catalog.parquet] [--limit 500]
+                                   [--models smollm2-135m ...] [--readme README.md]
+
+The best variants are read from the quality job's catalog (`jobs/quality.yaml`; the rule
+of `lorp catalog best`: the lowest held-out ratio among non-degraded variants). A second
+job, `retention`, with the quality job's calibration (so every selection is the same, from
+the cached S) evaluates dense and those variants on four zero-shot tasks, `--limit` items
+each (the tasks' first items, the same for every model), through `lorp run`. BoolQ is
+left out: the quality job calibrates on Wikipedia paragraphs that are BoolQ's passages.
+
+Retained = variant accuracy / dense accuracy x 100. Its standard error combines both
+accuracies' binomial errors, sqrt(p (1 - p) / n), by the delta method (the two are
+measured on the same items, so this overstates it a little); the mean over tasks carries
+sqrt(sum se^2) / tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.records.catalog import read_catalog  # noqa: E402
+from pipeline.records.ranking import best, budgets, reference_protocol  # noqa: E402
+
+TASKS = ("arc_easy", "arc_challenge", "winogrande", "openbookqa")
+BEGIN, END = "<!-- retention:begin -->", "<!-- retention:end -->"
+
+
+def chosen(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """budget -> the best variant of one model's quality rows."""
+    protocol = reference_protocol(rows)
+    out = {}
+    for b in budgets(rows):
+        row = best(rows, b, protocol) if protocol else None
+        if row is not None:
+            out[b] = row
+    return out
+
+
+def retention_spec(model: str, picks: dict[int, dict[str, Any]], limit: int, out: str):  # type: ignore[no-untyped-def]
+    """The quality job cut down to dense and `picks`, scored on the zero-shot tasks."""
+    from pipeline.spec import load_spec
+
+    spec = load_spec(ROOT / "jobs" / "quality.yaml")
+    labels = {r["method_label"].split("+")[0] for r in picks.values()}
+    repairs = {r.get("repair") or "none" for r in picks.values()}
+    ev = dataclasses.replace(
+        spec.evaluation, perplexity=(), zero_shot=TASKS, zero_shot_limit=limit, speed=False
+    )
+    return dataclasses.replace(
+        spec,
+        name="retention",
+        output_dir=out,
+        catalog=None,
+        models=tuple(m for m in spec.models if m.label == model),
+        methods=tuple(m for m in spec.methods if m.key in labels),
+        budgets=tuple(sorted(picks)),
+        repair=tuple(r for r in ("none", "linear") if r in repairs),
+        evaluation=ev,
+    )
+
+
+def _se(acc: float, n: float) -> float:
+    p = acc / 100.0
+    return math.sqrt(max(p * (1 - p), 0.0) / n) * 100.0 if n else math.nan
+
+
+def retained(variant: dict[str, Any], dense: dict[str, Any], task: str) -> tuple[float, float]:
+    """(% of dense accuracy, its standard error) on one task."""
+    a, d = float(variant[f"acc_{task}"]), float(dense[f"acc_{task}"])
+    sa, sd = _se(a, variant[f"n_{task}"]), _se(d, dense[f"n_{task}"])
+    r = 100.0 * a / d
+    return r, r * math.sqrt((sa / a) ** 2 + (sd / d) ** 2) if a > 0 else math.nan
+
+
+def table(model: str, picks: dict[int, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    """Dense's accuracies, then per budget the best variant's accuracy and retention."""
+    dense = next(r for r in rows if r["method"] == "dense")
+    by = {(r["method_label"], r["budget"]): r for r in rows}
+    head = "| " + model + " | " + " | ".join(TASKS) + " | mean retained |"
+    lines = [head, "| --- " * (len(TASKS) + 2) + "|"]
+    n = int(min(dense[f"n_{t}"] for t in TASKS))
+    cells = [f"{dense[f'acc_{t}']:.1f}" for t in TASKS]
+    lines.append(f"| dense (acc %, {n} items each) | {' | '.join(cells)} | 100 |")
+    for b, pick in sorted(picks.items()):
+        row = by.get((pick["method_label"], b))
+        if row is None:
+            continue
+        scores = [retained(row, dense, t) for t in TASKS]
+        cells = [
+            f"{row[f'acc_{t}']:.1f} ({r:.1f} ± {s:.1f}%)"
+            for t, (r, s) in zip(TASKS, scores, strict=True)
+        ]
+        mean = sum(r for r, _ in scores) / len(scores)
+        se = math.sqrt(sum(s * s for _, s in scores)) / len(scores)
+        label = f"{pick['method_label']} @ {b}/{row['n_blocks']}"
+        lines.append(f"| {label} | {' | '.join(cells)} | **{mean:.1f} ± {se:.1f}%** |")
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--catalog", default="runs/quality/catalog.parquet")
+    p.add_argument("--models", nargs="*")
+    p.add_argument("--limit", type=int, default=500)
+    p.add_argument("--out", default="runs/retention")
+    p.add_argument("--readme")
+    args = p.parse_args()
+    from pipeline.cli import talk
+    from pipeline.run import run_job
+
+    rows = read_catalog(args.catalog)
+    if not rows:
+        raise SystemExit(f"--catalog: no rows in {args.catalog} (run jobs/quality.yaml first)")
+    talk(False)
+    parts = [
+        f"Reproduce: `python benchmarks/retention.py --limit {args.limit} --readme README.md` "
+        f"(after `jobs/quality.yaml`). Zero-shot, the first {args.limit} items of each task "
+        "(lm-eval, acc_norm where defined), dense against the best variant per budget "
+        "(lowest held-out ratio, not degraded): accuracy (% retained of dense ± 1 s.e.).",
+        "",
+    ]
+    for model in sorted({r["model"] for r in rows}):
+        if args.models and model not in args.models:
+            continue
+        picks = chosen([r for r in rows if r["model"] == model])
+        if not picks:
+            continue
+        summary = run_job(retention_spec(model, picks, args.limit, args.out))
+        got = [r for r in read_catalog(summary.catalog) if r["model"] == model]
+        parts += table(model, picks, got) + [""]
+        print("\n".join(parts), flush=True)
+    text = "\n".join(parts)
+    if args.readme:
+        from benchmarks.run import replace_section
+
+        replace_section(Path(args.readme), BEGIN, END, text, "Zero-shot retention")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
