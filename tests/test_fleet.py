@@ -4,6 +4,7 @@ follow from its spans."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,8 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     spec = tiny_job(tmp_path, models["a"], "broken", budgets=[1])
     spec["methods"] = [{"name": "shortgpt"}, {"name": broken_method}]
     ev = {"perplexity": ["ptb", "lee"], "seq_len": 48, "max_windows": 2, "speed": False}
-    spec["evaluation"] = ev
+    spec["evaluation"] = ev  # calibrated on a mix of PTB and Wikipedia, judged on news
+    spec["calibration"] |= {"dataset": [{"name": "ptb", "weight": 2}, {"name": "wiki"}]}
     summary = run_job(parse_spec(spec))
     assert summary.failed == ["tiny: selection broke after points finished"]
 
@@ -145,6 +147,10 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     assert pruned["ratio_ptb"] == pytest.approx(pruned["ppl_ptb"] / dense["ppl_ptb"])
     assert pruned["ratio_lee"] == pytest.approx(pruned["ppl_lee"] / dense["ppl_lee"])
     assert pruned["ppl_ratio"] == pruned["ratio_lee"] and pruned["judged_on"] == "lee"
+    assert json.loads(pruned["calibration"])["dataset"] == [
+        {"name": "ptb", "weight": 2},
+        {"name": "wiki", "weight": 1.0},
+    ] and pruned["calibration_id"].startswith("mix-")
     assert pruned["degraded"] == (pruned["ppl_ratio"] > 3.0)
     assert pruned["fits_calibration_only"] == (pruned["ratio_lee"] > 1.5 * pruned["ratio_ptb"])
     client = MlflowClient(tracking_uri=summary.tracking_uri, registry_uri=summary.tracking_uri)
