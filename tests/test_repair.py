@@ -524,7 +524,7 @@ def test_a_normed_run_is_validated_too() -> None:
     norm = decoder_blocks(model)[1].post_feedforward_layernorm
     with torch.no_grad():
         norm.weight.copy_(0.5 * torch.rand(d))  # a scale that is not the identity
-    T0 = torch.diag(norm.weight.double() + 1.0)
+    T0 = torch.diag(norm.weight.detach().double() + 1.0)
     g = torch.Generator().manual_seed(5)
     rotated = T0 @ torch.linalg.qr(torch.randn(d, d, generator=g).double())[0]
     stats = _synthetic_stats(rotated, 200, seed=2, noise=0.1)
