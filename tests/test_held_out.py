@@ -129,3 +129,16 @@ def test_mixed_windows_hold_each_corpus_in_its_share(tmp_path) -> None:  # type:
     assert held.shape == (4, 16) and fp.startswith("heldout:mix-") and fp != shards.fingerprint
     single = write_shards(tok, _spec(str(tmp_path / "a.txt")).calibration, tmp_path / "one")
     assert not single.fingerprint.startswith("mix-")
+
+
+def test_the_repair_ridge_is_auto_or_a_positive_number() -> None:
+    from pipeline.spec import SpecError, parse_spec
+
+    base = {"name": "r", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}]}
+    assert parse_spec(base).ridge_value is None  # auto: chosen on held-out windows
+    assert parse_spec(base | {"repair_ridge": 0.01}).ridge_value == 0.01
+    for bad, shown in (("fast", "'fast'"), (0, "0")):
+        with pytest.raises(
+            SpecError, match=f"repair_ridge: must be auto or a number > 0, got {shown}"
+        ):
+            parse_spec(base | {"repair_ridge": bad})
