@@ -189,13 +189,17 @@ def fit_runs(
         if stats.held is None:
             fits.append(_fit(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
             continue
-        held = stats.held
-        Av, Bv = held.gram[run[0]].double().to(A.device), held.cross[run].double().to(A.device)
         fits.append(
-            _validated(form, (A, B, stats.energy[run]), (Av, Bv, held.energy[run]), T0,
-                       [ridge] if ridge is not None else list(ridges), run, rounds)
+            _validated(form, (A, B, stats.energy[run]), _held_sums(stats.held, run, A.device),
+                       T0, [ridge] if ridge is not None else list(ridges), run, rounds)
         )  # fmt: skip
     return fits
+
+
+def _held_sums(held: RepairStats, run: Run, device: torch.device):  # type: ignore[no-untyped-def]
+    """(A, B, energy) of `run` over the held-out windows, float64 on `device`."""
+    A, B = held.gram[run[0]].double().to(device), held.cross[run].double().to(device)
+    return A, B, held.energy[run]
 
 
 def _fit(
@@ -219,11 +223,10 @@ def _validated(
     """The run's map with the ridge the held-out windows prefer, or its unrepaired map
     when even that one leaves more error on them than T0 does."""
     A, B, energy = fit
-    scores = {
-        r: residual_of(*held, fit_full(A, B, energy, T0, ridge=r, run=run).matrix) for r in ridges
-    }
+    full = {r: fit_full(A, B, energy, T0, ridge=r, run=run) for r in ridges}
+    scores = {r: residual_of(*held, f.matrix) for r, f in full.items()}
     chosen = min(scores, key=lambda r: (scores[r], -r))  # ties: the larger ridge
-    out = _fit(form, A, B, energy, T0, chosen, run, rounds)
+    out = full[chosen] if form == "full" else _fit(form, A, B, energy, T0, chosen, run, rounds)
     T = out.matrix if out.scale is None else out.matrix * out.scale
     held_fit, held_t0 = residual_of(*held, T), residual_of(*held, T0)
     kept = "fit"
@@ -237,7 +240,7 @@ def _validated(
     return replace(
         out,
         relative_ridge=chosen,
-        held_residual=min(held_fit, held_t0) if kept == "unrepaired" else held_fit,
+        held_residual=min(held_fit, held_t0),  # the kept map's
         held_unrepaired=held_t0,
         kept=kept,
         validation=scores,
@@ -287,8 +290,7 @@ def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[R
             residual, energy, scale = fit.residual, stats.energy[run], stats.state_energy[run]
         else:
             held = stats.held
-            Av, Bv = held.gram[run[0]].double().to(A.device), held.cross[run].double()
-            sums = (Av, Bv.to(A.device), held.energy[run])
+            sums = _held_sums(held, run, A.device)
             fit = _validated("full", (A, B, stats.energy[run]), sums, T0, RIDGES, run, 0)
             residual, energy, scale = fit.held_residual, held.energy[run], held.state_energy[run]
         out[run] = float(residual) * energy / scale if scale > 0 else float("inf")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lorp.data import load_corpus
-from pipeline.records.protocol import calibration_corpora, held_out, rank_column
+from pipeline.records.protocol import held_out, rank_column
 from pipeline.records.ranking import best
 from pipeline.records.row_updates import judge
 
@@ -27,9 +27,6 @@ def test_held_out_corpora_are_those_not_calibrated_on() -> None:
     assert held_out(["ptb", "lee"], ["ptb"]) == ["lee"]
     assert held_out(["ptb"], ["ptb"]) == []
     assert held_out(["ptb", "lee", "wikitext2"], ["ptb", "wikitext2"]) == ["lee"]
-    assert calibration_corpora({"dataset": "ptb"}) == ["ptb"]
-    mix = {"dataset": [{"name": "ptb", "weight": 0.5}, {"name": "lee", "weight": 0.5}]}
-    assert calibration_corpora(mix) == ["ptb", "lee"]
 
 
 DENSE = {"grid_key": "d", "ppl_ptb": 20.0, "ppl_lee": 40.0}

@@ -99,14 +99,6 @@ on its calibration corpus is marked `fits_calibration_only`: it is good only on 
 of text it was fitted on."""
 
 
-def calibration_corpora(calibration: Mapping[str, Any]) -> list[str]:
-    """The corpora a job calibrated on (`calibration.dataset`: a name, or a mix of
-    `{name, weight}` entries)."""
-    data = calibration.get("dataset")
-    items = data if isinstance(data, list | tuple) else [data]
-    return [str(d["name"] if isinstance(d, Mapping) else d) for d in items if d is not None]
-
-
 def held_out(corpora: Sequence[str], calibration: Sequence[str]) -> list[str]:
     """The evaluation corpora that are not calibration corpora (compared by the name
     their perplexity column takes: `ptb` is `ptb` whatever the split)."""

@@ -268,13 +268,10 @@ class LossSelector:
 
     def _heldout(self) -> tuple[np.ndarray, str]:
         if self.heldout is None:
-            from transformers import AutoTokenizer
-
             from pipeline.stages.calibration import heldout_windows
+            from pipeline.stages.statistics import plan_tokenizer
 
-            trust = self.plan.spec.trust_remote_code
-            tok = AutoTokenizer.from_pretrained(str(self.plan.path), trust_remote_code=trust)
-            self.heldout = heldout_windows(tok, self.spec.calibration)
+            self.heldout = heldout_windows(plan_tokenizer(self.plan), self.spec.calibration)
         return self.heldout
 
     def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:

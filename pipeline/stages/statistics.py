@@ -138,13 +138,17 @@ def repair_statistics(
 
 def _held_windows(spec: JobSpec, plan: ModelPlan) -> tuple[np.ndarray, str]:
     """The held-out calibration windows (`pipeline.stages.calibration.heldout_windows`)."""
-    from transformers import AutoTokenizer
-
     from pipeline.stages.calibration import heldout_windows
 
+    return heldout_windows(plan_tokenizer(plan), spec.calibration)
+
+
+def plan_tokenizer(plan: ModelPlan) -> Any:
+    """The tokenizer of `plan`'s model, as the driver cuts its windows with."""
+    from transformers import AutoTokenizer
+
     trust = plan.spec.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(str(plan.path), trust_remote_code=trust)
-    return heldout_windows(tokenizer, spec.calibration)
+    return AutoTokenizer.from_pretrained(str(plan.path), trust_remote_code=trust)
 
 
 def _hidden_size(plan: ModelPlan) -> int:
@@ -171,12 +175,7 @@ def load_shards(shards: CalibrationShards) -> list[Shard]:
 
 def calibration_shards(spec: JobSpec, plan: ModelPlan, run_dir: Path) -> CalibrationShards:
     """The calibration windows, cut once and written as parquet shards in the run directory."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(plan.path), trust_remote_code=plan.spec.trust_remote_code
-    )
-    return write_shards(tokenizer, spec.calibration, run_dir / "calibration")
+    return write_shards(plan_tokenizer(plan), spec.calibration, run_dir / "calibration")
 
 
 def _cached(path: Path, plan: ModelPlan) -> SimilarityStats:

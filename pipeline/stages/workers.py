@@ -200,7 +200,7 @@ def distributed_repair_capture(
         partials = _dispatch(actors, jobs)
         n, k = len(shards), len(put)
         groups = [tree_reduce(partials[i * k : i * k + n]) for i in range(len(passes))]
-        held_groups = [tree_reduce([partials[i * k + n]]) for i in range(len(passes)) if held]
+        held_groups = ray.get([partials[i * k + n] for i in range(len(passes))]) if held else []
     finally:
         for actor in actors:
             ray.kill(actor)
