@@ -402,7 +402,11 @@ def _check_finite(T: torch.Tensor, run: Run) -> None:
 
 @torch.no_grad()
 def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
-    """Fold every fit into the dense (not yet pruned) `model`, in place."""
+    """Fold every fit into the dense (not yet pruned) `model`, in place (a streamed
+    model's `down_proj` by an override its streamer serves, `lorp.streaming`)."""
+    from lorp.streaming import streamer_of
+
+    streamer = streamer_of(model)  # a streamed model: its down_proj is an override
     arch = architecture_of(model)
     blocks = decoder_blocks(model)
     for fit in fits:
@@ -411,17 +415,44 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
             if _tied(model):
                 raise RepairRefused("a run from block 0 cannot fold into tied embeddings")
             embed = decoder_stack(model).embed_tokens.weight
-            embed.copy_((embed.double() @ fit.matrix.to(embed.device)).to(embed.dtype))
+            embed.copy_(folded_embeddings(embed, fit))
             continue
         down = blocks[s - 1].mlp.down_proj
-        Q = fit.matrix.to(down.weight.device)
-        down.weight.copy_((Q.T @ down.weight.double()).to(down.weight.dtype))
+        if streamer is not None:
+            weight = streamer.tensor(s - 1, "mlp.down_proj.weight")
+            streamer.override(s - 1, "mlp.down_proj.weight", folded_down_weight(weight, fit))
+        else:
+            down.weight.copy_(folded_down_weight(down.weight, fit))
         if down.bias is not None:
-            down.bias.copy_((down.bias.double() @ Q).to(down.bias.dtype))
+            down.bias.copy_(folded_down_bias(down.bias, fit))
         if fit.form == "normed":
             norm = getattr(blocks[s - 1], arch.post_mlp_norm)
-            scale = fit.scale.to(norm.weight.device) - arch.norm_offset
-            norm.weight.copy_(scale.to(norm.weight.dtype))
+            norm.weight.copy_(folded_norm_weight(norm.weight, fit, arch.norm_offset))
+
+
+# The fold's arithmetic, one function per tensor it changes: the in-memory fold above and
+# the fold on a checkpoint's files (`lorp.file_surgery`) share it, so both write the same
+# values for the same fit (float64, cast back to the tensor's dtype).
+
+
+def folded_embeddings(embed: torch.Tensor, fit: RunFit) -> torch.Tensor:
+    """E T: the embeddings of a run from block 0."""
+    return (embed.double() @ fit.matrix.to(embed.device)).to(embed.dtype)
+
+
+def folded_down_weight(weight: torch.Tensor, fit: RunFit) -> torch.Tensor:
+    """T^T W (Q^T W): block s-1's `down_proj` weight [d, intermediate]."""
+    Q = fit.matrix.to(weight.device)
+    return (Q.T @ weight.double()).to(weight.dtype)
+
+
+def folded_down_bias(bias: torch.Tensor, fit: RunFit) -> torch.Tensor:
+    return (bias.double() @ fit.matrix.to(bias.device)).to(bias.dtype)
+
+
+def folded_norm_weight(weight: torch.Tensor, fit: RunFit, offset: float) -> torch.Tensor:
+    """g (less the norm's offset): the post-MLP norm's weight of a `normed` run."""
+    return (fit.scale.to(weight.device) - offset).to(weight.dtype)
 
 
 @contextmanager

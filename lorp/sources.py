@@ -227,20 +227,30 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     with_tokenizer: bool = True,
+    streamed: bool = False,
 ) -> LoadedModel:
-    """Load any model reference as a causal LM in `dtype` on `device`, with its fingerprint."""
+    """Load any model reference as a causal LM in `dtype` on `device`, with its fingerprint.
+    `streamed`: only the embeddings, head and norms are read now; each block's matrices
+    are read when it runs (`lorp.streaming`), for a model larger than memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
     path = materialize(ref, allow_pickle=allow_pickle)
     architecture_for(read_model_type(path))  # one-line error before any weight is read
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path),
-        dtype=torch_dtype,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=not allow_pickle or None,
-    )
-    model.to(device).eval()
+    if streamed:
+        from lorp.streaming import build_streamed
+
+        model = build_streamed(
+            path, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=not allow_pickle or None,
+        )
+        model.to(device).eval()
     tokenizer = (
         AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         if with_tokenizer

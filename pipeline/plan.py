@@ -24,6 +24,7 @@ from lorp.repair import MAX_ROUNDS
 from lorp.repair_stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair_stats import contiguous_runs
 from lorp.similarity import FORMAT_VERSION, SimilarityStats
+from lorp.sizing import Decision
 from lorp.sources import Kind, materialize, parse_model_ref, read_config
 from pipeline.spec import EvaluationSpec, JobSpec, MethodSpec, ModelSpec, SpecError
 
@@ -53,6 +54,15 @@ class ModelPlan:
     kind: Kind
     tied_embeddings: bool = False
     """The LM head is the embedding matrix (a repair run from block 0 cannot fold)."""
+    memory: tuple[tuple[str, Decision], ...] = ()
+    """Per stage (capture, evaluate): held whole or streamed (`pipeline.cluster.memory`);
+    empty until Ray is up, and then every stage is held whole."""
+
+    def streamed(self, stage: str) -> bool:
+        return any(s == stage and d.mode == "streamed" for s, d in self.memory)
+
+    def memory_record(self) -> dict[str, dict[str, object]]:
+        return {s: d.record() for s, d in self.memory}
 
     @property
     def label(self) -> str:

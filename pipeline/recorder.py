@@ -258,7 +258,22 @@ class Recorder:
         if not (ev.enabled and ev.speed):
             return []
         rows = self.catalog.by_key()
-        return row_updates.unmeasured(rows, points, twins(points), again=self.force_speed)
+        todo = row_updates.unmeasured(rows, points, twins(points), again=self.force_speed)
+        if todo and todo[0].model.streamed("evaluate"):
+            self._speed_skipped([p for p in points if p.key in rows])  # twins included
+            return []
+        return todo
+
+    def _speed_skipped(self, points: list[GridPoint]) -> None:
+        """A model no worker holds whole has no speed pass: its forwards read every block
+        from disk, so a timing would measure the disk. Said in every row it concerns."""
+        reason = (
+            "not timed: the model is streamed block by block (too large for one worker), "
+            "and a streamed forward times the disk, not the model"
+        )
+        for p in points:
+            self._update(p.key, {"speed_skipped": reason}, tags={"speed_skipped": reason})
+        self.progress.note(f"speed {points[0].model.label}: skipped, {reason}")
 
     def speed_done(self, label: str, figures: Mapping[str, Mapping[str, float]]) -> None:
         """A model's speed figures into its rows and runs."""

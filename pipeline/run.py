@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pipeline.cluster.connect import init_ray
+from pipeline.cluster.memory import plan_memory
 from pipeline.fleet import Fleet, Stopped
 from pipeline.plan import plan_models, resolve_backend
 from pipeline.prepare import Preparer
@@ -54,6 +55,11 @@ def run_job(
     recorder = Recorder(spec, force, progress or Progress(bar=False), force_speed=force_speed)
     done = recorder.open()
     init_ray(spec)
+    plans = [plan_memory(spec, p) for p in plans]  # needs the cluster's memory
+    for p in plans:
+        for _, decision in p.memory:
+            if decision.mode == "streamed":
+                recorder.progress.note(decision.line(p.label))
     kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"
     recorder.cluster(kind, timeline.cluster_slots(), len(plans))
     preparer = Preparer(spec, force, done, recorder, recorder.progress.note)

@@ -170,12 +170,20 @@ class Resources:
     """CPUs per Ray task/actor (also its torch thread count)."""
     num_gpus: float = 0
     """GPUs per Ray task/actor (1 on a GPU cluster)."""
+    memory_gib: float | None = None
+    """Memory one worker of this stage may use, GiB: the model is held whole when it fits
+    with the stage's activations, else streamed block by block (`lorp.sizing`). Default:
+    the largest Ray node's memory (its devices' memory on GPUs)."""
 
     def __post_init__(self) -> None:
         for name in ("num_cpus", "num_gpus"):
             value = getattr(self, name)
             if value < 0 or not math.isfinite(value):
                 raise SpecError(f"{name}: must be >= 0, got {value}")
+        if self.memory_gib is not None and not (
+            _is_number(self.memory_gib) and self.memory_gib > 0
+        ):
+            raise SpecError(f"memory_gib: must be a number > 0, got {self.memory_gib!r}")
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,14 @@ class ModelSource:
     allow_pickle: bool = False
     label: str = ""
     """The job's name for the model (timeline spans, log lines); not part of loading."""
+    streamed: bool = False
+    """Blocks read from the files one at a time (`lorp.streaming`): the plan found the
+    model too large for this stage's workers to hold whole."""
 
 
-def model_source(plan: ModelPlan) -> ModelSource:
-    """The source of a planned model: its reference, pinned where it is a hub id."""
+def model_source(plan: ModelPlan, stage: str = "evaluate") -> ModelSource:
+    """The source of a planned model for one stage (capture, evaluate): its reference,
+    pinned where it is a hub id, streamed where the plan says so."""
     return ModelSource(
         ref=plan.ref,
         kind=plan.kind,
@@ -54,6 +58,7 @@ def model_source(plan: ModelPlan) -> ModelSource:
         trust_remote_code=plan.spec.trust_remote_code,
         allow_pickle=plan.spec.allow_pickle,
         label=plan.label,
+        streamed=plan.streamed(stage),
     )
 
 
@@ -90,6 +95,7 @@ def load_checked(source: ModelSource, device: str) -> Any:
         device=device,
         trust_remote_code=source.trust_remote_code,
         allow_pickle=source.allow_pickle,
+        streamed=source.streamed,
     )
     if source.fingerprint and lm.fingerprint != source.fingerprint:
         raise ValueError(

@@ -62,6 +62,8 @@ CORE_SCHEMA = pa.schema(
         ("pruned_layers", pa.list_(pa.int64())),
         ("kept_layers", pa.list_(pa.int64())),
         ("stages", pa.string()),
+        ("memory_plan", pa.string()),
+        ("speed_skipped", pa.string()),
         ("repair", pa.string()),
         ("repair_fits", pa.string()),
         ("repair_kept", pa.string()),

@@ -233,6 +233,8 @@ def catalog_row(
         "lorp_version": lorp.__version__,
     }
     row |= {"n_evals": float(point.n_evals), "select_s": point.select_s}
+    if plan.memory:  # held whole or streamed, per stage (`pipeline.cluster.memory`)
+        row["memory_plan"] = json.dumps(plan.memory_record(), sort_keys=True)
     if result.repair:  # the worst run's share of its gap the repair left, on calibration
         row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
         row |= repair_validation(result.repair)

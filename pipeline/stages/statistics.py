@@ -160,7 +160,7 @@ def _hidden_size(plan: ModelPlan) -> int:
 def capture_task(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> CaptureTask:
     """What every capture worker of `plan`'s model receives."""
     return CaptureTask(
-        model=model_source(plan),
+        model=model_source(plan, "capture"),
         calibration=shards.fingerprint,
         resources=spec.resources.capture,
         batch_size=spec.calibration.batch_size,

@@ -305,7 +305,7 @@ def _execute_point(task: PointTask) -> PointResult:
     if task.repair:
         provenance = {**provenance, "repair": {**(provenance.get("repair") or {}), "runs": records}}
     with scratch_dir() as scratch:
-        saved = _save_checkpoint(task, lm, scratch, provenance)
+        saved = _save_checkpoint(task, lm, scratch, provenance, fits)
         metrics = _evaluate(task, lm, saved or lm.path)
     seconds = time.perf_counter() - start
     serving = metrics.pop("serving", None) or {}
@@ -335,7 +335,7 @@ def _point_model(task: PointTask) -> Any:
     import dataclasses
 
     device = _device(task.resources)
-    if device != "cpu" or task.backend == "vllm":
+    if device != "cpu" or task.backend == "vllm" or task.model.streamed:
         return load_checked(task.model, device)
     key = (task.model.ref, task.model.fingerprint, task.model.dtype)
     if key not in _PRISTINE:
@@ -362,26 +362,42 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
                 f"({stats.model_fingerprint}, {stats.runs})"
             )
         fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
-    fold(model, fits)
+    fold(model, fits)  # a streamed model's too: its files get the fold when written
     return fits
 
 
 def _save_checkpoint(
-    task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any]
+    task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any], fits: list[Any]
 ) -> Path | None:
     """The saved checkpoint's local directory: in a filesystem storage itself (written
-    atomically), else in this node's scratch, uploaded (marker last) before evaluation."""
+    atomically), else in this node's scratch, uploaded (marker last) before evaluation.
+    A streamed model's variant is written from the dense model's files, the fold applied
+    there (`lorp.file_surgery`): the model in this process has no weights to save."""
     if not (task.checkpoint and task.layers):
         return None
-    from lorp.surgery import save_pruned
-
     maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
-    save_pruned(lm.model, lm.tokenizer, local, provenance, overwrite=True)
+    if task.model.streamed:
+        _write_files(task, lm, local, provenance, fits)
+    else:
+        from lorp.surgery import save_pruned
+
+        save_pruned(lm.model, lm.tokenizer, local, provenance, overwrite=True)
     if storage.remote:
         storage.put_dir(local, task.checkpoint)
     return local
+
+
+def _write_files(
+    task: PointTask, lm: Any, out: Path, provenance: dict[str, Any], fits: list[Any]
+) -> Path:
+    """The variant written tensor by tensor from the dense checkpoint's files
+    (`lorp.file_surgery`), in the checkpoint's own dtype: a bf16 72B model's variants stay
+    bf16 whatever dtype the job computes in."""
+    from lorp.file_surgery import write_pruned_files
+
+    return write_pruned_files(lm.path, out, task.layers, provenance, fits=fits, overwrite=True)
 
 
 def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,279 @@
+"""What a checkpoint costs in memory, read from its files before any weight is.
+
+A safetensors file starts with an 8-byte length and a JSON header naming every tensor's
+dtype, shape and byte range, so the exact bytes of each block, of the embeddings and of
+the LM head at the dtype a stage loads them in are known from a few kilobytes of each
+shard. With the job's batch and sequence length that gives each stage's need, and
+`decide` picks, per stage, whether the model is held whole in memory (the fastest way,
+when it fits) or streamed block by block (`lorp.streaming`), or refuses it in one line
+when even one block does not fit the worker.
+
+The activation figures are upper bounds of the eager code path (attention scores
+materialised, fp32 logits), not measurements: a stage that fits under them fits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+GIB = 1024**3
+# safetensors dtype names and their sizes in bytes.
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_BLOCK_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Share of a worker's memory a stage may plan to use: the rest is the process itself
+# (Python, torch, the tokenizer) and the allocator's slack.
+HEADROOM = 0.8
+
+Stage = Literal["capture", "repair", "evaluate"]
+Mode = Literal["memory", "streamed"]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint, as its file's header describes it."""
+
+    key: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    """Absolute byte offset of the data in `file`."""
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def nbytes_as(self, itemsize: int) -> int:
+        """Bytes once loaded: floating tensors at the load dtype, others as they are."""
+        if self.dtype in FLOATS:
+            return self.numel * itemsize
+        return self.end - self.start
+
+
+def read_header(file: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (tensor entries; `__metadata__` dropped) and the byte
+    offset where its data starts. Reads the header only."""
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{str(file)!r} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{str(file)!r} has no readable safetensors header: {exc}") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def tensor_index(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint directory `path`, over all its shards."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no .safetensors weights to size")
+    out: dict[str, TensorEntry] = {}
+    for file in files:
+        header, base = read_header(file)
+        for key, e in header.items():
+            start, end = e["data_offsets"]
+            out[key] = TensorEntry(
+                key, file, e["dtype"], tuple(e["shape"]), base + start, base + end
+            )
+    return out
+
+
+def block_of(key: str) -> int | None:
+    """The block index a tensor belongs to (`...layers.<i>.`), None outside the blocks."""
+    m = _BLOCK_KEY.search(key)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class WeightSize:
+    """A checkpoint's weight bytes at one load dtype, by part."""
+
+    blocks: tuple[int, ...]
+    embeddings: int
+    head: int
+    """0 when the LM head is tied to the embeddings (or absent)."""
+    other: int
+    """Final norm and anything else outside the blocks."""
+    block_small: int
+    """Bytes of the blocks' vectors (norms, biases): kept resident when streaming."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.embeddings + self.head + self.other
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.blocks, default=0)
+
+    @property
+    def resident(self) -> int:
+        """What a streamed model keeps: everything but the blocks' matrices."""
+        return self.embeddings + self.head + self.other + self.block_small
+
+
+def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightSize:
+    """Bytes per part of the checkpoint `index` (see `tensor_index`) loaded as `dtype`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_block: dict[int, int] = {}
+    embeddings = head = other = small = 0
+    for key, entry in index.items():
+        nbytes = entry.nbytes_as(itemsize)
+        b = block_of(key)
+        if b is not None:
+            per_block[b] = per_block.get(b, 0) + nbytes
+            if len(entry.shape) < 2:
+                small += nbytes
+        elif "embed_tokens" in key:
+            embeddings += nbytes
+        elif key.startswith("lm_head."):
+            head += nbytes
+        else:
+            other += nbytes
+    n = max(per_block, default=-1) + 1
+    missing = [i for i in range(n) if i not in per_block]
+    if missing:
+        raise ValueError(f"checkpoint has no tensors for blocks {missing}")
+    return WeightSize(tuple(per_block[i] for i in range(n)), embeddings, head, other, small)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The config figures activation memory depends on."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    head_dim: int
+    kv_heads: int
+    vocab: int
+    n_blocks: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Shape:
+        c = config.get("text_config") or config
+        d = int(c["hidden_size"])
+        heads = int(c.get("num_attention_heads") or 1)
+        return cls(
+            hidden=d,
+            intermediate=int(c.get("intermediate_size") or 4 * d),
+            heads=heads,
+            head_dim=int(c.get("head_dim") or d // heads),
+            kv_heads=int(c.get("num_key_value_heads") or heads),
+            vocab=int(c.get("vocab_size") or 0),
+            n_blocks=int(c["num_hidden_layers"]),
+        )
+
+
+def block_activations(shape: Shape, batch: int, seq_len: int, itemsize: int) -> int:
+    """Upper bound of one block's forward on a [batch, seq_len] batch: the residual in
+    and out, q/k/v/o, the MLP's three intermediate tensors and the attention scores
+    (eager: fp32 [batch, heads, T, T], twice for the softmax)."""
+    t = batch * seq_len
+    qkvo = t * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    return (
+        itemsize * t * (4 * shape.hidden + 3 * shape.intermediate)
+        + itemsize * qkvo
+        + (2 * 4 * batch * shape.heads * seq_len * seq_len)
+    )
+
+
+def stage_activations(stage: Stage, shape: Shape, batch: int, seq_len: int, itemsize: int) -> int:
+    """Activation bytes of a stage's batch on top of the weights: one block's forward,
+    plus what the stage keeps across blocks. Capture keeps every block's normalised
+    input (fp32 [N + 1, tokens, d], Eq. 3); evaluation keeps the logits (fp32, and the
+    model dtype's copy); the repair's capture keeps two states per run, bounded apart
+    (`repair_memory_gib`)."""
+    work = block_activations(shape, batch, seq_len, itemsize)
+    tokens = batch * seq_len
+    if stage == "capture":
+        return work + 4 * (shape.n_blocks + 1) * tokens * shape.hidden
+    if stage == "evaluate":
+        return work + (4 + itemsize) * tokens * shape.vocab
+    return work + 2 * 4 * tokens * shape.hidden
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether one stage holds the model whole or streams it, and why."""
+
+    stage: Stage
+    mode: Mode
+    need_bytes: int
+    """Peak the chosen mode plans for (weights held plus activations)."""
+    memory_bytes: int
+    """Weights whole plus activations: what the in-memory path would need."""
+    worker_bytes: int
+
+    def line(self, label: str) -> str:
+        return (
+            f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
+            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)})"
+        )
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "need_gib": round(self.need_bytes / GIB, 3),
+            "memory_gib": round(self.memory_bytes / GIB, 3),
+            "worker_gib": round(self.worker_bytes / GIB, 3),
+        }
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB with three significant figures (a tiny test model reads 0.0005)."""
+    return f"{n / GIB:.3g} GiB"
+
+
+class TooLargeError(ValueError):
+    """Even one block at a time does not fit the largest worker."""
+
+
+def decide(
+    stage: Stage,
+    size: WeightSize,
+    shape: Shape,
+    *,
+    worker_bytes: int,
+    batch: int,
+    seq_len: int,
+    itemsize: int,
+    label: str = "model",
+) -> Decision:
+    """In memory when the whole model and the stage's activations fit `HEADROOM` of the
+    worker; else streamed, when the resident parts, the largest block and the
+    activations fit; else `TooLargeError` naming the model, the need and the worker."""
+    acts = stage_activations(stage, shape, batch, seq_len, itemsize)
+    whole = size.total + acts
+    budget = int(worker_bytes * HEADROOM)
+    if whole <= budget:
+        return Decision(stage, "memory", whole, whole, worker_bytes)
+    # Two blocks' matrices at most: the one running and the next being read.
+    streamed = size.resident + 2 * size.largest_block + acts
+    if streamed <= budget:
+        return Decision(stage, "streamed", streamed, whole, worker_bytes)
+    raise TooLargeError(
+        f"model {label!r} cannot run its {stage} even streamed block by block: it needs "
+        f"{gib(streamed)} (resident {gib(size.resident)}, largest block "
+        f"{gib(size.largest_block)} twice, activations {gib(acts)}) and the "
+        f"largest worker has {gib(worker_bytes)} ({HEADROOM:.0%} usable)"
+    )

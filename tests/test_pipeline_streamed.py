@@ -1,0 +1,108 @@
+"""A job whose workers have less memory than the model: the plan streams its capture and
+evaluation block by block, on a real local Ray and sqlite MLflow, and the figures are the
+ones the same job computes with the model held whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from job_specs import tiny_job
+from tiny_models import save_tiny_ptb
+from transformers import AutoModelForCausalLM
+
+from lorp import SimilarityStats
+from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, weight_size
+from pipeline.cluster.memory import plan_memory
+from pipeline.plan import plan_models
+from pipeline.records.catalog import read_catalog
+from pipeline.run import run_job
+from pipeline.spec import SpecError, parse_spec
+
+pytestmark = [pytest.mark.integration]
+
+EVAL = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
+
+
+def between(model: Path, stage: str, batch: int, seq_len: int) -> float:
+    """A worker memory (GiB) under the whole model's need and over the streamed one's."""
+    size = weight_size(tensor_index(model), torch.float32)
+    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    acts = stage_activations(stage, shape, batch, seq_len, 4)  # type: ignore[arg-type]
+    streamed = size.resident + 2 * size.largest_block + acts
+    whole = size.total + acts
+    assert streamed < whole
+    return (streamed + whole) / 2 / HEADROOM / GIB
+
+
+def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
+    model = save_tiny_ptb("llama", tmp_path / "llama", n_blocks=8)
+    common = {
+        "budgets": [2],
+        "methods": [{"name": "shortgpt"}],
+        "repair": ["none", "linear"],
+        "evaluation": EVAL,
+        "ray": {"num_cpus": 2},
+    }
+    # Held whole, the job is the reference for the figures; its speed pass is not needed.
+    whole = tiny_job(
+        tmp_path, model, name="whole", **(common | {"evaluation": EVAL | {"speed": False}})
+    )
+    parsed = parse_spec(whole)
+    cal, ev = parsed.calibration, parsed.evaluation
+    resources = {
+        "capture": {"memory_gib": between(model, "capture", cal.batch_size, cal.seq_len + 1)},
+        "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1)},
+    }
+    streamed = tiny_job(tmp_path, model, name="streamed", resources=resources, **common)
+    import time
+
+    t0 = time.time()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:  # one local Ray for both jobs
+        assert run_job(parse_spec(streamed)).failed == []
+        assert run_job(parse_spec(whole)).failed == []
+    finally:
+        ray.shutdown()
+
+    def by_variant(job: str) -> dict[tuple[str, str], dict]:
+        rows = read_catalog(tmp_path / job / "catalog.parquet")
+        return {(r["method_label"], r["repair"]): r for r in rows}
+
+    rows, held = by_variant("streamed"), by_variant("whole")
+    assert rows.keys() == held.keys() and len(rows) == 3  # dense, shortgpt, shortgpt+linear
+    for key, row in rows.items():
+        plan = json.loads(row["memory_plan"])
+        assert plan["capture"]["mode"] == plan["evaluate"]["mode"] == "streamed", plan
+        assert json.loads(held[key]["memory_plan"])["capture"]["mode"] == "memory"
+        assert row["pruned_layers"] == held[key]["pruned_layers"]
+        assert row["ppl_ptb"] == pytest.approx(held[key]["ppl_ptb"], rel=1e-4), key
+        assert row["speed_skipped"].startswith("not timed: the model is streamed")
+        assert row.get("latency_ms") is None
+    # The same S from the streamed capture as from the capture of the model held whole.
+    a = SimilarityStats.from_file(next(r["stats_file"] for r in rows.values()))
+    b = SimilarityStats.from_file(next(r["stats_file"] for r in held.values()))
+    assert a.tokens == b.tokens > 0
+    assert torch.allclose(a._sum, b._sum, rtol=0, atol=1e-6)
+    # The repaired variant was written from the files with the fold applied: tensor for
+    # tensor what the in-memory surgery of the job held whole wrote.
+    repaired = next(k for k in rows if k[1] == "linear")
+    ours, theirs = Path(rows[repaired]["checkpoint"]), Path(held[repaired]["checkpoint"])
+    a_model = AutoModelForCausalLM.from_pretrained(str(ours), dtype=torch.float32)
+    b_model = AutoModelForCausalLM.from_pretrained(str(theirs), dtype=torch.float32)
+    for (name, p), (_, q) in zip(
+        a_model.state_dict().items(), b_model.state_dict().items(), strict=True
+    ):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6), name
+
+
+def test_a_model_that_does_not_fit_even_streamed_is_refused(tmp_path: Path) -> None:
+    model = save_tiny_ptb("llama", tmp_path / "llama")
+    spec = parse_spec(tiny_job(tmp_path, model, resources={"capture": {"memory_gib": 1e-6}}))
+    (plan,) = plan_models(spec)
+    with pytest.raises(SpecError, match=r"model 'tiny' cannot run its capture even streamed"):
+        plan_memory(spec, plan)
+    assert not (tmp_path / "grid").exists()

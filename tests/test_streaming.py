@@ -1,0 +1,250 @@
+"""Checkpoints larger than memory (`lorp.sizing`, `lorp.streaming`, `lorp.file_surgery`):
+on every tiny family, a model streamed block by block from its files gives the in-memory
+model's S, last-token statistics, repair sums and perplexity, and the pruned (and
+repaired) checkpoint written from the files is the in-memory surgery's, tensor for tensor
+and config key for key. The sizes read from the headers are the loaded model's bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import FAMILIES, N_BLOCKS, VOCAB, save_tiny
+from transformers import AutoModelForCausalLM
+
+from lorp.architectures import decoder_blocks
+from lorp.capture import capture_stats
+from lorp.file_surgery import write_pruned_files
+from lorp.perplexity import perplexity
+from lorp.repair import RepairRefused, fit_runs, fold
+from lorp.repair_stats import capture_repair_stats, contiguous_runs
+from lorp.sizing import (
+    GIB,
+    Shape,
+    TooLargeError,
+    decide,
+    read_header,
+    tensor_index,
+    weight_size,
+)
+from lorp.streaming import build_streamed, streamer_of
+from lorp.surgery import drop_layers, save_pruned
+
+
+def windows(n: int = 4, T: int = 24) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, VOCAB, (n, T), generator=g)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: save_tiny(f, root / f) for f in FAMILIES}
+
+
+def in_memory(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def stat_arrays(stats: object) -> dict[str, torch.Tensor]:
+    return {k: getattr(stats, k) for k in ("_sum", "_last_sum", "_last_angle")}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_streamed_equals_in_memory(family: str, checkpoints: dict[str, Path]) -> None:
+    path = checkpoints[family]
+    dense, streamed = in_memory(path), build_streamed(path)
+    x = windows()
+    # S and the last-token statistics, two batches, BOS position skipped as the jobs do.
+    a = capture_stats(dense, [x[:2], x[2:]], progress=False, skip_prefix=1)
+    b = capture_stats(streamed, [x[:2], x[2:]], progress=False, skip_prefix=1)
+    for key, value in stat_arrays(a).items():
+        assert torch.allclose(value, stat_arrays(b)[key], rtol=0, atol=1e-6), key
+    assert float(a._sum.abs().sum()) > 0
+    # The repair's sums (a run inside the stack and one ending at the last block).
+    runs = [(2, 3), (N_BLOCKS - 1, N_BLOCKS - 1)]
+    ra = capture_repair_stats(dense, [x], runs, progress=False)._arrays("")
+    rb = capture_repair_stats(streamed, [x], runs, progress=False)._arrays("")
+    for key, value in ra.items():
+        if value.dtype.kind == "f":
+            assert abs(value - rb[key]).max() <= 1e-6 * max(1.0, abs(value).max()), key
+    # Perplexity dense and pruned: the hooks travel with the blocks through surgery.
+    assert perplexity(streamed, x, batch_size=2) == pytest.approx(perplexity(dense, x), rel=1e-6)
+    drop_layers(dense, [1, 4])
+    drop_layers(streamed, [1, 4])
+    assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
+
+
+def test_streaming_holds_one_block(checkpoints: dict[str, Path]) -> None:
+    """At most one block's matrices are on a real device, and each forward of a batch
+    reads each block once."""
+    streamed = build_streamed(checkpoints["llama"])
+    streamer = streamer_of(streamed)
+    assert streamer is not None
+    held: list[int] = []
+
+    def count(module: torch.nn.Module, args: tuple) -> None:
+        held.append(
+            sum(1 for b in decoder_blocks(streamed) if b.mlp.down_proj.weight.device.type != "meta")
+        )
+
+    for block in decoder_blocks(streamed):
+        block.register_forward_pre_hook(count)
+    perplexity(streamed, windows(), batch_size=4)
+    assert held == [1] * N_BLOCKS
+    assert streamer.reads == N_BLOCKS
+
+
+def test_a_skipped_block_changes_the_figures(checkpoints: dict[str, Path]) -> None:
+    """The equality above can fail: a streamer that serves block 2's weights for block 3
+    gives another perplexity."""
+    path = checkpoints["llama"]
+    streamed = build_streamed(path)
+    streamer = streamer_of(streamed)
+    assert streamer is not None
+    wrong = [rel_entry for rel_entry in streamer.streamed[2]]
+    streamer.streamed[3] = wrong
+    x = windows()
+    assert perplexity(streamed, x) != pytest.approx(perplexity(in_memory(path), x), rel=1e-3)
+
+
+def test_sizes_from_headers_are_the_loaded_bytes(checkpoints: dict[str, Path]) -> None:
+    for family, path in checkpoints.items():
+        model = in_memory(path)
+        for dtype in (torch.float32, torch.bfloat16):
+            size = weight_size(tensor_index(path), dtype)
+            itemsize = 2 if dtype == torch.bfloat16 else 4
+            blocks = [
+                sum(p.numel() for p in b.parameters()) * itemsize for b in decoder_blocks(model)
+            ]
+            assert list(size.blocks) == blocks, family
+            distinct = {p.data_ptr(): p.numel() for p in model.parameters()}
+            assert size.total == sum(distinct.values()) * itemsize, family
+            assert (size.head == 0) == (family == "gemma3_text"), family
+
+
+def test_decide_memory_streamed_refused(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["llama"]
+    size = weight_size(tensor_index(path), torch.float32)
+    shape = Shape.from_config(json.loads((path / "config.json").read_text()))
+    kw = {"batch": 2, "seq_len": 32, "itemsize": 4, "label": "tiny"}
+    roomy = decide("capture", size, shape, worker_bytes=GIB, **kw)
+    assert roomy.mode == "memory" and roomy.need_bytes == roomy.memory_bytes
+    # Enough for the resident parts, two blocks and the activations, not the whole model.
+    streamed_need = roomy.memory_bytes - size.total + size.resident + 2 * size.largest_block
+    tight = int(streamed_need / 0.8) + 1
+    d = decide("capture", size, shape, worker_bytes=tight, **kw)
+    assert (d.mode, d.need_bytes) == ("streamed", streamed_need)
+    with pytest.raises(TooLargeError, match=r"model 'tiny' cannot run its capture even streamed"):
+        decide("capture", size, shape, worker_bytes=tight - 8, **kw)
+
+
+def test_header_reader_refuses_a_non_safetensors_file(tmp_path: Path) -> None:
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!")
+    with pytest.raises(ValueError, match="no readable safetensors header"):
+        read_header(bad)
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    return out
+
+
+def config_of(path: Path) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    config.pop("transformers_version", None)
+    return config
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_file_surgery_equals_in_memory(
+    family: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Pruned and repaired from the files = pruned and repaired in memory, for a run
+    from block 0 (where the embeddings are not tied) and a run inside the stack."""
+    path = checkpoints[family]
+    tied = family == "gemma3_text"
+    layers = [2, 3] if tied else [0, 1, 3, 4]
+    dense = in_memory(path)
+    stats = capture_repair_stats(
+        dense, [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+    )
+    fits = fit_runs(dense, stats)
+    provenance = {"pruned": layers}
+    written = write_pruned_files(path, tmp_path / "files", layers, provenance, fits=fits)
+    fold(dense, fits)
+    drop_layers(dense, layers)
+    saved = save_pruned(dense, None, tmp_path / "memory", provenance)
+    a, b = tensors(saved), tensors(written)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert config_of(saved) == config_of(written)
+    assert config_of(written)["num_hidden_layers"] == N_BLOCKS - len(layers)
+    # The fold did change block s-1's down_proj (block 2 is the pruned model's block 0
+    # when blocks 0, 1, 3, 4 go; block 1 stays block 1 when 2, 3 go).
+    before, after = (1, 1) if tied else (2, 0)
+    down = "model.layers.{}.mlp.down_proj.weight"
+    assert not torch.equal(tensors(path)[down.format(before)], b[down.format(after)])
+    reloaded = AutoModelForCausalLM.from_pretrained(str(written), dtype=torch.float32)
+    assert len(decoder_blocks(reloaded)) == N_BLOCKS - len(layers)
+
+
+def test_file_surgery_refuses_a_fold_into_tied_embeddings(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = checkpoints["gemma3_text"]
+    dense = in_memory(path)
+    stats = capture_repair_stats(dense, [windows(8)], [(0, 1)], progress=False)
+    fits = fit_runs(dense, stats)
+    with pytest.raises(RepairRefused, match="tied embeddings"):
+        write_pruned_files(path, tmp_path / "x", [0, 1], {}, fits=fits)
+    assert not (tmp_path / "x").exists()
+
+
+def test_file_surgery_shards_and_dtype(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A checkpoint in several shards keeps its shards (and an index naming them); with
+    a dtype, every floating tensor is written in it."""
+    path = checkpoints["qwen2"]
+    model = in_memory(path)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="200KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    out = write_pruned_files(sharded, tmp_path / "out", [2], {}, dtype=torch.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got = tensors(out)
+    assert set(index["weight_map"]) == set(got)
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    want = tensors(path)
+    assert torch.equal(
+        got["model.layers.2.mlp.up_proj.weight"],
+        want["model.layers.3.mlp.up_proj.weight"].bfloat16(),
+    )
+    assert config_of(out)["dtype"] == "bfloat16"
+
+
+def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
+    checkpoints: dict[str, Path],
+) -> None:
+    """The fold changes the resident tensors in place and `down_proj` by an override:
+    the repaired, pruned streamed model computes what the in-memory one does."""
+    path = checkpoints["olmo2"]  # a normed fit: down_proj and the post-MLP norm change
+    dense, streamed = in_memory(path), build_streamed(path)
+    layers = [0, 3, 4]
+    stats = capture_repair_stats(
+        dense, [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+    )
+    fits = fit_runs(dense, stats)
+    for model in (dense, streamed):
+        fold(model, fits)
+        drop_layers(model, layers)
+    x = windows()
+    assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
+    assert len(streamer_of(streamed).overrides) == 1  # run 3-4 folds into block 2
