@@ -232,14 +232,21 @@ def catalog_row(
         "created_at": now(),
         "lorp_version": lorp.__version__,
     }
-    row |= {"n_evals": float(point.n_evals), "select_s": point.select_s}
-    if plan.memory:  # held whole or streamed, per stage (`pipeline.cluster.memory`)
-        row["memory_plan"] = json.dumps(plan.memory_record(), sort_keys=True)
+    row |= planning_columns(point)
     if result.repair:  # the worst run's share of its gap the repair left, on calibration
         row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
         row |= repair_validation(result.repair)
     row |= costs(spec, point, facts, result)
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
+
+
+def planning_columns(point: GridPoint) -> dict[str, Any]:
+    """What planning the point cost and decided: the selection's evaluations and time,
+    and per stage whether the model was held whole or streamed (`memory_plan`)."""
+    out: dict[str, Any] = {"n_evals": float(point.n_evals), "select_s": point.select_s}
+    if point.model.memory:
+        out["memory_plan"] = json.dumps(point.model.memory_record(), sort_keys=True)
+    return out
 
 
 def repair_validation(fits: list[dict[str, Any]]) -> dict[str, Any]:
