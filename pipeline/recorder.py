@@ -340,6 +340,8 @@ class Recorder:
             "select_s": point.select_s,
         }
         tags = {"checkpoint": ckpt or "", "eval_backend": backend}
+        if row.get("memory_plan"):  # held whole or streamed, per stage
+            tags["memory_plan"] = row["memory_plan"]
         self.tracker.log(run_id, metrics=metrics, tags=tags)
         self.tracker.log_evaluation_inputs(run_id, self.spec.evaluation, result.zero_shot)
         self.tracker.finish(run_id)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from mlflow.tracking import MlflowClient
 from job_specs import tiny_job
 from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM
@@ -82,6 +83,9 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         assert row["ppl_ptb"] == pytest.approx(held[key]["ppl_ptb"], rel=1e-4), key
         assert row["speed_skipped"].startswith("not timed: the model is streamed")
         assert row.get("latency_ms") is None
+    client = MlflowClient(f"sqlite:///{tmp_path / 'streamed' / 'mlflow.db'}")
+    tags = client.get_run(rows[("shortgpt", "none")]["mlflow_run_id"]).data.tags
+    assert json.loads(tags["memory_plan"])["evaluate"]["mode"] == "streamed"
     # The same S from the streamed capture as from the capture of the model held whole.
     a = SimilarityStats.from_file(next(r["stats_file"] for r in rows.values()))
     b = SimilarityStats.from_file(next(r["stats_file"] for r in held.values()))

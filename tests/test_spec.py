@@ -64,6 +64,14 @@ def test_good_spec_defaults() -> None:
             {"resources": {"grid": {"num_gpus": -1}}},
             "resources.grid.num_gpus: must be >= 0, got -1",
         ),
+        (
+            {"resources": {"grid": {"memory_gib": -1}}},
+            "resources.grid.memory_gib: must be a number > 0, got -1",
+        ),
+        (
+            {"resources": {"capture": {"memory_gib": "lots"}}},
+            "resources.capture.memory_gib: expected a number, got str 'lots'",
+        ),
         ({"name": "a b"}, "name: letters, digits"),
         (
             {"evaluation": {"speed_budget_s": 0}},
