@@ -187,9 +187,12 @@ def measure(root: Path, shape_name: str, memory_gib: float | None) -> dict[str, 
     t0 = time.time()
     if not (model / "config.json").is_file():
         size = write_checkpoint(model, SHAPES[shape_name])
-    else:
-        size = float(sum(f.stat().st_size for f in model.glob("*.safetensors")))
-    write_s = time.time() - t0
+        write_s = time.time() - t0
+    else:  # written by an earlier run (--keep): its time from the shards' mtimes
+        shards = sorted(model.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)
+        size = float(sum(f.stat().st_size for f in shards))
+        per = (shards[-1].stat().st_mtime - shards[0].stat().st_mtime) / (len(shards) - 1)
+        write_s = shards[-1].stat().st_mtime - shards[0].stat().st_mtime + per
     spec_path = root / "big.yaml"
     spec_path.write_text(yaml.safe_dump(job_spec(root, model, memory_gib)))
     wall, peak, _ = run_job(spec_path)

@@ -223,11 +223,18 @@ class Decision:
     memory_bytes: int
     """Weights whole plus activations: what the in-memory path would need."""
     worker_bytes: int
+    batch: int = 1
+    """Windows per forward: the job's batch held whole; streamed, as many as fit (every
+    forward of a streamed model reads every block once, so fewer, larger batches read
+    the files fewer times)."""
+    kept_bytes: int = 0
+    """What the stage may hold besides weights and activations (repair sums)."""
 
     def line(self, label: str) -> str:
         return (
             f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
-            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)})"
+            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)}, "
+            f"{self.batch} windows per pass)"
         )
 
     def record(self) -> dict[str, Any]:
@@ -236,6 +243,8 @@ class Decision:
             "need_gib": round(self.need_bytes / GIB, 3),
             "memory_gib": round(self.memory_bytes / GIB, 3),
             "worker_gib": round(self.worker_bytes / GIB, 3),
+            "batch": self.batch,
+            "kept_gib": round(self.kept_bytes / GIB, 3),
         }
 
 
@@ -258,22 +267,40 @@ def decide(
     seq_len: int,
     itemsize: int,
     label: str = "model",
+    max_batch: int | None = None,
+    kept_bytes: tuple[int, int] = (0, 0),
 ) -> Decision:
     """In memory when the whole model and the stage's activations fit `HEADROOM` of the
     worker; else streamed, when the resident parts, the largest block and the
-    activations fit; else `TooLargeError` naming the model, the need and the worker."""
+    activations fit, with as many windows per forward as fit (up to `max_batch`); else
+    `TooLargeError` naming the model, the need and the worker.
+
+    `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
+    least what it must (a capture worker's repair sums: more runs per pass, or one run's
+    sums and more passes). The decision's `kept_bytes` is what it gets."""
+    most, least = kept_bytes
+    max_batch = batch if max_batch is None else max(batch, max_batch)
     acts = stage_activations(stage, shape, batch, seq_len, itemsize)
-    whole = size.total + acts
     budget = int(worker_bytes * HEADROOM)
-    if whole <= budget:
-        return Decision(stage, "memory", whole, whole, worker_bytes)
+    whole = size.total + acts
+    if whole + most <= budget:
+        return Decision(stage, "memory", whole + most, whole + most, worker_bytes, batch, most)
     # Two blocks' matrices at most: the one running and the next being read.
-    streamed = size.resident + 2 * size.largest_block + acts
-    if streamed <= budget:
-        return Decision(stage, "streamed", streamed, whole, worker_bytes)
+    weights = size.resident + 2 * size.largest_block
+    streamed = weights + acts
+    if streamed + least <= budget:
+        kept = min(most, budget - streamed)
+        # Activations grow linearly with the batch: the largest that fits, up to
+        # `max_batch` (a worker's shard; more would only be padding).
+        per_window = stage_activations(stage, shape, 1, seq_len, itemsize)
+        room = budget - weights - kept
+        larger = int(max(batch, min(max_batch, room // max(per_window, 1))))
+        need = weights + kept + stage_activations(stage, shape, larger, seq_len, itemsize)
+        return Decision(stage, "streamed", need, whole + most, worker_bytes, larger, kept)
     raise TooLargeError(
         f"model {label!r} cannot run its {stage} even streamed block by block: it needs "
-        f"{gib(streamed)} (resident {gib(size.resident)}, largest block "
-        f"{gib(size.largest_block)} twice, activations {gib(acts)}) and the "
-        f"largest worker has {gib(worker_bytes)} ({HEADROOM:.0%} usable)"
+        f"{gib(streamed + least)} (resident {gib(size.resident)}, largest block "
+        f"{gib(size.largest_block)} twice, activations {gib(acts)}"
+        + (f", repair sums {gib(least)}" if least else "")
+        + f") and the largest worker has {gib(worker_bytes)} ({HEADROOM:.0%} usable)"
     )

@@ -228,10 +228,12 @@ def load_model(
     allow_pickle: bool = False,
     with_tokenizer: bool = True,
     streamed: bool = False,
+    head: bool = True,
 ) -> LoadedModel:
     """Load any model reference as a causal LM in `dtype` on `device`, with its fingerprint.
     `streamed`: only the embeddings, head and norms are read now; each block's matrices
-    are read when it runs (`lorp.streaming`), for a model larger than memory."""
+    are read when it runs (`lorp.streaming`), for a model larger than memory; with
+    `head=False` not even the LM head (a capture needs the decoder stack only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
@@ -241,7 +243,7 @@ def load_model(
         from lorp.streaming import build_streamed
 
         model = build_streamed(
-            path, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code
+            path, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, head=head
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(

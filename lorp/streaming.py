@@ -26,6 +26,7 @@ the file's (one matrix per run); the variant's checkpoint is written from the fi
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ class BlockStreamer:
     def __init__(
         self, model: nn.Module, index: dict[str, TensorEntry], dtype: torch.dtype, device: str
     ) -> None:
-        self.model = model
+        # Weakly: the model holds the streamer, and a cycle would keep a finished point's
+        # resident weights alive until the garbage collector next runs.
+        self._model = weakref.ref(model)
         self.dtype = dtype
         self.device = torch.device(device)
         self.blocks = list(decoder_blocks(model))
@@ -96,15 +99,19 @@ class BlockStreamer:
             t = t.to(self.dtype)
         return t.to(self.device)
 
-    def load_resident(self) -> None:
-        """Everything outside the blocks' matrices, once."""
+    def load_resident(self, head: bool = True) -> None:
+        """Everything outside the blocks' matrices, once (`head=False`: not the LM head,
+        for a worker that only runs the decoder stack: capture)."""
+        model = self._model()
+        assert model is not None
         for entry in self.outside:
-            _place(self.model, entry.key, self.read(entry))
+            if head or not entry.key.startswith("lm_head."):
+                _place(model, entry.key, self.read(entry))
         for b, rel, entry in self.small:
             _place(self.blocks[b], rel, self.read(entry))
-        for name, buf in list(self.model.named_buffers()):
+        for name, buf in list(model.named_buffers()):
             if buf.device != self.device and buf.device.type != "meta":
-                _place(self.model, name, buf.to(self.device))
+                _place(model, name, buf.to(self.device))
 
     def load(self, i: int) -> None:
         """Make block `i`'s matrices resident, releasing the previous block's first."""
@@ -169,8 +176,11 @@ def build_streamed(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     trust_remote_code: bool = False,
+    head: bool = True,
 ) -> nn.Module:
-    """The causal LM of checkpoint directory `path` with its blocks streamed from disk."""
+    """The causal LM of checkpoint directory `path` with its blocks streamed from disk.
+    `head=False` leaves the LM head unread (on the meta device): enough for capture,
+    which runs the decoder stack only, and one embedding matrix less in memory."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -181,20 +191,21 @@ def build_streamed(
             config, dtype=dtype, trust_remote_code=trust_remote_code
         )
     streamer = BlockStreamer(model, tensor_index(path), dtype, device)
-    streamer.load_resident()
-    _tie_or_check(model, config, streamer)
+    streamer.load_resident(head)
+    _tie_or_check(model, config, streamer, head)
     streamer.attach()
     model._lorp_streamer = streamer  # type: ignore[assignment]
     return model.eval()
 
 
-def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer) -> None:
+def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: bool) -> None:
     """Tie the LM head to the embeddings where the config says so and the files hold no
     head of their own; then every parameter must be loaded or streamed from the files."""
-    head = getattr(model, "lm_head", None)
+    lm_head = getattr(model, "lm_head", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if head is not None and head.weight.device.type == "meta" and text.tie_word_embeddings:
-        head.weight = model.get_input_embeddings().weight
+    tied = text.tie_word_embeddings
+    if head and lm_head is not None and lm_head.weight.device.type == "meta" and tied:
+        lm_head.weight = model.get_input_embeddings().weight
     names = {id(m): n for n, m in model.named_modules()}
     streamed = {
         f"{names[id(block)]}.{rel}"
@@ -202,7 +213,9 @@ def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer) -> Non
         for rel, _ in entries
     }
     missing = [
-        n for n, p in model.named_parameters() if p.device.type == "meta" and n not in streamed
+        n
+        for n, p in model.named_parameters()
+        if p.device.type == "meta" and n not in streamed and (head or not n.startswith("lm_head."))
     ]
     if missing:
         raise ValueError(f"checkpoint has no tensor for {missing[0]!r} ({len(missing)} missing)")

@@ -61,6 +61,21 @@ class ModelPlan:
     def streamed(self, stage: str) -> bool:
         return any(s == stage and d.mode == "streamed" for s, d in self.memory)
 
+    def batch(self, stage: str, default: int) -> int:
+        """Windows per forward in `stage`: the spec's, or a streamed stage's larger one."""
+        for s, d in self.memory:
+            if s == stage and d.mode == "streamed":
+                return d.batch
+        return default
+
+    def repair_bytes(self, default: int) -> int:
+        """The repair sums one capture pass may hold (held-out sums aside): the spec's
+        bound, or less where the plan found less room beside a streamed model."""
+        for s, d in self.memory:
+            if s == "capture" and d.mode == "streamed" and d.kept_bytes:
+                return min(default, d.kept_bytes // 2)
+        return default
+
     def memory_record(self) -> dict[str, dict[str, object]]:
         return {s: d.record() for s, d in self.memory}
 

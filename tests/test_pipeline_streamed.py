@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from mlflow.tracking import MlflowClient
 from job_specs import tiny_job
+from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM
 
@@ -59,9 +59,6 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1)},
     }
     streamed = tiny_job(tmp_path, model, name="streamed", resources=resources, **common)
-    import time
-
-    t0 = time.time()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:  # one local Ray for both jobs
         assert run_job(parse_spec(streamed)).failed == []

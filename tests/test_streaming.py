@@ -27,6 +27,7 @@ from lorp.sizing import (
     TooLargeError,
     decide,
     read_header,
+    stage_activations,
     tensor_index,
     weight_size,
 )
@@ -60,7 +61,10 @@ def test_streamed_equals_in_memory(family: str, checkpoints: dict[str, Path]) ->
     x = windows()
     # S and the last-token statistics, two batches, BOS position skipped as the jobs do.
     a = capture_stats(dense, [x[:2], x[2:]], progress=False, skip_prefix=1)
-    b = capture_stats(streamed, [x[:2], x[2:]], progress=False, skip_prefix=1)
+    # A capture worker's model: the decoder stack only, the LM head never read.
+    stack_only = build_streamed(path, head=False)
+    assert stack_only.lm_head.weight.device.type == "meta"
+    b = capture_stats(stack_only, [x[:2], x[2:]], progress=False, skip_prefix=1)
     for key, value in stat_arrays(a).items():
         assert torch.allclose(value, stat_arrays(b)[key], rtol=0, atol=1e-6), key
     assert float(a._sum.abs().sum()) > 0
@@ -137,7 +141,15 @@ def test_decide_memory_streamed_refused(checkpoints: dict[str, Path]) -> None:
     streamed_need = roomy.memory_bytes - size.total + size.resident + 2 * size.largest_block
     tight = int(streamed_need / 0.8) + 1
     d = decide("capture", size, shape, worker_bytes=tight, **kw)
-    assert (d.mode, d.need_bytes) == ("streamed", streamed_need)
+    assert (d.mode, d.need_bytes, d.batch) == ("streamed", streamed_need, 2)
+    # With room for three more windows per forward (activations are linear in the
+    # batch), a streamed stage takes them: each forward reads every block once.
+    per_window = stage_activations("capture", shape, 1, 32, 4)
+    roomier = int((streamed_need + 3 * per_window) / 0.8) + 1
+    assert (streamed_need + 3 * per_window) < roomy.memory_bytes  # still streamed
+    wide = decide("capture", size, shape, worker_bytes=roomier, max_batch=64, **kw)
+    assert (wide.mode, wide.batch) == ("streamed", 5)
+    assert decide("capture", size, shape, worker_bytes=roomier, max_batch=4, **kw).batch == 4
     with pytest.raises(TooLargeError, match=r"model 'tiny' cannot run its capture even streamed"):
         decide("capture", size, shape, worker_bytes=tight - 8, **kw)
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 STAGES = ("capture", "evaluate")
+MAX_EVAL_BATCH = 64
+"""Windows per streamed evaluation forward at most (zero-shot items share the batch)."""
 
 
 def node_memory_bytes(resources: Resources, workers: int) -> int:
@@ -65,12 +67,28 @@ def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
     cal, ev = spec.calibration, spec.evaluation
     res = spec.resources
     capture_workers = res.capture_workers or cal.shards
+    # A capture worker also holds the repair's sums, twice (the held-out windows'): per
+    # pass at most the spec's bound, at most a d x d float64 per run and per start for
+    # runs that can number N, at least one start's and one run's (one run per pass).
+    d = shape.hidden
+    one = 2 * 8 * d * d
+    sums = (0, 0)
+    if "linear" in spec.repair:
+        sums = (2 * min(int(res.repair_memory_gib * GIB), one * plan.n_blocks), 2 * one)
+    # The most windows one forward may take when streamed: a capture worker's shard (or
+    # the held-out calibration windows its repair pass sums), the windows of one corpus.
+    shard = max(-(-cal.samples // cal.shards), cal.loss_samples)  # the held-out windows too
+    # Capture workers and grid points of a model overlap (unrepaired points run while
+    # the repair sums are captured): a node's memory is shared among both.
+    workers = capture_workers + res.max_concurrent_points
     stages = {
-        "capture": (res.capture, capture_workers, cal.batch_size, cal.seq_len + 1),
-        "evaluate": (res.grid, res.max_concurrent_points, ev.batch_size, ev.seq_len + 1),
-    }
+        "capture": (res.capture, workers, cal.batch_size, cal.seq_len + 1, shard),
+        "evaluate": (
+            res.grid, workers, ev.batch_size, ev.seq_len + 1, ev.max_windows or MAX_EVAL_BATCH
+        ),
+    }  # fmt: skip
     decisions: list[tuple[str, Decision]] = []
-    for stage, (resources, workers, batch, seq_len) in stages.items():
+    for stage, (resources, workers, batch, seq_len, most) in stages.items():
         try:
             d = decide(
                 stage,  # type: ignore[arg-type]
@@ -81,6 +99,8 @@ def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
                 seq_len=seq_len,
                 itemsize=itemsize,
                 label=plan.label,
+                max_batch=min(most, MAX_EVAL_BATCH) if stage == "evaluate" else most,
+                kept_bytes=sums if stage == "capture" else (0, 0),
             )
         except TooLargeError as exc:
             raise SpecError(str(exc)) from None

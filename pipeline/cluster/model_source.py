@@ -83,9 +83,9 @@ def model_dir(source: ModelSource) -> Path:
     return materialize(ref, allow_pickle=source.allow_pickle, revision=source.revision)
 
 
-def load_checked(source: ModelSource, device: str) -> Any:
+def load_checked(source: ModelSource, device: str, head: bool = True) -> Any:
     """`load_model` on this node, refusing weights other than the ones the driver planned
-    with."""
+    with. `head=False`: a streamed model without its LM head (capture workers)."""
     from lorp.sources import load_model
 
     path = model_dir(source)
@@ -96,6 +96,7 @@ def load_checked(source: ModelSource, device: str) -> Any:
         trust_remote_code=source.trust_remote_code,
         allow_pickle=source.allow_pickle,
         streamed=source.streamed,
+        head=head,
     )
     if source.fingerprint and lm.fingerprint != source.fingerprint:
         raise ValueError(

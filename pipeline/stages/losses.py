@@ -52,7 +52,8 @@ class LossTask:
 
 def loss_task(spec: JobSpec, plan: Any, windows: np.ndarray) -> LossTask:
     """What every loss worker of `plan`'s model receives."""
-    return LossTask(model_source(plan), windows, spec.evaluation.batch_size, spec.resources.grid)
+    batch = plan.batch("evaluate", spec.evaluation.batch_size)
+    return LossTask(model_source(plan), windows, batch, spec.resources.grid)
 
 
 @ray.remote

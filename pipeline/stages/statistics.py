@@ -120,7 +120,7 @@ def repair_statistics(
         return ModelRepairStats(stats, "cache", 0.0, 0, store.uri(name), local)
     start = time.perf_counter()
     hidden = _hidden_size(plan)
-    budget = int(spec.resources.repair_memory_gib * 2**30)
+    budget = plan.repair_bytes(int(spec.resources.repair_memory_gib * 2**30))
     try:
         passes = repair_passes(runs, hidden, budget)
     except ValueError as exc:
@@ -163,7 +163,7 @@ def capture_task(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> C
         model=model_source(plan, "capture"),
         calibration=shards.fingerprint,
         resources=spec.resources.capture,
-        batch_size=spec.calibration.batch_size,
+        batch_size=plan.batch("capture", spec.calibration.batch_size),
         skip_prefix=int(shards.bos is not None),
     )
 

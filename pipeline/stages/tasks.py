@@ -9,6 +9,7 @@ runs' sums.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ from pipeline.cluster.model_source import model_source
 from pipeline.cluster.nodes import whole_node
 from pipeline.plan import GridPoint, checkpoint_rel
 from pipeline.records.rows import provenance
-from pipeline.spec import JobSpec
+from pipeline.spec import EvaluationSpec, JobSpec
 from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
 
 RepairRefs = Mapping[tuple[str, tuple[int, int]], Any]
@@ -42,12 +43,21 @@ def point_task(
         storage=storage,
         checkpoint=checkpoint(spec, point),
         provenance=provenance(spec, point),
-        evaluation=spec.evaluation,
+        evaluation=point_evaluation(spec, point),
         resources=spec.resources.grid,
         backend=backend,
         repair=repair_task(spec, point, refs),
         name=point.name,
     )
+
+
+def point_evaluation(spec: JobSpec, point: GridPoint) -> EvaluationSpec:
+    """The evaluation a point runs: the spec's, with a streamed model's larger batch (a
+    batch never changes a figure, only how often the files are read)."""
+    batch = point.model.batch("evaluate", spec.evaluation.batch_size)
+    if batch == spec.evaluation.batch_size:
+        return spec.evaluation
+    return dataclasses.replace(spec.evaluation, batch_size=batch)
 
 
 def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask | None:

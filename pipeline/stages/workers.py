@@ -25,6 +25,7 @@ storage. Pitfalls, where they bite:
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -87,7 +88,8 @@ class CaptureWorker:
     def __init__(self, task: CaptureTask, submitted: float | None = None) -> None:
         start = timeline.actor_start(submitted)
         _pin_threads(task.resources.num_cpus)
-        self.model = load_checked(task.model, _device(task.resources)).model
+        # The decoder stack is all a capture runs: a streamed model's head stays unread.
+        self.model = load_checked(task.model, _device(task.resources), head=False).model
         self.task = task
         timeline.report("load", start, time.time(), model=task.model.label, of="capture")
 
@@ -286,8 +288,14 @@ def execute_point(task: PointTask) -> PointResult:
     """Fit and fold the repair (if any), drop the blocks, save the checkpoint, evaluate;
     `layers=()` is the dense model."""
     _pin_threads(task.resources.num_cpus)
-    with span("point", model=task.model.label, point=task.name, unit=task.grid_key):
-        return _execute_point(task)
+    try:
+        with span("point", model=task.model.label, point=task.name, unit=task.grid_key):
+            return _execute_point(task)
+    finally:
+        # The worker process outlives the point: a model kept alive by a reference cycle
+        # (transformers' modules, a streamer's hooks) would hold its weights until the
+        # collector next ran, and a large model's next point would load beside it.
+        gc.collect()
 
 
 def _execute_point(task: PointTask) -> PointResult:
