@@ -289,13 +289,15 @@ def decide(
     weights = size.resident + 2 * size.largest_block
     streamed = weights + acts
     if streamed + least <= budget:
-        kept = min(most, budget - streamed)
-        # Activations grow linearly with the batch: the largest that fits, up to
-        # `max_batch` (a worker's shard; more would only be padding).
+        # Activations grow linearly with the batch: the largest that fits beside the
+        # least kept, up to `max_batch` (a worker's shard; more would only be padding),
+        # since every batch reads the files once; then as much kept as is left.
         per_window = stage_activations(stage, shape, 1, seq_len, itemsize)
-        room = budget - weights - kept
+        room = budget - weights - least
         larger = int(max(batch, min(max_batch, room // max(per_window, 1))))
-        need = weights + kept + stage_activations(stage, shape, larger, seq_len, itemsize)
+        acts = stage_activations(stage, shape, larger, seq_len, itemsize)
+        kept = min(most, budget - weights - acts)
+        need = weights + acts + kept
         return Decision(stage, "streamed", need, whole + most, worker_bytes, larger, kept)
     raise TooLargeError(
         f"model {label!r} cannot run its {stage} even streamed block by block: it needs "
