@@ -125,6 +125,16 @@ class Recorder:
     def cluster(self, kind: str, slots: Mapping[str, float], models: int) -> None:
         self.events("cluster", kind=kind, slots=dict(slots), models=models)
 
+    def memory_planned(self, plan: ModelPlan) -> None:
+        """Whether each stage holds the model whole or streams it: an event (`lorp
+        status`) and, for a streamed stage, a line."""
+        if not plan.memory:
+            return
+        self.events("memory", model=plan.label, stages=plan.memory_record())
+        for _, decision in plan.memory:
+            if decision.mode == "streamed":
+                self.progress.note(decision.line(plan.label))
+
     def fleet(self, models: int, points: int, driver_s: float) -> None:
         """The fleet's loop ended: how much of the driver's time recording took."""
         self.events(

@@ -57,9 +57,7 @@ def run_job(
     init_ray(spec)
     plans = [plan_memory(spec, p) for p in plans]  # needs the cluster's memory
     for p in plans:
-        for _, decision in p.memory:
-            if decision.mode == "streamed":
-                recorder.progress.note(decision.line(p.label))
+        recorder.memory_planned(p)
     kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"
     recorder.cluster(kind, timeline.cluster_slots(), len(plans))
     preparer = Preparer(spec, force, done, recorder, recorder.progress.note)

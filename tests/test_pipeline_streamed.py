@@ -20,6 +20,8 @@ from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, w
 from pipeline.cluster.memory import plan_memory
 from pipeline.plan import plan_models
 from pipeline.records.catalog import read_catalog
+from pipeline.records.rows import read_events
+from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
 from pipeline.spec import SpecError, parse_spec
 
@@ -80,6 +82,14 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         assert row["ppl_ptb"] == pytest.approx(held[key]["ppl_ptb"], rel=1e-4), key
         assert row["speed_skipped"].startswith("not timed: the model is streamed")
         assert row.get("latency_ms") is None
+    # lorp status says which stages streamed, and awaits no speed pass; the timeline's
+    # spans carry the mode.
+    status = "\n".join(format_status(run_status(tmp_path / "streamed")))
+    assert "memory       tiny: capture streamed (" in status, status
+    assert "evaluate streamed (" in status and "await the speed pass" not in status
+    events = read_events(tmp_path / "streamed" / "events.jsonl")
+    modes = {(e["stage"], e.get("mode")) for e in events if e["event"] == "span"}
+    assert {("capture", "streamed"), ("point", "streamed")} <= modes, modes
     client = MlflowClient(f"sqlite:///{tmp_path / 'streamed' / 'mlflow.db'}")
     tags = client.get_run(rows[("shortgpt", "none")]["mlflow_run_id"]).data.tags
     assert json.loads(tags["memory_plan"])["evaluate"]["mode"] == "streamed"

@@ -48,6 +48,8 @@ class RunStatus:
     """How busy the attempt kept its slots (`pipeline.records.timeline`), one line."""
     now: list[str] = field(default_factory=list)
     """What runs now: units the driver started and has not seen end."""
+    memory: list[str] = field(default_factory=list)
+    """Models a stage streams block by block (too large for its workers), one line each."""
     waiting: list[str] = field(default_factory=list)
     """Stages waiting for resources no node offers (the driver's `waiting` events that
     nothing of their model has followed yet)."""
@@ -97,6 +99,13 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
             st.failed.append(e.get("cause", "?"))
         elif e["event"] == "model_failed":
             st.failed.append(f"{e.get('model', '?')}: {e.get('cause', '?')}")
+        elif e["event"] == "memory":
+            streamed = {k: v for k, v in (e.get("stages") or {}).items() if v["mode"] == "streamed"}
+            if streamed:
+                how = ", ".join(
+                    f"{k} streamed ({v['batch']} windows per pass)" for k, v in streamed.items()
+                )
+                st.memory.append(f"{e.get('model', '?')}: {how}")
         elif e["event"] == "repair_refused":
             st.refused.append(
                 f"{e.get('model', '?')} {e.get('point', '?')}: {e.get('reason', '?')}"
@@ -231,7 +240,9 @@ def _no_speed(row: dict[str, Any]) -> bool:
     with a latency was timed (its speed-up may be NaN: not resolved)."""
     evaluation = row.get("evaluation") or ""
     wants = '"speed": true' in evaluation and '"enabled": true' in evaluation
-    return wants and _missing(row.get("speedup")) and _missing(row.get("latency_ms"))
+    if not wants or row.get("speed_skipped"):  # a streamed model is never timed
+        return False
+    return _missing(row.get("speedup")) and _missing(row.get("latency_ms"))
 
 
 def _unresolved_speed(row: dict[str, Any]) -> bool:
@@ -255,6 +266,7 @@ def format_status(st: RunStatus) -> list[str]:
             + (f"; {len(st.refused)} not repaired" if st.refused else "")
         )
     lines += [f"not repaired {why}" for why in st.refused]
+    lines += [f"memory       {what}" for what in st.memory]
     if st.predicted:
         lines.append(f"predicted    {st.predicted}")
     if st.measured:

@@ -91,6 +91,7 @@ class CaptureWorker:
         # The decoder stack is all a capture runs: a streamed model's head stays unread.
         self.model = load_checked(task.model, _device(task.resources), head=False).model
         self.task = task
+        self._mode = "streamed" if task.model.streamed else "memory"
         timeline.report("load", start, time.time(), model=task.model.label, of="capture")
 
     def ready(self) -> bool:
@@ -101,7 +102,7 @@ class CaptureWorker:
         from lorp.capture import capture_stats
 
         maybe_fail("capture", name)
-        with span("capture", model=self.task.model.label, shard=name):
+        with span("capture", model=self.task.model.label, shard=name, mode=self._mode):
             return capture_stats(
                 self.model,
                 self._batches(windows),
@@ -116,7 +117,8 @@ class CaptureWorker:
         from lorp.repair_stats import capture_repair_stats
 
         maybe_fail("repair", name)
-        with span("repair_sums", model=self.task.model.label, shard=name, runs=len(runs)):
+        label = self.task.model.label
+        with span("repair_sums", model=label, shard=name, runs=len(runs), mode=self._mode):
             return capture_repair_stats(
                 self.model,
                 self._batches(windows),
@@ -289,7 +291,8 @@ def execute_point(task: PointTask) -> PointResult:
     `layers=()` is the dense model."""
     _pin_threads(task.resources.num_cpus)
     try:
-        with span("point", model=task.model.label, point=task.name, unit=task.grid_key):
+        mode = "streamed" if task.model.streamed else "memory"
+        with span("point", model=task.model.label, point=task.name, unit=task.grid_key, mode=mode):
             return _execute_point(task)
     finally:
         # The worker process outlives the point: a model kept alive by a reference cycle
