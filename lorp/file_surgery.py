@@ -28,7 +28,7 @@ import torch
 
 from lorp.architectures import architecture_for
 from lorp.atomic import atomic_dir
-from lorp.sizing import TensorEntry, block_of, tensor_index
+from lorp.sizing import DTYPE_BYTES, TensorEntry, block_of, tensor_index
 from lorp.surgery import PROVENANCE_FILE, _subset_config, check_layers, kept_layers
 
 log = logging.getLogger(__name__)
@@ -180,8 +180,7 @@ def _write_file(
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
-        itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(out_dtype[e.key], 0)
-        size = e.numel * itemsize if itemsize else e.end - e.start
+        size = e.numel * DTYPE_BYTES[out_dtype[e.key]]
         name = renamed(e.key, new_index)
         header[name] = {
             "dtype": out_dtype[e.key],

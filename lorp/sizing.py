@@ -15,6 +15,7 @@ materialised, fp32 logits), not measurements: a stage that fits under them fits.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Mapping
@@ -54,10 +55,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def nbytes_as(self, itemsize: int) -> int:
         """Bytes once loaded: floating tensors at the load dtype, others as they are."""
