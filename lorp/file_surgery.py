@@ -28,7 +28,7 @@ import torch
 
 from lorp.architectures import architecture_for
 from lorp.atomic import atomic_dir
-from lorp.sizing import DTYPE_BYTES, TensorEntry, block_of, tensor_index
+from lorp.sizing import DTYPE_BYTES, TensorEntry, block_of, split_block_key, tensor_index
 from lorp.surgery import PROVENANCE_FILE, _subset_config, check_layers, kept_layers
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,11 @@ TOKENIZER_FILES = (
 
 def renamed(key: str, new_index: Mapping[int, int]) -> str:
     """`key` with its block index replaced by the block's index in the pruned model."""
-    b = block_of(key)
-    if b is None:
+    parts = split_block_key(key)
+    if parts is None:
         return key
-    old = f"layers.{b}."
-    at = key.index(old)
-    return f"{key[:at]}layers.{new_index[b]}.{key[at + len(old) :]}"
+    head, b, rest = parts
+    return f"{head}{new_index[b]}.{rest}"
 
 
 def _folded(

@@ -80,9 +80,23 @@ def read_header(file: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else `model.safetensors`,
+    else every one (hub repositories may ship another format's file beside the shards,
+    such as Mistral's `consolidated.safetensors`)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
 def tensor_index(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the checkpoint directory `path`, over all its shards."""
-    files = sorted(Path(path).glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         raise ValueError(f"model directory {str(path)!r} has no .safetensors weights to size")
     out: dict[str, TensorEntry] = {}
@@ -100,6 +114,16 @@ def block_of(key: str) -> int | None:
     """The block index a tensor belongs to (`...layers.<i>.`), None outside the blocks."""
     m = _BLOCK_KEY.search(key)
     return int(m.group(1)) if m else None
+
+
+def split_block_key(key: str) -> tuple[str, int, str] | None:
+    """(prefix up to `layers.`, block index, the name inside the block), None outside the
+    blocks: from the same match as `block_of`, so a name that repeats `layers.<i>.`
+    inside a block is split where the block's index is."""
+    m = _BLOCK_KEY.search(key)
+    if m is None:
+        return None
+    return key[: m.start(1)], int(m.group(1)), key[m.end() :]
 
 
 @dataclass(frozen=True)
@@ -267,6 +291,7 @@ def decide(
     label: str = "model",
     max_batch: int | None = None,
     kept_bytes: tuple[int, int] = (0, 0),
+    copies: int = 1,
 ) -> Decision:
     """In memory when the whole model and the stage's activations fit `HEADROOM` of the
     worker; else streamed, when the resident parts, the largest block and the
@@ -275,12 +300,14 @@ def decide(
 
     `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
     least what it must (a capture worker's repair sums: more runs per pass, or one run's
-    sums and more passes). The decision's `kept_bytes` is what it gets."""
+    sums and more passes). The decision's `kept_bytes` is what it gets. `copies`: how
+    many copies of the whole model the in-memory path holds (a CPU grid worker keeps
+    the model it loaded and works on a copy)."""
     most, least = kept_bytes
     max_batch = batch if max_batch is None else max(batch, max_batch)
     acts = stage_activations(stage, shape, batch, seq_len, itemsize)
     budget = int(worker_bytes * HEADROOM)
-    whole = size.total + acts
+    whole = copies * size.total + acts
     if whole + most <= budget:
         return Decision(stage, "memory", whole + most, whole + most, worker_bytes, batch, most)
     # Two blocks' matrices at most: the one running and the next being read.

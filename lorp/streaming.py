@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from lorp.architectures import architecture_for, decoder_blocks
-from lorp.sizing import TensorEntry, block_of, tensor_index
+from lorp.sizing import TensorEntry, block_of, split_block_key, tensor_index
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class BlockStreamer:
                 raise ValueError(
                     f"checkpoint tensor {key!r} is past the model's {len(self.blocks)} blocks"
                 )
-            rel = key[key.index(f"layers.{b}.") + len(f"layers.{b}.") :]
+            rel = split_block_key(key)[2]  # type: ignore[index]
             if len(entry.shape) < 2:
                 self.small.append((b, rel, entry))
             else:

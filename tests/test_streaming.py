@@ -7,6 +7,7 @@ and config key for key. The sizes read from the headers are the loaded model's b
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from lorp.architectures import decoder_blocks
 from lorp.capture import capture_stats
-from lorp.file_surgery import write_pruned_files
+from lorp.file_surgery import renamed, write_pruned_files
 from lorp.perplexity import perplexity
 from lorp.repair import RepairRefused, fit_runs, fold
 from lorp.repair_stats import capture_repair_stats, contiguous_runs
@@ -27,12 +28,14 @@ from lorp.sizing import (
     TooLargeError,
     decide,
     read_header,
+    split_block_key,
     stage_activations,
     tensor_index,
     weight_size,
 )
 from lorp.streaming import build_streamed, streamer_of
 from lorp.surgery import drop_layers, save_pruned
+from pipeline.evaluation.speed import count_params
 
 
 def windows(n: int = 4, T: int = 24) -> torch.Tensor:
@@ -75,6 +78,8 @@ def test_streamed_equals_in_memory(family: str, checkpoints: dict[str, Path]) ->
     for key, value in ra.items():
         if value.dtype.kind == "f":
             assert abs(value - rb[key]).max() <= 1e-6 * max(1.0, abs(value).max()), key
+    # Parameters counted alike (the streamed matrices are on the meta device).
+    assert count_params(streamed) == count_params(dense)
     # Perplexity dense and pruned: the hooks travel with the blocks through surgery.
     assert perplexity(streamed, x, batch_size=2) == pytest.approx(perplexity(dense, x), rel=1e-6)
     drop_layers(dense, [1, 4])
@@ -260,3 +265,33 @@ def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
     x = windows()
     assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
     assert len(streamer_of(streamed).overrides) == 1  # run 3-4 folds into block 2
+
+
+def test_only_the_checkpoints_own_files_are_read(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A repository may ship another format's weights beside the shards (Mistral's
+    `consolidated.safetensors`): sizing, streaming and file surgery read only the files
+    the checkpoint names."""
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], copy)
+    save_file(
+        {"layers.0.attention.wq.weight": torch.ones(4, 4)}, str(copy / "consolidated.safetensors")
+    )
+    assert "layers.0.attention.wq.weight" not in tensor_index(copy)
+    x = windows()
+    assert perplexity(build_streamed(copy), x) == pytest.approx(perplexity(in_memory(copy), x))
+    out = write_pruned_files(copy, tmp_path / "out", [1], {})
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_block_keys_split_at_the_blocks_index() -> None:
+    assert split_block_key("model.layers.3.sub.layers.1.weight") == (
+        "model.layers.",
+        3,
+        "sub.layers.1.weight",
+    )
+    assert split_block_key("model.embed_tokens.weight") is None
+    assert renamed("model.layers.3.sub.layers.3.w", {3: 0}) == "model.layers.0.sub.layers.3.w"

@@ -57,6 +57,17 @@ def worker_bytes(resources: Resources, workers: int) -> int:
     return node_memory_bytes(resources, workers)
 
 
+def _repair_sums(spec: JobSpec, plan: ModelPlan, d: int) -> tuple[int, int]:
+    """(most, least) bytes of repair sums a capture worker holds, twice (the held-out
+    windows'): per pass at most the spec's bound, at most a d x d float64 per run and per
+    start for runs that can number N, at least one start's and one run's (one run per
+    pass). (0, 0) when the job does not repair."""
+    if "linear" not in spec.repair:
+        return 0, 0
+    one = 2 * 8 * d * d
+    return 2 * min(int(spec.resources.repair_memory_gib * GIB), one * plan.n_blocks), 2 * one
+
+
 def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
     """`plan` with its capture and evaluation decisions; SpecError (one line, naming the
     model, the need and the worker) when even a block at a time does not fit."""
@@ -67,14 +78,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
     cal, ev = spec.calibration, spec.evaluation
     res = spec.resources
     capture_workers = res.capture_workers or cal.shards
-    # A capture worker also holds the repair's sums, twice (the held-out windows'): per
-    # pass at most the spec's bound, at most a d x d float64 per run and per start for
-    # runs that can number N, at least one start's and one run's (one run per pass).
-    d = shape.hidden
-    one = 2 * 8 * d * d
-    sums = (0, 0)
-    if "linear" in spec.repair:
-        sums = (2 * min(int(res.repair_memory_gib * GIB), one * plan.n_blocks), 2 * one)
+    sums = _repair_sums(spec, plan, shape.hidden)
     # The most windows one forward may take when streamed: a capture worker's shard (or
     # the held-out calibration windows its repair pass sums), the windows of one corpus.
     shard = max(-(-cal.samples // cal.shards), cal.loss_samples)  # the held-out windows too
@@ -101,6 +105,8 @@ def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
                 label=plan.label,
                 max_batch=min(most, MAX_EVAL_BATCH) if stage == "evaluate" else most,
                 kept_bytes=sums if stage == "capture" else (0, 0),
+                # A CPU grid worker keeps the model it loaded and works on a copy.
+                copies=2 if stage == "evaluate" and resources.num_gpus == 0 else 1,
             )
         except TooLargeError as exc:
             raise SpecError(str(exc)) from None

@@ -487,10 +487,12 @@ def _peak_memory_here(model_path: str, layers: list[int], dtype: str, device: st
 
 
 def count_params(model: Any) -> int:
-    """Parameters, each tied tensor counted once."""
+    """Parameters, each tied tensor counted once. A streamed model's matrices are on the
+    meta device, where every tensor's pointer is 0: those count by identity."""
     seen, total = set(), 0
     for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
+        key = id(p) if p.is_meta else p.data_ptr()
+        if key not in seen:
+            seen.add(key)
             total += p.numel()
     return total
