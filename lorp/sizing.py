@@ -251,6 +251,8 @@ class Decision:
     the files fewer times)."""
     kept_bytes: int = 0
     """What the stage may hold besides weights and activations (repair sums)."""
+    copies: int = 1
+    """Whole copies of the model a worker may hold (held whole; see `decide`)."""
 
     def line(self, label: str) -> str:
         return (
@@ -301,15 +303,19 @@ def decide(
     `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
     least what it must (a capture worker's repair sums: more runs per pass, or one run's
     sums and more passes). The decision's `kept_bytes` is what it gets. `copies`: how
-    many copies of the whole model the in-memory path holds (a CPU grid worker keeps
-    the model it loaded and works on a copy)."""
+    many copies of the whole model the in-memory path would like to hold (a CPU grid
+    worker keeps the model it loaded and works on a copy); held whole with fewer where
+    only those fit (the decision's `copies`)."""
     most, least = kept_bytes
     max_batch = batch if max_batch is None else max(batch, max_batch)
     acts = stage_activations(stage, shape, batch, seq_len, itemsize)
     budget = int(worker_bytes * HEADROOM)
-    whole = copies * size.total + acts
-    if whole + most <= budget:
-        return Decision(stage, "memory", whole + most, whole + most, worker_bytes, batch, most)
+    for n in range(copies, 0, -1):  # the copies asked for, else fewer, else streamed
+        whole = n * size.total + acts
+        if whole + most <= budget:
+            return Decision(
+                stage, "memory", whole + most, whole + most, worker_bytes, batch, most, n
+            )
     # Two blocks' matrices at most: the one running and the next being read.
     weights = size.resident + 2 * size.largest_block
     streamed = weights + acts

@@ -61,6 +61,13 @@ class ModelPlan:
     def streamed(self, stage: str) -> bool:
         return any(s == stage and d.mode == "streamed" for s, d in self.memory)
 
+    def copies(self, stage: str) -> int:
+        """Whole copies of the model a worker of `stage` may hold (2 unless planned less)."""
+        for s, d in self.memory:
+            if s == stage:
+                return d.copies
+        return 2
+
     def batch(self, stage: str, default: int) -> int:
         """Windows per forward in `stage`: the spec's, or a streamed stage's larger one."""
         for s, d in self.memory:

@@ -155,6 +155,13 @@ def test_decide_memory_streamed_refused(checkpoints: dict[str, Path]) -> None:
     wide = decide("capture", size, shape, worker_bytes=roomier, max_batch=64, **kw)
     assert (wide.mode, wide.batch) == ("streamed", 5)
     assert decide("capture", size, shape, worker_bytes=roomier, max_batch=4, **kw).batch == 4
+    # Held whole with one copy where two do not fit (a CPU point then loads its own).
+    one = decide("evaluate", size, shape, worker_bytes=GIB, copies=2, **kw)
+    assert (one.mode, one.copies) == ("memory", 2)
+    acts = one.memory_bytes - 2 * size.total
+    only_one = int((size.total + acts) / 0.8) + 1
+    d = decide("evaluate", size, shape, worker_bytes=only_one, copies=2, **kw)
+    assert (d.mode, d.copies, d.memory_bytes) == ("memory", 1, size.total + acts)
     with pytest.raises(TooLargeError, match=r"model 'tiny' cannot run its capture even streamed"):
         decide("capture", size, shape, worker_bytes=tight - 8, **kw)
 

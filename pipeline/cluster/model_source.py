@@ -44,6 +44,9 @@ class ModelSource:
     streamed: bool = False
     """Blocks read from the files one at a time (`lorp.streaming`): the plan found the
     model too large for this stage's workers to hold whole."""
+    pristine: bool = True
+    """A CPU grid worker may keep the model it loaded and copy it per point; false where
+    the plan found room for one copy only (then every point loads its own)."""
 
 
 def model_source(plan: ModelPlan, stage: str = "evaluate") -> ModelSource:
@@ -59,6 +62,7 @@ def model_source(plan: ModelPlan, stage: str = "evaluate") -> ModelSource:
         allow_pickle=plan.spec.allow_pickle,
         label=plan.label,
         streamed=plan.streamed(stage),
+        pristine=plan.copies(stage) >= 2,
     )
 
 

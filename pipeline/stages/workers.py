@@ -341,12 +341,13 @@ _PRISTINE: dict[tuple[str, str, str], Any] = {}
 def _point_model(task: PointTask) -> Any:
     """The point's dense model: a private copy of the one this worker loaded last when it
     is the same model (a copy costs a fraction of a load: Gemma 3 270M 0.6 s, not 6 s);
-    on GPUs and for vLLM points, a fresh load (no second copy held in GPU memory)."""
+    on GPUs and for vLLM points, a fresh load (no second copy held in GPU memory); also
+    where the plan found room for one copy only, or streams the model."""
     import copy
     import dataclasses
 
     device = _device(task.resources)
-    if device != "cpu" or task.backend == "vllm" or task.model.streamed:
+    if device != "cpu" or task.backend == "vllm" or task.model.streamed or not task.model.pristine:
         return load_checked(task.model, device)
     key = (task.model.ref, task.model.fingerprint, task.model.dtype)
     if key not in _PRISTINE:
