@@ -68,12 +68,12 @@ def _folded(
     )
 
     out: dict[str, Any] = {}
+    in_block = {(p[1], p[2]): k for k in index if (p := split_block_key(k)) is not None}
 
     def key_of(block: int, rel: str) -> str:
-        hits = [k for k in index if block_of(k) == block and k.endswith(f"layers.{block}.{rel}")]
-        if len(hits) != 1:
-            raise RepairRefused(f"block {block} has no single tensor {rel!r} to fold into")
-        return hits[0]
+        if (block, rel) not in in_block:
+            raise RepairRefused(f"block {block} has no tensor {rel!r} to fold into")
+        return in_block[(block, rel)]
 
     for fit in fits:
         s = fit.run[0]
@@ -84,9 +84,9 @@ def _folded(
             out[embed[0]] = lambda t, f=fit: folded_embeddings(t, f)
             continue
         out[key_of(s - 1, "mlp.down_proj.weight")] = lambda t, f=fit: folded_down_weight(t, f)
-        bias = "mlp.down_proj.bias"
-        if any(block_of(k) == s - 1 and k.endswith(bias) for k in index):
-            out[key_of(s - 1, bias)] = lambda t, f=fit: folded_down_bias(t, f)
+        if (s - 1, "mlp.down_proj.bias") in in_block:
+            bias = in_block[(s - 1, "mlp.down_proj.bias")]
+            out[bias] = lambda t, f=fit: folded_down_bias(t, f)
         if fit.form == "normed":
             rel = f"{arch.post_mlp_norm}.weight"
             off = arch.norm_offset

@@ -85,7 +85,7 @@ class BlockStreamer:
         """(block, name) -> a tensor that replaces the file's (a repair's fold)."""
         self.resident: int | None = None
         self.reads = 0
-        """Block loads so far (a test and the progress lines read it)."""
+        """Block loads so far (tests count them: one per block per forward)."""
 
     def read(self, entry: TensorEntry) -> torch.Tensor:
         """One tensor from its file, at the model's dtype (floating ones) on its device."""
@@ -164,10 +164,6 @@ class BlockStreamer:
 def streamer_of(model: nn.Module) -> BlockStreamer | None:
     """The streamer of a model `load_streamed` made, None for a model held whole."""
     return getattr(model, "_lorp_streamer", None)
-
-
-def is_streamed(model: nn.Module) -> bool:
-    return streamer_of(model) is not None
 
 
 def build_streamed(

@@ -58,29 +58,30 @@ class ModelPlan:
     """Per stage (capture, evaluate): held whole or streamed (`pipeline.cluster.memory`);
     empty until Ray is up, and then every stage is held whole."""
 
+    def decision(self, stage: str) -> Decision | None:
+        """The plan's decision for `stage` (capture, evaluate), None before it is made."""
+        return dict(self.memory).get(stage)
+
     def streamed(self, stage: str) -> bool:
-        return any(s == stage and d.mode == "streamed" for s, d in self.memory)
+        d = self.decision(stage)
+        return d is not None and d.mode == "streamed"
 
     def copies(self, stage: str) -> int:
         """Whole copies of the model a worker of `stage` may hold (2 unless planned less)."""
-        for s, d in self.memory:
-            if s == stage:
-                return d.copies
-        return 2
+        d = self.decision(stage)
+        return 2 if d is None else d.copies
 
     def batch(self, stage: str, default: int) -> int:
         """Windows per forward in `stage`: the spec's, or a streamed stage's larger one."""
-        for s, d in self.memory:
-            if s == stage and d.mode == "streamed":
-                return d.batch
-        return default
+        d = self.decision(stage)
+        return d.batch if d is not None and d.mode == "streamed" else default
 
     def repair_bytes(self, default: int) -> int:
         """The repair sums one capture pass may hold (held-out sums aside): the spec's
         bound, or less where the plan found less room beside a streamed model."""
-        for s, d in self.memory:
-            if s == "capture" and d.mode == "streamed" and d.kept_bytes:
-                return min(default, d.kept_bytes // 2)
+        d = self.decision("capture")
+        if d is not None and d.mode == "streamed" and d.kept_bytes:
+            return min(default, d.kept_bytes // 2)
         return default
 
     def memory_record(self) -> dict[str, dict[str, object]]:

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from pipeline.plan import ModelPlan
 
 GIB = 1024**3
-STAGES = ("capture", "evaluate")
 MAX_EVAL_BATCH = 64
 """Windows per streamed evaluation forward at most (zero-shot items share the batch)."""
 

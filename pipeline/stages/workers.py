@@ -390,8 +390,10 @@ def _save_checkpoint(
     maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
-    if task.model.streamed:
-        _write_files(task, lm, local, provenance, fits)
+    if task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
+        from lorp.file_surgery import write_pruned_files
+
+        write_pruned_files(lm.path, local, task.layers, provenance, fits=fits, overwrite=True)
     else:
         from lorp.surgery import save_pruned
 
@@ -399,17 +401,6 @@ def _save_checkpoint(
     if storage.remote:
         storage.put_dir(local, task.checkpoint)
     return local
-
-
-def _write_files(
-    task: PointTask, lm: Any, out: Path, provenance: dict[str, Any], fits: list[Any]
-) -> Path:
-    """The variant written tensor by tensor from the dense checkpoint's files
-    (`lorp.file_surgery`), in the checkpoint's own dtype: a bf16 72B model's variants stay
-    bf16 whatever dtype the job computes in."""
-    from lorp.file_surgery import write_pruned_files
-
-    return write_pruned_files(lm.path, out, task.layers, provenance, fits=fits, overwrite=True)
 
 
 def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:
