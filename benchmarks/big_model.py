@@ -131,11 +131,13 @@ def rss_anon(pid: int) -> int:
 
 
 class TreeSampler(threading.Thread):
-    """Peak of RssAnon summed over a process and its descendants."""
+    """Peak of RssAnon summed over a process and its descendants, and what each process
+    held at that moment (by its title: Ray names a busy worker after its task)."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.peak, self.done = pid, 0, threading.Event()
+        self.at_peak: list[tuple[str, int]] = []
 
     def run(self) -> None:
         import psutil
@@ -143,14 +145,31 @@ class TreeSampler(threading.Thread):
         root = psutil.Process(self.pid)
         while not self.done.is_set():
             try:
-                pids = [self.pid] + [c.pid for c in root.children(recursive=True)]
+                procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            self.peak = max(self.peak, sum(rss_anon(p) for p in pids))
+            sizes = [(p, rss_anon(p.pid)) for p in procs]
+            total = sum(n for _, n in sizes)
+            if total > self.peak:
+                self.peak = total
+                self.at_peak = sorted(
+                    ((_title(p), n) for p, n in sizes if n > 64 * 1024**2), key=lambda x: -x[1]
+                )
             time.sleep(0.25)
 
 
-def run_job(spec_path: Path) -> tuple[float, int, str]:
+def _title(p: Any) -> str:
+    try:
+        cmd = p.cmdline()
+    except Exception:  # noqa: BLE001 - gone between listing and reading
+        return "?"
+    first = cmd[0] if cmd else p.name()
+    if first.startswith("ray::"):
+        return first.split()[0]
+    return "lorp run (driver)" if "lorp" in " ".join(cmd[:2]) else Path(first).name
+
+
+def run_job(spec_path: Path) -> tuple[float, TreeSampler, str]:
     lorp = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
     start = time.time()
     proc = subprocess.Popen([lorp, "run", str(spec_path)], stderr=subprocess.PIPE, text=True)
@@ -167,7 +186,7 @@ def run_job(spec_path: Path) -> tuple[float, int, str]:
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"lorp run failed ({proc.returncode}):\n{''.join(lines[-30:])}")
-    return time.time() - start, sampler.peak, "".join(lines)
+    return time.time() - start, sampler, "".join(lines)
 
 
 def stage_times(run_dir: Path) -> dict[str, float]:
@@ -195,7 +214,7 @@ def measure(root: Path, shape_name: str, memory_gib: float | None) -> dict[str, 
         write_s = shards[-1].stat().st_mtime - shards[0].stat().st_mtime + per
     spec_path = root / "big.yaml"
     spec_path.write_text(yaml.safe_dump(job_spec(root, model, memory_gib)))
-    wall, peak, _ = run_job(spec_path)
+    wall, sampler, _ = run_job(spec_path)
     rows = read_catalog(root / "run" / "catalog.parquet")
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
@@ -204,7 +223,8 @@ def measure(root: Path, shape_name: str, memory_gib: float | None) -> dict[str, 
         "machine_ram_gib": round(mem_total / GIB, 1),
         "write_s": round(write_s, 1),
         "job_s": round(wall, 1),
-        "peak_rss_anon_gib": round(peak / GIB, 2),
+        "peak_rss_anon_gib": round(sampler.peak / GIB, 2),
+        "at_peak_gib": [[title, round(n / GIB, 2)] for title, n in sampler.at_peak],
         "stages_s": stage_times(root / "run"),
         "rows": [
             {
@@ -235,6 +255,8 @@ def table(result: dict[str, Any]) -> str:
         f"| peak anonymous memory of the job (RssAnon, all its processes) | "
         f"{result['peak_rss_anon_gib']:.2f} GiB |",
     ]
+    held = ", ".join(f"{t} {g:.2f}" for t, g in result.get("at_peak_gib", []))
+    lines.append(f"| at the peak, by process (GiB) | {held} |")
     for stage, s in result["stages_s"].items():
         lines.append(f"| stage `{stage}` (summed over its spans) | {s:.0f} s |")
     lines += ["", "| variant | ppl on lee (2 windows) |", "|---|---|"]

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from lorp.architectures import decoder_blocks, decoder_stack
 from lorp.similarity import SimilarityStats, normalize_states, token_selection
+from lorp.streaming import device_of
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def capture_stats(
     blocks = decoder_blocks(model)
     stack = decoder_stack(model)
     n = len(blocks)
-    device = next(model.parameters()).device
+    device = device_of(model)
     stats = SimilarityStats(
         n,
         model_fingerprint=model_fingerprint,

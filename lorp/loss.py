@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from lorp.architectures import decoder_blocks, decoder_stack
 from lorp.perplexity import window_nll
+from lorp.streaming import device_of
 from lorp.surgery import blocks_dropped, check_layers, kept_layers
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def calibration_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [n >= 1, T >= 2] token ids, got {tuple(windows.shape)}")
-    device = next(model.parameters()).device
+    device = device_of(model)
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(windows), batch_size):
@@ -93,7 +94,7 @@ class LossEvaluator:
                 node = node.children.setdefault(b, _Node())
             node.ends.append((i, seq[-1]))
         nll, count = [0.0] * len(distinct), [0] * len(distinct)
-        device = next(self.model.parameters()).device
+        device = device_of(self.model)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lorp.streaming import device_of
+
 
 def window_nll(model: nn.Module, windows: torch.Tensor) -> tuple[float, int]:
     """Summed NLL (float64) and number of predicted tokens, B * (T - 1), for a batch [B, T]:
@@ -34,7 +36,7 @@ def perplexity(
     model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1, progress: bool = False
 ) -> float:
     """exp(mean NLL) over `windows` [n, seq_len] (see `lorp.data.eval_windows`)."""
-    device = next(model.parameters()).device
+    device = device_of(model)
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in tqdm(range(0, len(windows), batch_size), disable=not progress, desc="ppl"):

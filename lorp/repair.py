@@ -149,6 +149,11 @@ def check_repairable(model: nn.Module, layers: Sequence[int]) -> list[Run]:
 
 
 def _tied(model: nn.Module) -> bool:
+    from lorp.streaming import streamer_of
+
+    streamer = streamer_of(model)
+    if streamer is not None:  # between forwards its matrices are all on the meta device
+        return streamer.tied
     head = getattr(model, "lm_head", None)
     embed = decoder_stack(model).embed_tokens
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
@@ -223,10 +228,17 @@ def _validated(
     """The run's map with the ridge the held-out windows prefer, or its unrepaired map
     when even that one leaves more error on them than T0 does."""
     A, B, energy = fit
-    full = {r: fit_full(A, B, energy, T0, ridge=r, run=run) for r in ridges}
-    scores = {r: residual_of(*held, f.matrix) for r, f in full.items()}
-    chosen = min(scores, key=lambda r: (scores[r], -r))  # ties: the larger ridge
-    out = full[chosen] if form == "full" else _fit(form, A, B, energy, T0, chosen, run, rounds)
+    scores: dict[float, float] = {}
+    chosen, best = ridges[0], None
+    for r in ridges:  # one candidate map held at a time (d x d float64 each)
+        candidate = fit_full(A, B, energy, T0, ridge=r, run=run)
+        scores[r] = residual_of(*held, candidate.matrix)
+        if best is None or (scores[r], -r) < (scores[chosen], -chosen):  # ties: larger ridge
+            chosen, best = r, candidate
+        del candidate
+    assert best is not None
+    out = best if form == "full" else _fit(form, A, B, energy, T0, chosen, run, rounds)
+    del best
     T = out.matrix if out.scale is None else out.matrix * out.scale
     held_fit, held_t0 = residual_of(*held, T), residual_of(*held, T0)
     kept = "fit"
@@ -253,8 +265,9 @@ def _regularised(A: torch.Tensor, B: torch.Tensor, T0: torch.Tensor, ridge: floa
     lam = ridge * float(torch.trace(A)) / d
     if not lam > 0:
         raise ValueError("the repair statistics hold no signal (tr(A) = 0): no tokens?")
-    eye = torch.eye(d, dtype=A.dtype, device=A.device)
-    return A + lam * eye, B + lam * T0, lam
+    Ar = A.clone()
+    Ar.diagonal().add_(lam)  # A + lambda I, without a d x d identity
+    return Ar, B + lam * T0, lam
 
 
 def residual_of(A: torch.Tensor, B: torch.Tensor, energy: float, T: torch.Tensor) -> float:
@@ -406,7 +419,7 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
     model's `down_proj` by an override its streamer serves, `lorp.streaming`)."""
     from lorp.streaming import streamer_of
 
-    streamer = streamer_of(model)  # a streamed model: its down_proj is an override
+    streamer = streamer_of(model)  # a streamed model: its matrices are overrides
     arch = architecture_of(model)
     blocks = decoder_blocks(model)
     for fit in fits:
@@ -414,13 +427,17 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
         if s == 0:
             if _tied(model):
                 raise RepairRefused("a run from block 0 cannot fold into tied embeddings")
-            embed = decoder_stack(model).embed_tokens.weight
-            embed.copy_(folded_embeddings(embed, fit))
+            embedding = decoder_stack(model).embed_tokens
+            if streamer is not None:
+                weight = streamer.tensor(embedding, "weight")
+                streamer.override(embedding, "weight", folded_embeddings(weight, fit))
+            else:
+                embedding.weight.copy_(folded_embeddings(embedding.weight, fit))
             continue
         down = blocks[s - 1].mlp.down_proj
         if streamer is not None:
-            weight = streamer.tensor(s - 1, "mlp.down_proj.weight")
-            streamer.override(s - 1, "mlp.down_proj.weight", folded_down_weight(weight, fit))
+            weight = streamer.tensor(down, "weight")
+            streamer.override(down, "weight", folded_down_weight(weight, fit))
         else:
             down.weight.copy_(folded_down_weight(down.weight, fit))
         if down.bias is not None:
@@ -435,15 +452,30 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
 # values for the same fit (float64, cast back to the tensor's dtype).
 
 
+FOLD_SLICE = 1 << 24
+"""Float64 elements of one slice of a fold's product (128 MiB): a matrix is folded
+slice by slice, so the fold holds the result and one slice, not float64 copies of a
+[d, intermediate] matrix (1.1 GiB at d = 8192 each)."""
+
+
 def folded_embeddings(embed: torch.Tensor, fit: RunFit) -> torch.Tensor:
-    """E T: the embeddings of a run from block 0."""
-    return (embed.double() @ fit.matrix.to(embed.device)).to(embed.dtype)
+    """E T: the embeddings of a run from block 0 (rows in slices)."""
+    T = fit.matrix.to(embed.device)
+    out = torch.empty_like(embed)
+    step = max(1, FOLD_SLICE // T.shape[0])
+    for i in range(0, embed.shape[0], step):
+        out[i : i + step] = (embed[i : i + step].double() @ T).to(embed.dtype)
+    return out
 
 
 def folded_down_weight(weight: torch.Tensor, fit: RunFit) -> torch.Tensor:
-    """T^T W (Q^T W): block s-1's `down_proj` weight [d, intermediate]."""
-    Q = fit.matrix.to(weight.device)
-    return (Q.T @ weight.double()).to(weight.dtype)
+    """T^T W (Q^T W): block s-1's `down_proj` weight [d, intermediate] (columns in slices)."""
+    Qt = fit.matrix.to(weight.device).T
+    out = torch.empty_like(weight)
+    step = max(1, FOLD_SLICE // Qt.shape[0])
+    for j in range(0, weight.shape[1], step):
+        out[:, j : j + step] = (Qt @ weight[:, j : j + step].double()).to(weight.dtype)
+    return out
 
 
 def folded_down_bias(bias: torch.Tensor, fit: RunFit) -> torch.Tensor:

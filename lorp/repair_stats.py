@@ -46,6 +46,7 @@ from lorp.architectures import Architecture, architecture_of, decoder_blocks, de
 from lorp.atomic import atomic_file
 from lorp.capture import unpack_batch
 from lorp.similarity import token_selection
+from lorp.streaming import device_of
 from lorp.surgery import blocks_dropped
 from lorp.version import __version__
 
@@ -654,7 +655,7 @@ def capture_repair_stats(
     try:
         _hook_sources(blocks, arch, stats, rec, handles)
         _hook_targets(target, stats, rec, handles)
-        device = next(model.parameters()).device
+        device = device_of(model)
         with torch.inference_mode(), blocks_dropped(model, dropped):
             for batch in tqdm(
                 batches, total=total, disable=None if progress else True, desc="repair"

@@ -5,8 +5,8 @@ dtype, shape and byte range, so the exact bytes of each block, of the embeddings
 the LM head at the dtype a stage loads them in are known from a few kilobytes of each
 shard. With the job's batch and sequence length that gives each stage's need, and
 `decide` picks, per stage, whether the model is held whole in memory (the fastest way,
-when it fits) or streamed block by block (`lorp.streaming`), or refuses it in one line
-when even one block does not fit the worker.
+when it fits) or streamed a module at a time (`lorp.streaming`), or refuses it in one line
+when even the largest module's matrices do not fit the worker.
 
 The activation figures are upper bounds of the eager code path (attention scores
 materialised, fp32 logits), not measurements: a stage that fits under them fits.
@@ -136,8 +136,12 @@ class WeightSize:
     """0 when the LM head is tied to the embeddings (or absent)."""
     other: int
     """Final norm and anything else outside the blocks."""
-    block_small: int
-    """Bytes of the blocks' vectors (norms, biases): kept resident when streaming."""
+    vectors: int
+    """Bytes of every tensor under 2 dimensions (norms, biases): what a streamed model
+    keeps resident."""
+    largest_unit: int
+    """The most matrix bytes one module owns (a projection, the embeddings, the head):
+    what a streamed model reads at once (`lorp.streaming`)."""
 
     @property
     def total(self) -> int:
@@ -149,22 +153,26 @@ class WeightSize:
 
     @property
     def resident(self) -> int:
-        """What a streamed model keeps: everything but the blocks' matrices."""
-        return self.embeddings + self.head + self.other + self.block_small
+        """What a streamed model keeps between forwards: the vectors."""
+        return self.vectors
 
 
 def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightSize:
     """Bytes per part of the checkpoint `index` (see `tensor_index`) loaded as `dtype`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_block: dict[int, int] = {}
-    embeddings = head = other = small = 0
+    per_module: dict[str, int] = {}
+    embeddings = head = other = vectors = 0
     for key, entry in index.items():
         nbytes = entry.nbytes_as(itemsize)
+        if len(entry.shape) < 2:
+            vectors += nbytes
+        else:
+            module = key.rpartition(".")[0]
+            per_module[module] = per_module.get(module, 0) + nbytes
         b = block_of(key)
         if b is not None:
             per_block[b] = per_block.get(b, 0) + nbytes
-            if len(entry.shape) < 2:
-                small += nbytes
         elif "embed_tokens" in key:
             embeddings += nbytes
         elif key.startswith("lm_head."):
@@ -175,7 +183,9 @@ def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightS
     missing = [i for i in range(n) if i not in per_block]
     if missing:
         raise ValueError(f"checkpoint has no tensors for blocks {missing}")
-    return WeightSize(tuple(per_block[i] for i in range(n)), embeddings, head, other, small)
+    largest = max(per_module.values(), default=0)
+    blocks = tuple(per_block[i] for i in range(n))
+    return WeightSize(blocks, embeddings, head, other, vectors, largest)
 
 
 @dataclass(frozen=True)
@@ -278,7 +288,7 @@ def gib(n: int) -> str:
 
 
 class TooLargeError(ValueError):
-    """Even one block at a time does not fit the largest worker."""
+    """Even one module's matrices at a time do not fit the largest worker."""
 
 
 def decide(
@@ -296,7 +306,7 @@ def decide(
     copies: int = 1,
 ) -> Decision:
     """In memory when the whole model and the stage's activations fit `HEADROOM` of the
-    worker; else streamed, when the resident parts, the largest block and the
+    worker; else streamed, when the resident vectors, the largest module twice and the
     activations fit, with as many windows per forward as fit (up to `max_batch`); else
     `TooLargeError` naming the model, the need and the worker.
 
@@ -316,8 +326,9 @@ def decide(
             return Decision(
                 stage, "memory", whole + most, whole + most, worker_bytes, batch, most, n
             )
-    # Two blocks' matrices at most: the one running and the next being read.
-    weights = size.resident + 2 * size.largest_block
+    # The largest module's matrices twice: the ones in use and, while they are read, the
+    # file's copy before its conversion to the load dtype (or a fold's override).
+    weights = size.resident + 2 * size.largest_unit
     streamed = weights + acts
     if streamed + least <= budget:
         # Activations grow linearly with the batch: the largest that fits beside the
@@ -331,9 +342,9 @@ def decide(
         need = weights + acts + kept
         return Decision(stage, "streamed", need, whole + most, worker_bytes, larger, kept)
     raise TooLargeError(
-        f"model {label!r} cannot run its {stage} even streamed block by block: it needs "
-        f"{gib(streamed + least)} (resident {gib(size.resident)}, largest block "
-        f"{gib(size.largest_block)} twice, activations {gib(acts)}"
+        f"model {label!r} cannot run its {stage} even streamed a module at a time: it needs "
+        f"{gib(streamed + least)} (resident {gib(size.resident)}, largest module's "
+        f"matrices {gib(size.largest_unit)} twice, activations {gib(acts)}"
         + (f", repair sums {gib(least)}" if least else "")
         + f") and the largest worker has {gib(worker_bytes)} ({HEADROOM:.0%} usable)"
     )

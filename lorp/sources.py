@@ -231,9 +231,10 @@ def load_model(
     head: bool = True,
 ) -> LoadedModel:
     """Load any model reference as a causal LM in `dtype` on `device`, with its fingerprint.
-    `streamed`: only the embeddings, head and norms are read now; each block's matrices
-    are read when it runs (`lorp.streaming`), for a model larger than memory; with
-    `head=False` not even the LM head (a capture needs the decoder stack only)."""
+    `streamed`: only the norms and biases are read now; every matrix (a projection, the
+    embeddings, the head) is read when its module runs (`lorp.streaming`), for a model
+    larger than memory; with `head=False` the LM head never is (a capture needs the
+    decoder stack only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)

@@ -1,26 +1,31 @@
-"""A model larger than memory, run with one block's weights resident at a time.
+"""A model larger than memory, run with one weight matrix resident at a time.
 
-`load_streamed` builds the model's modules without weights (accelerate's
+`build_streamed` builds the model's modules without weights (accelerate's
 `init_empty_weights`: parameters on the meta device, buffers such as the rotary
-frequencies and Gemma's embedding scale computed as usual), then reads from the
-safetensors files what every forward needs whole: the embeddings, the LM head (or ties
-it to the embeddings), the final norm, and every block's vectors (norms, biases: a few MB
-even at d = 8192, and what a repair's fit reads). A block's matrices are read by a
-forward pre-hook just before the block runs and replace the previous block's, which
-return to the meta device: at most one block's matrices are held, whatever the depth.
+frequencies and Gemma's embedding scale computed as usual) and reads from the safetensors
+files only the vectors (norms, biases: a few MB even at d = 8192, and what a repair's fit
+reads). Every module that owns a matrix (a projection, the embeddings, the LM head) is a
+*unit*: a forward pre-hook reads its matrices from the files just before it runs and a
+forward hook returns them to the meta device as soon as it has, so at most one unit's
+matrices are held at any time, whatever the model's depth, width or vocabulary. The
+largest unit bounds the weights' memory (`lorp.sizing.WeightSize.largest_unit`): at
+d = 8192 an MLP projection (0.9 GiB in fp32) or the embeddings, where the whole block
+(7 projections) and the embeddings and head together (2 x vocabulary x d) would have
+been held.
 
 Every forward of the model is then the model's own code on the model's own weights, so
 `capture_stats`, `capture_repair_stats`, `perplexity` and the loss methods run on it
-unchanged and give the in-memory figures: a batch of B windows reads each block once, so
+unchanged and give the in-memory figures: a batch of B windows reads each matrix once, so
 callers pass as many windows per batch as the stage's memory allows (`lorp.sizing`).
-Weights are read through the files' memory maps: the pages are the kernel's file cache,
-not the process's anonymous memory, and it can drop them.
+Code that needs the device asks `device_of` (the first parameter, the embeddings, is on
+the meta device between forwards).
 
 Surgery works on the blocks as modules (`lorp.surgery.drop_layers`, `blocks_dropped`:
-the hooks travel with the blocks). A repair's fold (`lorp.repair.fold`) changes resident
-tensors in place and a block's `down_proj` by an override the streamer serves instead of
-the file's (one matrix per run); the variant's checkpoint is written from the files by
-`lorp.file_surgery`, which applies the same fold to the tensors it changes.
+the hooks travel with the modules). A repair's fold (`lorp.repair.fold`) changes the
+resident vectors in place and a matrix (`down_proj`, or the embeddings) by an override
+the streamer serves instead of the file's (one matrix per run); the variant's checkpoint
+is written from the files by `lorp.file_surgery`, which applies the same fold to the
+tensors it changes.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 
 from lorp.architectures import architecture_for, decoder_blocks
-from lorp.sizing import TensorEntry, block_of, split_block_key, tensor_index
+from lorp.sizing import TensorEntry, split_block_key, tensor_index
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +49,30 @@ def _place(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
     path, _, attr = name.rpartition(".")
     module = root.get_submodule(path) if path else root
     if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+        module._parameters[attr] = (
+            tensor
+            if isinstance(tensor, nn.Parameter)
+            else nn.Parameter(tensor, requires_grad=False)
+        )
     elif attr in module._buffers:
         module._buffers[attr] = tensor
     else:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
 
 
+class Unit:
+    """A module whose matrices are streamed: read before its forward, released after."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+        """The module's path in the model as built (before any surgery)."""
+        self.tensors: list[tuple[str, TensorEntry]] = []
+        """(attribute, the file's tensor) pairs."""
+
+
 class BlockStreamer:
-    """Reads the checkpoint's tensors on demand and keeps one block's matrices resident."""
+    """Reads the checkpoint's matrices on demand, one module's at a time."""
 
     def __init__(
         self, model: nn.Module, index: dict[str, TensorEntry], dtype: torch.dtype, device: str
@@ -64,28 +84,54 @@ class BlockStreamer:
         self.device = torch.device(device)
         self.blocks = list(decoder_blocks(model))
         self._files: dict[Path, Any] = {}
-        self.streamed: list[list[tuple[str, TensorEntry]]] = [[] for _ in self.blocks]
-        self.outside: list[TensorEntry] = []
-        self.small: list[tuple[int, str, TensorEntry]] = []
+        self.units: dict[int, Unit] = {}
+        """id(module) -> its unit."""
+        self.vectors: list[tuple[nn.Module, str, TensorEntry]] = []
+        """Tensors held resident: (module, attribute, entry), the ones under 2 dimensions."""
+        self.tied = False
+        """The LM head reads the embeddings' matrix (the files hold no head of their own)."""
+        self.overrides: dict[str, torch.Tensor] = {}
+        """Checkpoint key -> a tensor served instead of the file's (a repair's fold)."""
+        self._meta: dict[str, nn.Parameter] = {}
+        """Checkpoint key -> the meta parameter a released unit holds (one per key, so a
+        tied head and the embeddings stay one parameter between forwards)."""
+        self.loaded: set[int] = set()
+        self.reads = 0
+        """Unit loads so far (tests count them: each unit once per forward)."""
         for key, entry in index.items():
-            b = block_of(key)
-            if b is None:
-                self.outside.append(entry)
-                continue
+            self._assign(model, key, entry)
+
+    def _assign(self, model: nn.Module, key: str, entry: TensorEntry) -> None:
+        split = split_block_key(key)
+        if split is None:
+            root, path = model, key
+            prefix = ""
+        else:
+            b = split[1]
             if b >= len(self.blocks):
                 raise ValueError(
                     f"checkpoint tensor {key!r} is past the model's {len(self.blocks)} blocks"
                 )
-            rel = split_block_key(key)[2]  # type: ignore[index]
-            if len(entry.shape) < 2:
-                self.small.append((b, rel, entry))
-            else:
-                self.streamed[b].append((rel, entry))
-        self.overrides: dict[tuple[int, str], torch.Tensor] = {}
-        """(block, name) -> a tensor that replaces the file's (a repair's fold)."""
-        self.resident: int | None = None
-        self.reads = 0
-        """Block loads so far (tests count them: one per block per forward)."""
+            root, path, prefix = self.blocks[b], split[2], key[: len(key) - len(split[2])]
+        mpath, _, attr = path.rpartition(".")
+        if _legacy(attr):
+            return  # computed by the modules themselves, as `from_pretrained` ignores it
+        try:
+            module = root.get_submodule(mpath) if mpath else root
+        except AttributeError:
+            raise ValueError(f"checkpoint tensor {key!r} has no place in the model") from None
+        if attr not in module._parameters and attr not in module._buffers:
+            raise ValueError(f"checkpoint tensor {key!r} has no place in the model")
+        if len(entry.shape) < 2 or attr in module._buffers:
+            self.vectors.append((module, attr, entry))
+            return
+        self.unit(module, (prefix + mpath).rstrip(".")).tensors.append((attr, entry))
+
+    def unit(self, module: nn.Module, name: str) -> Unit:
+        u = self.units.get(id(module))
+        if u is None:
+            u = self.units[id(module)] = Unit(module, name)
+        return u
 
     def read(self, entry: TensorEntry) -> torch.Tensor:
         """One tensor from its file, at the model's dtype (floating ones) on its device."""
@@ -99,71 +145,102 @@ class BlockStreamer:
             t = t.to(self.dtype)
         return t.to(self.device)
 
-    def load_resident(self, head: bool = True) -> None:
-        """Everything outside the blocks' matrices, once (`head=False`: not the LM head,
-        for a worker that only runs the decoder stack: capture)."""
+    def load_vectors(self) -> None:
+        """The vectors (norms, biases), once, and the model's computed buffers moved to
+        the streamer's device."""
         model = self._model()
         assert model is not None
-        for entry in self.outside:
-            if head or not entry.key.startswith("lm_head."):
-                _place(model, entry.key, self.read(entry))
-        for b, rel, entry in self.small:
-            _place(self.blocks[b], rel, self.read(entry))
+        for module, attr, entry in self.vectors:
+            _place(module, attr, self.read(entry))
         for name, buf in list(model.named_buffers()):
             if buf.device != self.device and buf.device.type != "meta":
                 _place(model, name, buf.to(self.device))
 
-    def load(self, i: int) -> None:
-        """Make block `i`'s matrices resident, releasing the previous block's first."""
-        if self.resident == i:
+    def load(self, u: Unit) -> None:
+        """Make unit `u`'s matrices resident (an override, else the file's)."""
+        if id(u.module) in self.loaded:
             return
-        self.release()
-        for rel, entry in self.streamed[i]:
-            t = self.overrides.get((i, rel))
-            _place(self.blocks[i], rel, self.read(entry) if t is None else t)
-        self.resident = i
+        for attr, entry in u.tensors:
+            t = self.overrides.get(entry.key)
+            _place(u.module, attr, self.read(entry) if t is None else t)
+        self.loaded.add(id(u.module))
         self.reads += 1
 
-    def tensor(self, i: int, rel: str) -> torch.Tensor:
-        """Block `i`'s matrix `rel` as the model runs it (an override, else the file's)."""
-        if (i, rel) in self.overrides:
-            return self.overrides[(i, rel)]
-        for name, entry in self.streamed[i]:
-            if name == rel:
-                return self.read(entry)
-        raise KeyError(f"block {i} has no streamed tensor {rel!r}")
+    def unload(self, u: Unit) -> None:
+        """Return unit `u`'s matrices to the meta device (memory freed)."""
+        for attr, entry in u.tensors:
+            _place(u.module, attr, self.placeholder(entry))
+        self.loaded.discard(id(u.module))
 
-    def override(self, i: int, rel: str, tensor: torch.Tensor) -> None:
-        """From now on block `i` runs with `tensor` as `rel` (held in memory: a fold
-        changes one matrix per run, so this stays a few matrices)."""
-        self.tensor(i, rel)  # the name must be one the files have
-        self.overrides[(i, rel)] = tensor
-        if self.resident == i:
-            _place(self.blocks[i], rel, tensor)
+    def placeholder(self, entry: TensorEntry) -> nn.Parameter:
+        p = self._meta.get(entry.key)
+        if p is None:
+            meta = torch.empty(entry.shape, dtype=self.dtype, device="meta")
+            p = self._meta[entry.key] = nn.Parameter(meta, requires_grad=False)
+        return p
 
     def release(self) -> None:
-        """Return the resident block's matrices to the meta device (memory freed)."""
-        if self.resident is None:
-            return
-        block = self.blocks[self.resident]
-        for rel, entry in self.streamed[self.resident]:
-            _place(block, rel, torch.empty(entry.shape, dtype=self.dtype, device="meta"))
-        self.resident = None
+        """Every loaded unit back to the meta device."""
+        for u in self.units.values():
+            if id(u.module) in self.loaded:
+                self.unload(u)
+
+    def _entry(self, module: nn.Module, attr: str) -> TensorEntry:
+        u = self.units.get(id(module))
+        for a, entry in u.tensors if u is not None else ():
+            if a == attr:
+                return entry
+        raise KeyError(f"{attr!r} of {type(module).__name__} is not a streamed matrix")
+
+    def tensor(self, module: nn.Module, attr: str) -> torch.Tensor:
+        """The matrix `attr` of `module` as the model runs it (an override, else the file's)."""
+        entry = self._entry(module, attr)
+        t = self.overrides.get(entry.key)
+        return self.read(entry) if t is None else t
+
+    def override(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+        """From now on `module` runs with `tensor` as `attr` (held in memory: a fold
+        changes one matrix per run, so this stays a few matrices)."""
+        entry = self._entry(module, attr)
+        self.overrides[entry.key] = tensor
+        if id(module) in self.loaded:
+            _place(module, attr, tensor)
 
     def attach(self) -> None:
-        for i, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(self._hook(i), prepend=True)
+        """Every unit to its placeholder, and the hooks that load and release it."""
+        for u in self.units.values():
+            self.unload(u)
+            u.module.register_forward_pre_hook(self._loader(u), prepend=True)
+            u.module.register_forward_hook(self._releaser(u), always_call=True)
 
-    def _hook(self, i: int):  # type: ignore[no-untyped-def]
+    def _loader(self, u: Unit):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple) -> None:
-            self.load(i)
+            self.load(u)
+
+        return hook
+
+    def _releaser(self, u: Unit):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.unload(u)
 
         return hook
 
 
+def _legacy(attr: str) -> bool:
+    """A tensor old checkpoints carry that today's modules compute (the rotary
+    frequencies): `from_pretrained` ignores it with a warning, so does the streamer."""
+    return attr == "inv_freq"
+
+
 def streamer_of(model: nn.Module) -> BlockStreamer | None:
-    """The streamer of a model `load_streamed` made, None for a model held whole."""
+    """The streamer of a model `build_streamed` made, None for a model held whole."""
     return getattr(model, "_lorp_streamer", None)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where `model` computes: its streamer's device, else its first parameter's."""
+    streamer = streamer_of(model)
+    return streamer.device if streamer is not None else next(model.parameters()).device
 
 
 def build_streamed(
@@ -174,9 +251,9 @@ def build_streamed(
     trust_remote_code: bool = False,
     head: bool = True,
 ) -> nn.Module:
-    """The causal LM of checkpoint directory `path` with its blocks streamed from disk.
-    `head=False` leaves the LM head unread (on the meta device): enough for capture,
-    which runs the decoder stack only, and one embedding matrix less in memory."""
+    """The causal LM of checkpoint directory `path` with its matrices streamed from disk.
+    `head=False` gives the LM head no unit (it stays on the meta device): enough for
+    capture, which runs the decoder stack only."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -186,8 +263,11 @@ def build_streamed(
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=trust_remote_code
         )
-    streamer = BlockStreamer(model, tensor_index(path), dtype, device)
-    streamer.load_resident(head)
+    index = tensor_index(path)
+    if not head:
+        index = {k: e for k, e in index.items() if not k.startswith("lm_head.")}
+    streamer = BlockStreamer(model, index, dtype, device)
+    streamer.load_vectors()
     _tie_or_check(model, config, streamer, head)
     streamer.attach()
     model._lorp_streamer = streamer  # type: ignore[assignment]
@@ -195,23 +275,29 @@ def build_streamed(
 
 
 def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: bool) -> None:
-    """Tie the LM head to the embeddings where the config says so and the files hold no
-    head of their own; then every parameter must be loaded or streamed from the files."""
+    """Give the LM head the embeddings' matrix where the config ties them and the files
+    hold no head of their own; then every parameter must be resident or streamed."""
     lm_head = getattr(model, "lm_head", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    tied = text.tie_word_embeddings
-    if head and lm_head is not None and lm_head.weight.device.type == "meta" and tied:
-        lm_head.weight = model.get_input_embeddings().weight
-    names = {id(m): n for n, m in model.named_modules()}
-    streamed = {
-        f"{names[id(block)]}.{rel}"
-        for block, entries in zip(streamer.blocks, streamer.streamed, strict=True)
-        for rel, _ in entries
-    }
+    embed = model.get_input_embeddings()
+    if (
+        head
+        and lm_head is not None
+        and id(lm_head) not in streamer.units
+        and text.tie_word_embeddings
+    ):
+        source = streamer.units.get(id(embed))
+        if source is not None:
+            streamer.unit(lm_head, "lm_head").tensors.append(("weight", source.tensors[0][1]))
+            streamer.tied = True
+    covered = {id(u.module) for u in streamer.units.values()}
     missing = [
         n
-        for n, p in model.named_parameters()
-        if p.device.type == "meta" and n not in streamed and (head or not n.startswith("lm_head."))
-    ]
+        for name, m in model.named_modules()
+        for attr, p in m._parameters.items()
+        if p is not None and p.device.type == "meta" and id(m) not in covered
+        and (head or not name.startswith("lm_head"))
+        for n in [f"{name}.{attr}".lstrip(".")]
+    ]  # fmt: skip
     if missing:
         raise ValueError(f"checkpoint has no tensor for {missing[0]!r} ({len(missing)} missing)")

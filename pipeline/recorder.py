@@ -278,7 +278,7 @@ class Recorder:
         """A model no worker holds whole has no speed pass: its forwards read every block
         from disk, so a timing would measure the disk. Said in every row it concerns."""
         reason = (
-            "not timed: the model is streamed block by block (too large for one worker), "
+            "not timed: the model is streamed a module at a time (too large for one worker), "
             "and a streamed forward times the disk, not the model"
         )
         for p in points:

@@ -172,7 +172,7 @@ class Resources:
     """GPUs per Ray task/actor (1 on a GPU cluster)."""
     memory_gib: float | None = None
     """Memory one worker of this stage may use, GiB: the model is held whole when it fits
-    with the stage's activations, else streamed block by block (`lorp.sizing`). Default:
+    with the stage's activations, else streamed a module at a time (`lorp.sizing`). Default:
     the largest Ray node's memory (its devices' memory on GPUs)."""
 
     def __post_init__(self) -> None:

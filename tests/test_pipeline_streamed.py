@@ -1,5 +1,5 @@
 """A job whose workers have less memory than the model: the plan streams its capture and
-evaluation block by block, on a real local Ray and sqlite MLflow, and the figures are the
+evaluation a module at a time, on a real local Ray and sqlite MLflow, and the figures are the
 ones the same job computes with the model held whole."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def between(model: Path, stage: str, batch: int, seq_len: int) -> float:
     size = weight_size(tensor_index(model), torch.float32)
     shape = Shape.from_config(json.loads((model / "config.json").read_text()))
     acts = stage_activations(stage, shape, batch, seq_len, 4)  # type: ignore[arg-type]
-    streamed = size.resident + 2 * size.largest_block + acts
+    streamed = size.resident + 2 * size.largest_unit + acts
     whole = size.total + acts  # one copy (a CPU point holds two where they fit)
     assert streamed < whole
     return (streamed + whole) / 2 / HEADROOM / GIB
@@ -97,7 +97,9 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     a = SimilarityStats.from_file(next(r["stats_file"] for r in rows.values()))
     b = SimilarityStats.from_file(next(r["stats_file"] for r in held.values()))
     assert a.tokens == b.tokens > 0
-    assert torch.allclose(a._sum, b._sum, rtol=0, atol=1e-6)
+    # 1e-6 of the largest sum (576, the diagonal): the streamed capture takes the whole
+    # shard per forward, the held one the job's batch, so the fp32 sums round apart.
+    assert torch.allclose(a._sum, b._sum, rtol=0, atol=1e-6 * float(b._sum.abs().max()))
     # The repaired variant was written from the files with the fold applied: tensor for
     # tensor what the in-memory surgery of the job held whole wrote.
     repaired = next(k for k in rows if k[1] == "linear")

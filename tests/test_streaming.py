@@ -1,5 +1,5 @@
 """Checkpoints larger than memory (`lorp.sizing`, `lorp.streaming`, `lorp.file_surgery`):
-on every tiny family, a model streamed block by block from its files gives the in-memory
+on every tiny family, a model streamed a module at a time from its files gives the in-memory
 model's S, last-token statistics, repair sums and perplexity, and the pruned (and
 repaired) checkpoint written from the files is the in-memory surgery's, tensor for tensor
 and config key for key. The sizes read from the headers are the loaded model's bytes."""
@@ -87,35 +87,63 @@ def test_streamed_equals_in_memory(family: str, checkpoints: dict[str, Path]) ->
     assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
 
 
-def test_streaming_holds_one_block(checkpoints: dict[str, Path]) -> None:
-    """At most one block's matrices are on a real device, and each forward of a batch
-    reads each block once."""
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_streamed_zero_shot_loglikelihoods_equal_in_memory(
+    family: str, checkpoints: dict[str, Path]
+) -> None:
+    """The transformers backend's zero-shot scoring (lm-eval's HFLM, continuation head) on
+    a streamed model gives the in-memory log-likelihoods; Gemma 3 ties its head."""
+    from tiny_models import word_tokenizer
+
+    from pipeline.evaluation.zero_shot import hf_lm
+
+    tokenizer = word_tokenizer(["a"], add_bos=False)
+    g = torch.Generator().manual_seed(1)
+    requests = []
+    for i, (n, k) in enumerate([(5, 1), (9, 2), (17, 3), (3, 4), (30, 1)]):
+        tokens = torch.randint(3, VOCAB, (n + k,), generator=g).tolist()
+        requests.append(((f"context {i}", f"continuation {i}"), tokens[:n], tokens[n:]))
+    got = {}
+    for name, model in (("memory", in_memory(checkpoints[family])),
+                        ("streamed", build_streamed(checkpoints[family]))):  # fmt: skip
+        got[name] = hf_lm(model, tokenizer, 2)._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [f for _, f in got["streamed"]] == [f for _, f in got["memory"]]
+    for (a, _), (b, _) in zip(got["streamed"], got["memory"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5) and a < 0
+
+
+def test_streaming_holds_one_matrix(checkpoints: dict[str, Path]) -> None:
+    """At most one module's matrices (a projection, the embeddings, the head) are on a
+    real device at any time, and a forward of a batch reads each of them once."""
     streamed = build_streamed(checkpoints["llama"])
     streamer = streamer_of(streamed)
     assert streamer is not None
+    # Every block's 7 projections, the embeddings and the head.
+    assert len(streamer.units) == 7 * N_BLOCKS + 2
     held: list[int] = []
 
     def count(module: torch.nn.Module, args: tuple) -> None:
-        held.append(
-            sum(1 for b in decoder_blocks(streamed) if b.mlp.down_proj.weight.device.type != "meta")
-        )
+        held.append(sum(1 for p in streamed.parameters() if p.dim() >= 2 and not p.is_meta))
 
-    for block in decoder_blocks(streamed):
-        block.register_forward_pre_hook(count)
+    for u in streamer.units.values():
+        u.module.register_forward_pre_hook(count)
     perplexity(streamed, windows(), batch_size=4)
-    assert held == [1] * N_BLOCKS
-    assert streamer.reads == N_BLOCKS
+    assert held == [1] * len(streamer.units)
+    assert streamer.reads == len(streamer.units)
+    assert all(p.is_meta for p in streamed.parameters() if p.dim() >= 2)
 
 
 def test_a_skipped_block_changes_the_figures(checkpoints: dict[str, Path]) -> None:
-    """The equality above can fail: a streamer that serves block 2's weights for block 3
-    gives another perplexity."""
+    """The equality above can fail: a streamer that serves block 2's MLP weights for
+    block 3's gives another perplexity."""
     path = checkpoints["llama"]
     streamed = build_streamed(path)
     streamer = streamer_of(streamed)
     assert streamer is not None
-    wrong = [rel_entry for rel_entry in streamer.streamed[2]]
-    streamer.streamed[3] = wrong
+    blocks = decoder_blocks(streamed)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        source = streamer.units[id(getattr(blocks[2].mlp, name))]
+        streamer.units[id(getattr(blocks[3].mlp, name))].tensors = list(source.tensors)
     x = windows()
     assert perplexity(streamed, x) != pytest.approx(perplexity(in_memory(path), x), rel=1e-3)
 
@@ -143,7 +171,7 @@ def test_decide_memory_streamed_refused(checkpoints: dict[str, Path]) -> None:
     roomy = decide("capture", size, shape, worker_bytes=GIB, **kw)
     assert roomy.mode == "memory" and roomy.need_bytes == roomy.memory_bytes
     # Enough for the resident parts, two blocks and the activations, not the whole model.
-    streamed_need = roomy.memory_bytes - size.total + size.resident + 2 * size.largest_block
+    streamed_need = roomy.memory_bytes - size.total + size.resident + 2 * size.largest_unit
     tight = int(streamed_need / 0.8) + 1
     d = decide("capture", size, shape, worker_bytes=tight, **kw)
     assert (d.mode, d.need_bytes, d.batch) == ("streamed", streamed_need, 2)
@@ -257,7 +285,7 @@ def test_file_surgery_shards_and_dtype(checkpoints: dict[str, Path], tmp_path: P
 def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
     checkpoints: dict[str, Path],
 ) -> None:
-    """The fold changes the resident tensors in place and `down_proj` by an override:
+    """The fold changes the resident vectors in place and matrices by overrides:
     the repaired, pruned streamed model computes what the in-memory one does."""
     path = checkpoints["olmo2"]  # a normed fit: down_proj and the post-MLP norm change
     dense, streamed = in_memory(path), build_streamed(path)
@@ -271,7 +299,9 @@ def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
         drop_layers(model, layers)
     x = windows()
     assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
-    assert len(streamer_of(streamed).overrides) == 1  # run 3-4 folds into block 2
+    # Run 0-0 folds into the embeddings, run 3-4 into block 2's down_proj.
+    overrides = streamer_of(streamed).overrides
+    assert set(overrides) == {"model.embed_tokens.weight", "model.layers.2.mlp.down_proj.weight"}
 
 
 def test_only_the_checkpoints_own_files_are_read(
@@ -292,6 +322,26 @@ def test_only_the_checkpoints_own_files_are_read(
     assert perplexity(build_streamed(copy), x) == pytest.approx(perplexity(in_memory(copy), x))
     out = write_pruned_files(copy, tmp_path / "out", [1], {})
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_legacy_rotary_frequencies_are_ignored_as_from_pretrained_does(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Old Llama checkpoints carry `rotary_emb.inv_freq`, which today's modules compute:
+    the streamer skips it (with any tensor the model has no place for it still refuses)."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    x = windows()
+    assert perplexity(build_streamed(copy), x) == pytest.approx(perplexity(in_memory(copy), x))
+    tensors["model.layers.0.self_attn.nonsense.weight"] = torch.ones(8, 8)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.nonsense.weight' has no place"):
+        build_streamed(copy)
 
 
 def test_block_keys_split_at_the_blocks_index() -> None:

@@ -14,7 +14,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lorp.sizing import Decision, Shape, TooLargeError, decide, tensor_index, weight_size
+from lorp.sizing import (
+    Decision,
+    Shape,
+    TooLargeError,
+    decide,
+    tensor_index,
+    weight_size,
+)
 from lorp.sources import parse_dtype, read_config
 from pipeline.spec import JobSpec, Resources, SpecError
 
@@ -67,9 +74,26 @@ def _repair_sums(spec: JobSpec, plan: ModelPlan, d: int) -> tuple[int, int]:
     return 2 * min(int(spec.resources.repair_memory_gib * GIB), one * plan.n_blocks), 2 * one
 
 
+FIT_MATRICES = 12
+"""d x d float64 matrices a run's fit holds at once: its sums and the held-out ones
+(4), the unrepaired map, the regularised pair and its factor (3), the candidate and the
+chosen map, and a normed fit's rotation, its update and their products
+(`lorp.repair.fit_runs`)."""
+
+
+def _fit_bytes(spec: JobSpec, shape: Shape, itemsize: int, runs: int) -> int:
+    """What a repaired point holds besides its model: one run's fit at a time, and a
+    streamed model's fold overrides (one `down_proj` per run, kept while it evaluates;
+    held whole, the fold's one result before it is copied in). 0 without repair."""
+    if "linear" not in spec.repair:
+        return 0
+    down = shape.hidden * shape.intermediate * itemsize
+    return FIT_MATRICES * 8 * shape.hidden**2 + max(runs, 1) * down
+
+
 def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
     """`plan` with its capture and evaluation decisions; SpecError (one line, naming the
-    model, the need and the worker) when even a block at a time does not fit."""
+    model, the need and the worker) when even a module at a time does not fit."""
     dtype = parse_dtype(plan.spec.dtype)
     itemsize = dtype.itemsize
     size = weight_size(tensor_index(plan.path), dtype)
@@ -78,6 +102,9 @@ def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
     res = spec.resources
     capture_workers = res.capture_workers or cal.shards
     sums = _repair_sums(spec, plan, shape.hidden)
+    # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
+    runs = min(max(plan.budgets, default=0), (plan.n_blocks + 1) // 2)
+    fit = _fit_bytes(spec, shape, itemsize, runs)
     # The most windows one forward may take when streamed: a capture worker's shard (or
     # the held-out calibration windows its repair pass sums), the windows of one corpus.
     shard = max(-(-cal.samples // cal.shards), cal.loss_samples)  # the held-out windows too
@@ -103,7 +130,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
                 itemsize=itemsize,
                 label=plan.label,
                 max_batch=min(most, MAX_EVAL_BATCH) if stage == "evaluate" else most,
-                kept_bytes=sums if stage == "capture" else (0, 0),
+                kept_bytes=sums if stage == "capture" else (fit, fit),
                 # A CPU grid worker keeps the model it loaded and works on a copy.
                 copies=2 if stage == "evaluate" and resources.num_gpus == 0 else 1,
             )

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from lorp.streaming import device_of
+
 
 def speedup_bound(n_blocks: int, removed: int) -> float:
     """The most a prefill can speed up when `removed` of `n_blocks` blocks go."""
@@ -59,7 +61,7 @@ def speedup_bound(n_blocks: int, removed: int) -> float:
 
 
 def _ids(model: Any, seq_len: int, seed: int = 0) -> torch.Tensor:
-    device = next(model.parameters()).device
+    device = device_of(model)
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, int(model.config.vocab_size), (1, seq_len), generator=g).to(device)
 

@@ -150,11 +150,19 @@ def hf_zero_shot(
     """The transformers backend: lm-eval's HFLM around an already loaded model, scoring
     through `continuation_head_hflm` (the LM head only where a log-likelihood reads it) at
     a batch of at least `ZERO_SHOT_BATCH` wherever the model is a supported family."""
-    cls = continuation_head_hflm()
     if continuation_head_supported(model):
         batch_size = max(batch_size, ZERO_SHOT_BATCH)
-    lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    return evaluate_zero_shot(lm, names, limit=limit)
+    return evaluate_zero_shot(hf_lm(model, tokenizer, batch_size), names, limit=limit)
+
+
+def hf_lm(model: Any, tokenizer: Any, batch_size: int) -> Any:
+    """`continuation_head_hflm` around `model`, on the device the model computes on (HFLM
+    reads its first parameter's: a streamed model's is on the meta device)."""
+    from lorp.streaming import device_of
+
+    lm = continuation_head_hflm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    lm._device = device_of(model)
+    return lm
 
 
 def continuation_head_supported(model: Any) -> bool:

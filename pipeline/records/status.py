@@ -49,7 +49,7 @@ class RunStatus:
     now: list[str] = field(default_factory=list)
     """What runs now: units the driver started and has not seen end."""
     memory: list[str] = field(default_factory=list)
-    """Models a stage streams block by block (too large for its workers), one line each."""
+    """Models a stage streams a module at a time (too large for its workers), one line each."""
     waiting: list[str] = field(default_factory=list)
     """Stages waiting for resources no node offers (the driver's `waiting` events that
     nothing of their model has followed yet)."""

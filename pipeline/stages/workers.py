@@ -37,6 +37,7 @@ import ray
 
 from lorp.repair_stats import RepairStats
 from lorp.similarity import SimilarityStats
+from lorp.streaming import device_of
 from pipeline.cluster.faults import maybe_fail
 from pipeline.cluster.model_source import ModelSource, load_checked
 from pipeline.records import timeline
@@ -555,7 +556,7 @@ def _free_bytes(model: Any) -> float:
     """Memory free where the model lives: the GPU's, else the machine's available RAM."""
     import torch
 
-    device = next(model.parameters()).device
+    device = device_of(model)
     if device.type == "cuda":
         return float(torch.cuda.mem_get_info(device)[0])
     try:
