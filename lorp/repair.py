@@ -415,8 +415,10 @@ def _check_finite(T: torch.Tensor, run: Run) -> None:
 
 @torch.no_grad()
 def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
-    """Fold every fit into the dense (not yet pruned) `model`, in place (a streamed
-    model's `down_proj` by an override its streamer serves, `lorp.streaming`)."""
+    """Fold every fit into the dense (not yet pruned) `model`, in place. A streamed
+    model's matrix gets an override its streamer serves (`lorp.streaming`), folded from
+    the file's tensor in the file's dtype: what `lorp.file_surgery` writes into the
+    variant's checkpoint, so the figures are the checkpoint's."""
     from lorp.streaming import streamer_of
 
     streamer = streamer_of(model)  # a streamed model: its matrices are overrides
@@ -428,16 +430,17 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
             if _tied(model):
                 raise RepairRefused("a run from block 0 cannot fold into tied embeddings")
             embedding = decoder_stack(model).embed_tokens
-            if streamer is not None:
-                weight = streamer.tensor(embedding, "weight")
-                streamer.override(embedding, "weight", folded_embeddings(weight, fit))
+            if streamer is not None:  # folded as the variant's file will hold it
+                weight = streamer.stored(embedding, "weight")
+                folded = folded_embeddings(weight, fit).to(streamer.dtype)
+                streamer.override(embedding, "weight", folded)
             else:
                 embedding.weight.copy_(folded_embeddings(embedding.weight, fit))
             continue
         down = blocks[s - 1].mlp.down_proj
-        if streamer is not None:
-            weight = streamer.tensor(down, "weight")
-            streamer.override(down, "weight", folded_down_weight(weight, fit))
+        if streamer is not None:  # folded as the variant's file will hold it
+            weight = streamer.stored(down, "weight")
+            streamer.override(down, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
         else:
             down.weight.copy_(folded_down_weight(down.weight, fit))
         if down.bias is not None:

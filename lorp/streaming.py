@@ -133,15 +133,16 @@ class BlockStreamer:
             u = self.units[id(module)] = Unit(module, name)
         return u
 
-    def read(self, entry: TensorEntry) -> torch.Tensor:
-        """One tensor from its file, at the model's dtype (floating ones) on its device."""
+    def read(self, entry: TensorEntry, convert: bool = True) -> torch.Tensor:
+        """One tensor from its file on the streamer's device, floating ones at the model's
+        dtype (`convert=False`: at the file's)."""
         from safetensors import safe_open
 
         handle = self._files.get(entry.file)
         if handle is None:
             handle = self._files[entry.file] = safe_open(str(entry.file), framework="pt")
         t = handle.get_tensor(entry.key)
-        if t.is_floating_point() and t.dtype != self.dtype:
+        if convert and t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t.to(self.device)
 
@@ -192,11 +193,9 @@ class BlockStreamer:
                 return entry
         raise KeyError(f"{attr!r} of {type(module).__name__} is not a streamed matrix")
 
-    def tensor(self, module: nn.Module, attr: str) -> torch.Tensor:
-        """The matrix `attr` of `module` as the model runs it (an override, else the file's)."""
-        entry = self._entry(module, attr)
-        t = self.overrides.get(entry.key)
-        return self.read(entry) if t is None else t
+    def stored(self, module: nn.Module, attr: str) -> torch.Tensor:
+        """The matrix `attr` of `module` as its file stores it (the file's dtype)."""
+        return self.read(self._entry(module, attr), convert=False)
 
     def override(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
         """From now on `module` runs with `tensor` as `attr` (held in memory: a fold

@@ -55,7 +55,7 @@ def run_job(
     recorder = Recorder(spec, force, progress or Progress(bar=False), force_speed=force_speed)
     done = recorder.open()
     init_ray(spec)
-    plans = [plan_memory(spec, p) for p in plans]  # needs the cluster's memory
+    plans = [plan_memory(spec, p, backend) for p in plans]  # needs the cluster's memory
     for p in plans:
         recorder.memory_planned(p)
     kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"

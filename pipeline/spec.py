@@ -454,6 +454,12 @@ class JobSpec:
             raise SpecError(
                 "evaluation.backend: vllm scores saved checkpoints; set save_checkpoints: true"
             )
+        tp, gpus = self.evaluation.tensor_parallel_size, self.resources.grid.num_gpus
+        if self.evaluation.backend != "transformers" and 0 < gpus < tp:
+            raise SpecError(
+                f"evaluation.tensor_parallel_size: {tp} needs as many GPUs per vLLM evaluator, "
+                f"and resources.grid.num_gpus is {gpus:g}"
+            )
 
     @property
     def run_dir(self) -> Path:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
 from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, weight_size
-from pipeline.cluster.memory import plan_memory
+from pipeline.cluster.memory import check_vllm_fits, plan_memory
 from pipeline.plan import plan_models
 from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import read_events
@@ -119,3 +119,35 @@ def test_a_model_that_does_not_fit_even_streamed_is_refused(tmp_path: Path) -> N
     with pytest.raises(SpecError, match=r"model 'tiny' cannot run its capture even streamed"):
         plan_memory(spec, plan)
     assert not (tmp_path / "grid").exists()
+
+
+def test_vllm_on_gpus_too_small_for_the_model_is_refused_while_planning(tmp_path: Path) -> None:
+    """vLLM holds a whole variant over `tensor_parallel_size` GPUs: a model whose weights
+    do not fit them is refused before any checkpoint, naming the size that fits; and an
+    evaluator cannot shard over more GPUs than it has."""
+    model = save_tiny_ptb("llama", tmp_path / "llama")
+    size = weight_size(tensor_index(model), torch.float32)
+    # Room for half the weights per GPU, not all of them.
+    gpu_gib = 0.6 * size.total / HEADROOM / GIB
+    job = {
+        "save_checkpoints": True,
+        "evaluation": EVAL | {"backend": "vllm"},
+        "resources": {"grid": {"num_gpus": 1, "memory_gib": gpu_gib}, "capture": {"memory_gib": 1}},
+    }
+    spec = parse_spec(tiny_job(tmp_path, model, **job))
+    (plan,) = plan_models(spec)
+    with pytest.raises(SpecError, match=r"model 'tiny': its .* GiB of weights do not fit vLLM "
+                       r"on 1 GPU\(s\) .* set evaluation.tensor_parallel_size: 2 and "
+                       r"resources.grid.num_gpus: 2$"):  # fmt: skip
+        plan_memory(spec, plan, "vllm")
+    job["evaluation"] = EVAL | {"backend": "vllm", "tensor_parallel_size": 2}
+    with pytest.raises(SpecError, match=r"^evaluation.tensor_parallel_size: 2 needs as many GPUs "
+                       r"per vLLM evaluator, and resources.grid.num_gpus is 1$"):  # fmt: skip
+        parse_spec(tiny_job(tmp_path, model, **job))
+    job["resources"] = {
+        "grid": {"num_gpus": 2, "memory_gib": gpu_gib},
+        "capture": {"memory_gib": 1},
+    }
+    spec = parse_spec(tiny_job(tmp_path, model, **job))
+    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    check_vllm_fits(spec, plan_models(spec)[0], size, shape)  # two GPUs hold it

@@ -304,6 +304,31 @@ def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
     assert set(overrides) == {"model.embed_tokens.weight", "model.layers.2.mlp.down_proj.weight"}
 
 
+def test_a_streamed_fold_evaluates_what_its_bf16_checkpoint_holds(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A bf16 checkpoint's variant is written in bf16, the fold rounded there: the
+    streamed model runs that rounded fold, so its perplexity is the written variant's."""
+    bf16 = tmp_path / "bf16"
+    in_memory(checkpoints["llama"]).to(torch.bfloat16).save_pretrained(bf16)
+    layers = [3, 4]
+    stats = capture_repair_stats(
+        in_memory(bf16), [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+    )
+    fits = fit_runs(in_memory(bf16), stats)
+    streamed = build_streamed(bf16)
+    fold(streamed, fits)
+    drop_layers(streamed, layers)
+    written = write_pruned_files(bf16, tmp_path / "variant", layers, {}, fits=fits)
+    x = windows()
+    assert perplexity(streamed, x) == pytest.approx(perplexity(in_memory(written), x), rel=1e-6)
+    # Held whole in fp32, the fold is not rounded: the figures differ, so the test can fail.
+    dense = in_memory(bf16)
+    fold(dense, fits)
+    drop_layers(dense, layers)
+    assert perplexity(dense, x) != pytest.approx(perplexity(streamed, x), rel=1e-6)
+
+
 def test_only_the_checkpoints_own_files_are_read(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:

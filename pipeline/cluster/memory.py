@@ -15,10 +15,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lorp.sizing import (
+    HEADROOM,
     Decision,
     Shape,
     TooLargeError,
+    WeightSize,
     decide,
+    gib,
     tensor_index,
     weight_size,
 )
@@ -91,13 +94,42 @@ def _fit_bytes(spec: JobSpec, shape: Shape, itemsize: int, runs: int) -> int:
     return FIT_MATRICES * 8 * shape.hidden**2 + max(runs, 1) * down
 
 
-def plan_memory(spec: JobSpec, plan: ModelPlan) -> ModelPlan:
+def check_vllm_fits(spec: JobSpec, plan: ModelPlan, size: WeightSize, shape: Shape) -> None:
+    """On GPUs vLLM holds a whole variant (the dense model first), its weights split over
+    `tensor_parallel_size` GPUs: where they do not fit `HEADROOM` of those GPUs, a
+    SpecError names the model and the smallest tensor parallel size that fits (one that
+    divides the attention heads), before any checkpoint is written."""
+    res, tp = spec.resources.grid, spec.evaluation.tensor_parallel_size
+    gpu = worker_bytes(res, 1)
+    if size.total / tp <= HEADROOM * gpu:
+        return
+    fits = [
+        t
+        for t in (2, 4, 8, 16, 32, 64)
+        if size.total / t <= HEADROOM * gpu
+        and shape.heads % t == 0
+        and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0)
+    ]
+    hint = (
+        f"set evaluation.tensor_parallel_size: {fits[0]} and resources.grid.num_gpus: {fits[0]}"
+        if fits
+        else "no tensor parallel size up to 64 that divides its attention heads fits"
+    )
+    raise SpecError(
+        f"model {plan.label!r}: its {gib(size.total)} of weights do not fit vLLM on "
+        f"{tp} GPU(s) of {gib(gpu)} ({HEADROOM:.0%} usable): {hint}"
+    )
+
+
+def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -> ModelPlan:
     """`plan` with its capture and evaluation decisions; SpecError (one line, naming the
     model, the need and the worker) when even a module at a time does not fit."""
     dtype = parse_dtype(plan.spec.dtype)
     itemsize = dtype.itemsize
     size = weight_size(tensor_index(plan.path), dtype)
     shape = Shape.from_config(read_config(plan.path))
+    if backend == "vllm" and spec.resources.grid.num_gpus > 0:
+        check_vllm_fits(spec, plan, size, shape)
     cal, ev = spec.calibration, spec.evaluation
     res = spec.resources
     capture_workers = res.capture_workers or cal.shards
