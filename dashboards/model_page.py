@@ -62,6 +62,17 @@ def header(mv: View) -> Markup:
     )
 
 
+def memory(mv: View) -> Markup | None:
+    """The memory plan's line: held whole or streamed, per stage; why speed is absent."""
+    m = mv.get("memory")
+    if not m:
+        return None
+    parts = [el("span", s["text"], data_stage=s["stage"], data_mode=s["mode"]) for s in m["stages"]]
+    joined = [x for i, p in enumerate(parts) for x in ([p] if i == 0 else ["; ", p])]
+    skipped = [" Speed: ", m["speed_skipped"], "."] if m["speed_skipped"] else []
+    return el("p", "Memory plan: ", *joined, ".", *skipped, class_="memory-plan")
+
+
 S_CAPTION = (
     "Inter-layer similarity S of {model} (the paper's Fig. 1): mean per-token cosine "
     "similarity between the residual-stream states entering blocks i and j, over the "
@@ -322,6 +333,7 @@ def model_page(mv: View, S: np.ndarray | None, profiles: Mapping[str, np.ndarray
     return page(
         mv["model"],
         header(mv),
+        memory(mv),
         s_figures(mv["model"], S, profiles),
         clusters(mv),
         layer_maps(mv),

@@ -21,6 +21,7 @@ fallback (`links.py`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -501,6 +502,32 @@ def repair_pairs(points: Sequence[Row], metric: str | None) -> list[View]:
     return sorted(out, key=lambda v: (v["label"], v["budget"]))
 
 
+def memory_view(rows: Sequence[Row]) -> View | None:
+    """How the model's stages held it (`memory_plan`: the latest row's that has one) and
+    why its speed was not timed (`speed_skipped`), None for rows from before either."""
+    plans = [r for r in rows if r.get("memory_plan")]
+    if not plans:
+        return None
+    latest = max(plans, key=lambda r: str(r.get("ended") or r.get("timestamp") or ""))
+    try:
+        plan = json.loads(latest["memory_plan"])
+    except (TypeError, ValueError):
+        return None
+    stages = [
+        {
+            "stage": stage,
+            "mode": d.get("mode"),
+            "text": f"{stage} {d.get('mode')} ({d.get('batch')} windows per pass, plans "
+            f"{d.get('need_gib', 0):.3g} GiB of a worker's {d.get('worker_gib', 0):.3g} GiB; "
+            f"held whole it needs {d.get('memory_gib', 0):.3g} GiB)",
+        }
+        for stage, d in sorted(plan.items())
+        if isinstance(d, Mapping)
+    ]
+    skipped = next((r["speed_skipped"] for r in rows if r.get("speed_skipped")), None)
+    return {"stages": stages, "speed_skipped": skipped}
+
+
 def model_view(
     model: str,
     rows: Sequence[Row],
@@ -531,4 +558,5 @@ def model_view(
         "repair_metric": ppl_metric(rows),
         "dense_metric": finite(dense.get(ppl_metric(rows) or "")) if dense else None,
         "jobs": tracking_view({j: tracking.get(j, NO_TRACKING) for j in jobs}, mlflow_ui),
+        "memory": memory_view(rows),
     }

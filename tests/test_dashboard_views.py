@@ -380,6 +380,41 @@ def test_repaired_variants_sit_beside_their_twins(tmp_path: Path) -> None:
     assert "Dense: 10.00." in page and 'data-v="4.0"' in page
 
 
+def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path: Path) -> None:
+    """A streamed model's page says how each stage held it and why its speed is absent;
+    a page of rows without a plan (older catalogs) says nothing about it."""
+    import json
+
+    plan = {
+        "capture": {"mode": "streamed", "batch": 8, "need_gib": 6.368, "worker_gib": 7.96,
+                    "memory_gib": 56.779, "kept_gib": 3.98},
+        "evaluate": {"mode": "memory", "batch": 2, "need_gib": 1.5, "worker_gib": 7.96,
+                     "memory_gib": 1.5, "kept_gib": 0.0},
+    }  # fmt: skip
+    reason = "not timed: the model is streamed a module at a time"
+    rows = [
+        row("big", "dense", 0, ppl_ptb=10.0, memory_plan=json.dumps(plan), speed_skipped=reason),
+        row("big", "lorp", 2, ppl_ptb=12.0, memory_plan=json.dumps(plan), speed_skipped=reason),
+        row("small", "dense", 0, ppl_ptb=10.0),
+        row("small", "lorp", 2, ppl_ptb=12.0),
+    ]
+    m = views.memory_view(rows[:2])
+    assert m is not None and m["speed_skipped"] == reason
+    assert [s["text"] for s in m["stages"]] == [
+        "capture streamed (8 windows per pass, plans 6.37 GiB of a worker's 7.96 GiB; "
+        "held whole it needs 56.8 GiB)",
+        "evaluate memory (2 windows per pass, plans 1.5 GiB of a worker's 7.96 GiB; "
+        "held whole it needs 1.5 GiB)",
+    ]
+    assert views.memory_view(rows[2:]) is None
+    build_site(rows, tmp_path / "site")
+    big = (tmp_path / "site" / "model-big.html").read_text()
+    assert big.count('class="memory-plan"') == 1
+    assert '<span data-stage="capture" data-mode="streamed">capture streamed (8' in big
+    assert f"Speed: {reason}." in big
+    assert 'class="memory-plan"' not in (tmp_path / "site" / "model-small.html").read_text()
+
+
 # -- the job's timeline ------------------------------------------------------------------
 
 
