@@ -16,6 +16,11 @@ torch, transformers and `lorp/`, which is all the device image has of ours):
                      (a normed fit capped at --normed-rounds, each one d x d SVD).
 4. prune             selection, fold + surgery, and `save_pretrained` of the pruned
                      model, timed; its forward tokens/s against dense, beside N/(N-k).
+6. streamed          (`--streamed`, on by default) the llama-8b shape saved as a bf16
+                     checkpoint, S and perplexity in memory, then with the process's device
+                     memory capped below the model's size (`set_per_process_memory_fraction`)
+                     streamed a module at a time from the files (`lorp.streaming`): time,
+                     peak memory, and |dS|, |d ppl| against the in-memory figures.
 5. serving           (where vLLM is installed; `--serving`, on by default on CUDA) the
                      8B Llama shape in bf16, dense and with 8 and 12 blocks removed, each
                      served by its own vLLM engine with `pipeline.evaluation.serving`
@@ -256,6 +261,92 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     return r
 
 
+def _held_whole(args: argparse.Namespace, shape: str, dtype: torch.dtype, out: Path,
+                r: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor, Any]:  # fmt: skip
+    """Section 6's reference: the model saved to `out`, then S and perplexity held whole
+    (its batches, perplexity windows and S returned; figures into `r`)."""
+    from lorp.perplexity import perplexity
+
+    device = args.device
+    model = build(shape, args.tiny, device).to(dtype)
+    t0 = time.perf_counter()
+    model.save_pretrained(out, safe_serialization=True)
+    r["save_s"] = time.perf_counter() - t0
+    g = torch.Generator(device="cpu").manual_seed(2)
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(0, vocab, (args.samples, args.seq_len), generator=g).to(device)
+    batch = max(1, args.batch // 2)
+    batches = [ids[i : i + batch] for i in range(0, len(ids), batch)]
+    ppl_ids = ids[: min(len(ids), 8)]
+    r["memory_s"], held = timed(lambda: capture_stats(model, batches, progress=False), device, 1)
+    r["memory_peak_gib"], _ = peak_gib(
+        device, lambda: capture_stats(model, batches[:1], progress=False)
+    )
+    r["memory_ppl"] = perplexity(model, ppl_ids, batch_size=batch)
+    r["tokens"] = int(ids.numel())
+    return batches, ppl_ids, held
+
+
+def measure_streamed(args: argparse.Namespace) -> dict[str, Any]:
+    """Section 6: the llama-8b shape held whole, then streamed under a memory cap below
+    its size, on the same tokens; S and perplexity must agree."""
+    from lorp.perplexity import perplexity
+    from lorp.sizing import tensor_index, weight_size
+    from lorp.streaming import build_streamed
+
+    device, shape = args.device, "llama-8b"
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    say = lambda msg: print(f"[streamed] {msg}", flush=True)  # noqa: E731
+    r: dict[str, Any] = {"shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+    out = Path(tempfile.mkdtemp(prefix="lorp-stream-", dir=args.scratch))
+    try:
+        batches, ppl_ids, held = _held_whole(args, shape, dtype, out, r)
+        size = weight_size(tensor_index(out), dtype)
+        r["model_gib"], r["largest_unit_gib"] = size.total / 2**30, size.largest_unit / 2**30
+        if cuda:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(0).total_memory
+            cap = 0.75 * size.total  # below the model: held whole it cannot load
+            torch.cuda.set_per_process_memory_fraction(cap / total)
+            r["cap_gib"] = cap / 2**30
+        say(f"{r['model_gib']:.1f} GiB model; in memory {r['memory_s']:.1f} s")
+        streamed = build_streamed(out, dtype=dtype, device=device)
+        r["streamed_s"], got = timed(lambda: capture_stats(streamed, batches, progress=False),
+                                     device, 1)  # fmt: skip
+        r["streamed_peak_gib"], _ = peak_gib(
+            device, lambda: capture_stats(streamed, batches[:1], progress=False)
+        )
+        r["streamed_ppl"] = perplexity(streamed, ppl_ids, batch_size=len(batches[0]))
+        r["s_max_abs_diff"] = float(abs(got.matrix() - held.matrix()).max())
+        r["ppl_rel_diff"] = abs(r["streamed_ppl"] / r["memory_ppl"] - 1)
+        r["streamed_over_memory"] = r["streamed_s"] / r["memory_s"]
+        say(f"streamed {r['streamed_s']:.1f} s ({r['streamed_over_memory']:.1f}x), peak "
+            f"{r['streamed_peak_gib']} GiB; |dS| {r['s_max_abs_diff']:.1e}, "
+            f"ppl rel diff {r['ppl_rel_diff']:.1e}")  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - one device call: keep the other sections
+        r["error"] = f"{type(exc).__name__}: {exc}"
+        say(r["error"])
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        shutil.rmtree(out, ignore_errors=True)
+    return r
+
+
+def render_streamed(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"streamed ({r['shape']}): failed, {r['error']}"
+    cap = f"{r['cap_gib']:.1f} GiB cap" if r.get("cap_gib") else "no cap (CPU)"
+    return (
+        f"streamed ({r['shape']}, {r['dtype']}, {r['model_gib']:.2f} GiB, {cap}): capture "
+        f"{r['streamed_s']:.2f} s vs {r['memory_s']:.2f} s held whole "
+        f"({r['streamed_over_memory']:.1f}x) over {r['tokens']:,} tokens; peak "
+        f"{r['streamed_peak_gib']} vs {r['memory_peak_gib']} GiB; max |dS| "
+        f"{r['s_max_abs_diff']:.1e}; perplexity rel diff {r['ppl_rel_diff']:.1e}"
+    )
+
+
 SERVE_REMOVED = (8, 12)
 """Blocks removed from the 8B shape for the serving figures (NVIDIA's Minitron guide
 kept 22 of 36 layers of Qwen3-8B: 1.66x at concurrency 64 on one H200)."""
@@ -403,6 +494,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="section 5, vLLM serving of the 8B shape (default: on for cuda, off for cpu)",
     )
+    p.add_argument(
+        "--streamed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="section 6, the 8B shape streamed under a memory cap below its size (default on)",
+    )
     p.add_argument("--serve-concurrency", type=int, default=64)
     p.add_argument("--serve-prompt-len", type=int, default=512)
     p.add_argument("--serve-output-len", type=int, default=256)
@@ -448,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     report: dict[str, Any] = {"env": env, "shapes": rows}
     print(render(rows), flush=True)
+    if args.streamed:
+        report["streamed"] = measure_streamed(args)
+        print(render_streamed(report["streamed"]), flush=True)
     if args.serving:
         report["serving"] = measure_serving_8b(args)
         print(render_serving(report["serving"]))

@@ -46,8 +46,14 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path: Path, capsys) -> None:  # ty
         )
     assert {f["form"] for f in rows["gemma3-4b"]["fits"]} == {"normed"}
     assert {f["form"] for f in rows["llama-8b"]["fits"]} == {"full"}
+    # Section 6: the same S and perplexity from the model streamed from its files.
+    streamed = report["streamed"]
+    assert "error" not in streamed, streamed.get("error")
+    assert streamed["s_max_abs_diff"] <= 1e-6 and streamed["ppl_rel_diff"] <= 1e-6
+    assert streamed["tokens"] == 8 * 32 and streamed["memory_ppl"] > 1
     table = capsys.readouterr().out
     assert "| llama-8b" in table and "| gemma3-4b" in table
+    assert "streamed (llama-8b, float32" in table
 
 
 def test_bad_sizes_fail_in_one_line() -> None:
