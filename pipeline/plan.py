@@ -58,6 +58,9 @@ class ModelPlan:
     """Per stage (capture, evaluate): held whole or streamed (`pipeline.cluster.memory`);
     empty until Ray is up, and then every stage is held whole."""
 
+    tensor_parallel: int = 1
+    """GPUs one vLLM engine of this model spans (`pipeline.cluster.memory`); 1 on CPUs."""
+
     def decision(self, stage: str) -> Decision | None:
         """The plan's decision for `stage` (capture, evaluate), None before it is made."""
         return dict(self.memory).get(stage)
@@ -85,7 +88,10 @@ class ModelPlan:
         return default
 
     def memory_record(self) -> dict[str, dict[str, object]]:
-        return {s: d.record() for s, d in self.memory}
+        out = {s: d.record() for s, d in self.memory}
+        if self.tensor_parallel > 1 and "evaluate" in out:
+            out["evaluate"] = out["evaluate"] | {"tensor_parallel_size": self.tensor_parallel}
+        return out
 
     @property
     def label(self) -> str:

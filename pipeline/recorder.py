@@ -134,6 +134,11 @@ class Recorder:
         for _, decision in plan.memory:
             if decision.mode == "streamed":
                 self.progress.note(decision.line(plan.label))
+        if plan.tensor_parallel > 1:
+            self.progress.note(
+                f"{plan.label}: evaluated by vLLM over {plan.tensor_parallel} GPUs per engine "
+                "(tensor parallel: the model does not fit one)"
+            )
 
     def fleet(self, models: int, points: int, driver_s: float) -> None:
         """The fleet's loop ended: how much of the driver's time recording took."""

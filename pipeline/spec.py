@@ -315,8 +315,10 @@ class EvaluationSpec:
     degraded_ratio: float = 3.0
     """A variant whose perplexity (first corpus) exceeds this multiple of dense is marked
     `degraded`: kept in the catalog, never a "best" variant."""
-    tensor_parallel_size: int = 1
-    """vLLM tensor parallelism per evaluation actor."""
+    tensor_parallel_size: int | str = "auto"
+    """vLLM tensor parallelism per evaluation actor: auto (on GPUs, the fewest GPUs whose
+    memory holds the model, `pipeline.cluster.memory.tensor_parallel`; 1 on CPUs) or a
+    number, checked against the model while planning."""
     serving: ServingSpec | None = None
     """Serving throughput of the dense model and every variant through vLLM (the vllm
     backend only): output tokens/s, TTFT, TPOT, and the speed-up over dense."""
@@ -340,7 +342,9 @@ class EvaluationSpec:
         _check_bos(self.bos)
         if not _is_number(self.degraded_ratio) or not self.degraded_ratio > 1.0:
             raise SpecError(f"degraded_ratio: must be a number > 1, got {self.degraded_ratio!r}")
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        tp = self.tensor_parallel_size
+        if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise SpecError(f"tensor_parallel_size: must be auto or an integer >= 1, got {tp!r}")
         if self.serving is not None and self.backend == "transformers":
             raise SpecError("serving: needs the vllm backend (or auto), got backend 'transformers'")
         _positive("seq_len", self.seq_len, minimum=2)
@@ -446,16 +450,17 @@ class JobSpec:
                 raise SpecError(
                     f"methods[{i}].label: {m.key!r} has a '+', which names repaired variants"
                 )
-        if (
-            self.evaluation.enabled
-            and self.evaluation.backend == "vllm"
-            and not self.save_checkpoints
-        ):
+        self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """vLLM scores saved checkpoints, with at most its evaluator's GPUs as shards."""
+        ev = self.evaluation
+        if ev.enabled and ev.backend == "vllm" and not self.save_checkpoints:
             raise SpecError(
                 "evaluation.backend: vllm scores saved checkpoints; set save_checkpoints: true"
             )
-        tp, gpus = self.evaluation.tensor_parallel_size, self.resources.grid.num_gpus
-        if self.evaluation.backend != "transformers" and 0 < gpus < tp:
+        tp, gpus = ev.tensor_parallel_size, self.resources.grid.num_gpus
+        if isinstance(tp, int) and ev.backend != "transformers" and 0 < gpus < tp:
             raise SpecError(
                 f"evaluation.tensor_parallel_size: {tp} needs as many GPUs per vLLM evaluator, "
                 f"and resources.grid.num_gpus is {gpus:g}"

@@ -5,6 +5,7 @@ ones the same job computes with the model held whole."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,15 @@ from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
 from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, weight_size
-from pipeline.cluster.memory import check_vllm_fits, plan_memory
-from pipeline.plan import plan_models
+from pipeline.cluster.memory import plan_memory, tensor_parallel
+from pipeline.plan import GridPoint, plan_models
 from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import read_events
 from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
 from pipeline.spec import SpecError, parse_spec
+from pipeline.stages.pools import EvaluatorPool
+from pipeline.stages.tasks import point_task
 
 pytestmark = [pytest.mark.integration]
 
@@ -121,33 +124,53 @@ def test_a_model_that_does_not_fit_even_streamed_is_refused(tmp_path: Path) -> N
     assert not (tmp_path / "grid").exists()
 
 
-def test_vllm_on_gpus_too_small_for_the_model_is_refused_while_planning(tmp_path: Path) -> None:
-    """vLLM holds a whole variant over `tensor_parallel_size` GPUs: a model whose weights
-    do not fit them is refused before any checkpoint, naming the size that fits; and an
-    evaluator cannot shard over more GPUs than it has."""
+def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
+    """On GPUs, vLLM holds a whole variant: `tensor_parallel_size: auto` (the default)
+    gives an engine the fewest GPUs that hold the model, the point's task asks Ray for
+    them, and the evaluator pool starts an actor with them once idle actors of another
+    size are gone (on a local Ray with two logical GPUs). A number that does not fit,
+    or more shards than any node's GPUs, is refused while planning."""
     model = save_tiny_ptb("llama", tmp_path / "llama")
     size = weight_size(tensor_index(model), torch.float32)
-    # Room for half the weights per GPU, not all of them.
-    gpu_gib = 0.6 * size.total / HEADROOM / GIB
-    job = {
-        "save_checkpoints": True,
-        "evaluation": EVAL | {"backend": "vllm"},
-        "resources": {"grid": {"num_gpus": 1, "memory_gib": gpu_gib}, "capture": {"memory_gib": 1}},
-    }
+    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    gpu_gib = 0.6 * size.total / HEADROOM / GIB  # 60% of the weights per GPU
+    grid = {"num_gpus": 1, "memory_gib": gpu_gib}
+    job = {"save_checkpoints": True, "evaluation": EVAL | {"backend": "vllm"},
+           "resources": {"grid": grid}}  # fmt: skip
     spec = parse_spec(tiny_job(tmp_path, model, **job))
     (plan,) = plan_models(spec)
-    with pytest.raises(SpecError, match=r"model 'tiny': its .* GiB of weights do not fit vLLM "
-                       r"on 1 GPU\(s\) .* set evaluation.tensor_parallel_size: 2 and "
-                       r"resources.grid.num_gpus: 2$"):  # fmt: skip
-        plan_memory(spec, plan, "vllm")
-    job["evaluation"] = EVAL | {"backend": "vllm", "tensor_parallel_size": 2}
+    assert spec.evaluation.tensor_parallel_size == "auto"
+    assert tensor_parallel(spec, plan, size, shape, node_gpus=2) == 2
+    with pytest.raises(SpecError, match=r"^model 'tiny' needs vLLM over 2 GPUs "
+                       r"\(tensor_parallel_size\) and the largest node has 1$"):  # fmt: skip
+        tensor_parallel(spec, plan, size, shape, node_gpus=1)
+    one = parse_spec(tiny_job(tmp_path, model, **(job | {"evaluation": EVAL | {
+        "backend": "vllm", "tensor_parallel_size": 1}})))  # fmt: skip
+    refusal = (r"^model 'tiny': its .* GiB of weights do not fit vLLM on 1 GPU\(s\) .*: "
+               r"set evaluation.tensor_parallel_size: 2 \(or auto\)$")  # fmt: skip
+    with pytest.raises(SpecError, match=refusal):
+        tensor_parallel(one, plan, size, shape, node_gpus=2)
     with pytest.raises(SpecError, match=r"^evaluation.tensor_parallel_size: 2 needs as many GPUs "
                        r"per vLLM evaluator, and resources.grid.num_gpus is 1$"):  # fmt: skip
-        parse_spec(tiny_job(tmp_path, model, **job))
-    job["resources"] = {
-        "grid": {"num_gpus": 2, "memory_gib": gpu_gib},
-        "capture": {"memory_gib": 1},
-    }
-    spec = parse_spec(tiny_job(tmp_path, model, **job))
-    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
-    check_vllm_fits(spec, plan_models(spec)[0], size, shape)  # two GPUs hold it
+        parse_spec(tiny_job(tmp_path, model, **(job | {"evaluation": EVAL | {
+            "backend": "vllm", "tensor_parallel_size": 2}})))  # fmt: skip
+    # The point's task: two GPUs, and an engine over both.
+    wide = replace(plan, tensor_parallel=2)
+    task = point_task(spec, str(tmp_path), GridPoint("dense", wide, None, None), "vllm", {})
+    assert (task.resources.num_gpus, task.evaluation.tensor_parallel_size) == (2, 2)
+    assert wide.memory_record() == {}  # no stage decided: nothing to add it to
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        pool = EvaluatorPool(2, spec.resources.grid)
+        narrow = pool.actor_for(spec.resources.grid)
+        assert len(ray.get(narrow.__ray_call__.remote(lambda self: ray.get_gpu_ids()))) == 1
+        pool.idle.append((narrow, (1, 1)))
+        # The idle one-GPU actor must go first: two GPUs in all, so the wide one could not
+        # start beside it.
+        both = pool.actor_for(task.resources)
+        ids = ray.get(both.__ray_call__.remote(lambda self: ray.get_gpu_ids()), timeout=120)
+        assert len(ids) == 2 and pool.idle == []
+        pool.idle.append((both, (1, 2)))
+        assert pool.actor_for(task.resources) is both  # an idle actor of its size is reused
+    finally:
+        ray.shutdown()

@@ -94,31 +94,53 @@ def _fit_bytes(spec: JobSpec, shape: Shape, itemsize: int, runs: int) -> int:
     return FIT_MATRICES * 8 * shape.hidden**2 + max(runs, 1) * down
 
 
-def check_vllm_fits(spec: JobSpec, plan: ModelPlan, size: WeightSize, shape: Shape) -> None:
-    """On GPUs vLLM holds a whole variant (the dense model first), its weights split over
-    `tensor_parallel_size` GPUs: where they do not fit `HEADROOM` of those GPUs, a
-    SpecError names the model and the smallest tensor parallel size that fits (one that
-    divides the attention heads), before any checkpoint is written."""
-    res, tp = spec.resources.grid, spec.evaluation.tensor_parallel_size
+SHARDS = (1, 2, 4, 8, 16, 32, 64)
+"""Tensor parallel sizes tried, fewest GPUs first."""
+
+
+def tensor_parallel(
+    spec: JobSpec, plan: ModelPlan, size: WeightSize, shape: Shape, node_gpus: int | None = None
+) -> int:
+    """The GPUs one vLLM engine of this model spans. vLLM holds a whole variant (the
+    dense model first), its weights split over them: `evaluation.tensor_parallel_size`
+    when the spec sets a number, else the fewest that hold the weights in `HEADROOM` of
+    each GPU and divide the attention heads (a number that does not fit is refused, as
+    is one no node has the GPUs for). 1 where vLLM does not run on GPUs."""
+    res, asked = spec.resources.grid, spec.evaluation.tensor_parallel_size
     gpu = worker_bytes(res, 1)
-    if size.total / tp <= HEADROOM * gpu:
-        return
-    fits = [
-        t
-        for t in (2, 4, 8, 16, 32, 64)
-        if size.total / t <= HEADROOM * gpu
-        and shape.heads % t == 0
-        and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0)
-    ]
-    hint = (
-        f"set evaluation.tensor_parallel_size: {fits[0]} and resources.grid.num_gpus: {fits[0]}"
-        if fits
-        else "no tensor parallel size up to 64 that divides its attention heads fits"
-    )
-    raise SpecError(
-        f"model {plan.label!r}: its {gib(size.total)} of weights do not fit vLLM on "
-        f"{tp} GPU(s) of {gib(gpu)} ({HEADROOM:.0%} usable): {hint}"
-    )
+
+    def fits(t: int) -> bool:
+        heads = shape.heads % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0)
+        return heads and size.total / t <= HEADROOM * gpu
+
+    smallest = next((t for t in SHARDS if fits(t)), None)
+    chosen = asked if isinstance(asked, int) else smallest
+    if chosen is None or (isinstance(asked, int) and size.total / asked > HEADROOM * gpu):
+        hint = (
+            f"set evaluation.tensor_parallel_size: {smallest} (or auto)"
+            if smallest
+            else "no tensor parallel size up to 64 that divides its attention heads fits"
+        )
+        raise SpecError(
+            f"model {plan.label!r}: its {gib(size.total)} of weights do not fit vLLM on "
+            f"{asked if isinstance(asked, int) else 64} GPU(s) of {gib(gpu)} "
+            f"({HEADROOM:.0%} usable): {hint}"
+        )
+    most = _node_gpus() if node_gpus is None else node_gpus
+    if chosen > most:
+        raise SpecError(
+            f"model {plan.label!r} needs vLLM over {chosen} GPUs (tensor_parallel_size) and "
+            f"the largest node has {most:g}"
+        )
+    return chosen
+
+
+def _node_gpus() -> int:
+    """GPUs of the live node that has the most."""
+    import ray
+
+    return int(max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")),
+                   default=0))  # fmt: skip
 
 
 def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -> ModelPlan:
@@ -128,8 +150,9 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     itemsize = dtype.itemsize
     size = weight_size(tensor_index(plan.path), dtype)
     shape = Shape.from_config(read_config(plan.path))
+    tp = 1
     if backend == "vllm" and spec.resources.grid.num_gpus > 0:
-        check_vllm_fits(spec, plan, size, shape)
+        tp = tensor_parallel(spec, plan, size, shape)
     cal, ev = spec.calibration, spec.evaluation
     res = spec.resources
     capture_workers = res.capture_workers or cal.shards
@@ -169,4 +192,4 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
         except TooLargeError as exc:
             raise SpecError(str(exc)) from None
         decisions.append((stage, d))
-    return replace(plan, memory=tuple(decisions))
+    return replace(plan, memory=tuple(decisions), tensor_parallel=tp)

@@ -46,21 +46,30 @@ class TaskPool:
 class EvaluatorPool:
     """Points on long-lived vLLM evaluator actors, one point per actor at a time. Actors
     start as points need them and idle ones go when no point is queued (`shrink`), so
-    a GPU an evaluator would hold idle serves another model's capture or selection."""
+    a GPU an evaluator would hold idle serves another model's capture or selection. An
+    actor has the GPUs of the points it runs (a model's tensor parallel size): a point
+    reuses an idle actor of its size, and idle actors of another size go before one of
+    its size starts, so they never hold the GPUs it waits for."""
 
     def __init__(self, size: int, resources: Resources) -> None:
         self.capacity, self.resources = size, resources
-        self.idle: list[Any] = []
-        self.busy: dict[Any, Any] = {}
+        self.idle: list[tuple[Any, tuple[float, float]]] = []
+        self.busy: dict[Any, tuple[Any, tuple[float, float]]] = {}
 
     def submit(self, task: PointTask) -> Any:
-        actor = self.idle.pop() if self.idle else self._start()
+        actor = self.actor_for(task.resources)
         ref = actor.run.remote(task)
-        self.busy[ref] = actor
+        self.busy[ref] = (actor, _shape(task.resources))
         return ref
 
-    def _start(self) -> Any:
-        res = self.resources
+    def actor_for(self, res: Resources) -> Any:
+        """An idle actor with `res`'s CPUs and GPUs, else a new one, started once every
+        idle actor (of other sizes) is gone."""
+        shape = _shape(res)
+        match = next((i for i, (_, s) in enumerate(self.idle) if s == shape), None)
+        if match is not None:
+            return self.idle.pop(match)[0]
+        self.shrink()
         return PointEvaluator.options(
             num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2, max_task_retries=2
         ).remote()
@@ -69,9 +78,13 @@ class EvaluatorPool:
         self.idle.append(self.busy.pop(ref))
 
     def shrink(self) -> None:
-        for actor in self.idle:
+        for actor, _ in self.idle:
             ray.kill(actor)
         self.idle.clear()
+
+
+def _shape(res: Resources) -> tuple[float, float]:
+    return (res.num_cpus, res.num_gpus)
 
 
 def make_pool(backend: str, capacity: int, resources: Resources) -> PointPool:

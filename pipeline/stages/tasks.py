@@ -17,7 +17,7 @@ from pipeline.cluster.model_source import model_source
 from pipeline.cluster.nodes import whole_node
 from pipeline.plan import GridPoint, checkpoint_rel
 from pipeline.records.rows import provenance
-from pipeline.spec import EvaluationSpec, JobSpec
+from pipeline.spec import EvaluationSpec, JobSpec, Resources
 from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
 
 RepairRefs = Mapping[tuple[str, tuple[int, int]], Any]
@@ -44,7 +44,7 @@ def point_task(
         checkpoint=checkpoint(spec, point),
         provenance=provenance(spec, point),
         evaluation=point_evaluation(spec, point),
-        resources=spec.resources.grid,
+        resources=point_resources(spec, point, backend),
         backend=backend,
         repair=repair_task(spec, point, refs),
         name=point.name,
@@ -53,11 +53,21 @@ def point_task(
 
 def point_evaluation(spec: JobSpec, point: GridPoint) -> EvaluationSpec:
     """The evaluation a point runs: the spec's, with a streamed model's larger batch (a
-    batch never changes a figure, only how often the files are read)."""
+    batch never changes a figure, only how often the files are read) and the model's
+    tensor parallel size (`ModelPlan.tensor_parallel`)."""
     batch = point.model.batch("evaluate", spec.evaluation.batch_size)
-    if batch == spec.evaluation.batch_size:
+    tp = point.model.tensor_parallel
+    if (batch, tp) == (spec.evaluation.batch_size, spec.evaluation.tensor_parallel_size):
         return spec.evaluation
-    return dataclasses.replace(spec.evaluation, batch_size=batch)
+    return dataclasses.replace(spec.evaluation, batch_size=batch, tensor_parallel_size=tp)
+
+
+def point_resources(spec: JobSpec, point: GridPoint, backend: str) -> Resources:
+    """The grid's resources, with as many GPUs as the model's vLLM engine spans."""
+    grid, tp = spec.resources.grid, point.model.tensor_parallel
+    if backend != "vllm" or grid.num_gpus <= 0 or grid.num_gpus >= tp:
+        return grid
+    return dataclasses.replace(grid, num_gpus=tp)
 
 
 def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask | None:
