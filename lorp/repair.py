@@ -443,11 +443,16 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
             streamer.override(down, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
         else:
             down.weight.copy_(folded_down_weight(down.weight, fit))
+        # A streamed model's vectors are folded at the file's dtype too (the resident
+        # copy holds the file's values exactly), then held at the model's.
+        stored = streamer.stored_dtype if streamer is not None else (lambda m, a, t: t.dtype)
         if down.bias is not None:
-            down.bias.copy_(folded_down_bias(down.bias, fit))
+            bias = down.bias.to(stored(down, "bias", down.bias))
+            down.bias.copy_(folded_down_bias(bias, fit))
         if fit.form == "normed":
             norm = getattr(blocks[s - 1], arch.post_mlp_norm)
-            norm.weight.copy_(folded_norm_weight(norm.weight, fit, arch.norm_offset))
+            weight = norm.weight.to(stored(norm, "weight", norm.weight))
+            norm.weight.copy_(folded_norm_weight(weight, fit, arch.norm_offset))
 
 
 # The fold's arithmetic, one function per tensor it changes: the in-memory fold above and
@@ -571,6 +576,13 @@ def prune_and_repair(
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}
     if sequential and len(runs) > 1:
+        from lorp.streaming import streamer_of
+
+        if streamer_of(model) is not None:
+            raise ValueError(
+                "sequential=True copies the model, and a streamed model cannot be copied "
+                "(its hooks read through its own streamer): use sequential=False"
+            )
         reference = copy.deepcopy(model)
         fits: list[RunFit] = []
         for j, run in enumerate(runs):

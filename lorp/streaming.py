@@ -194,8 +194,24 @@ class BlockStreamer:
         raise KeyError(f"{attr!r} of {type(module).__name__} is not a streamed matrix")
 
     def stored(self, module: nn.Module, attr: str) -> torch.Tensor:
-        """The matrix `attr` of `module` as its file stores it (the file's dtype)."""
-        return self.read(self._entry(module, attr), convert=False)
+        """The matrix `attr` of `module` as its file stores it (the file's dtype); an
+        error once it has an override (a fold folds a matrix once: another fold of it
+        would start from the file, not from the first)."""
+        entry = self._entry(module, attr)
+        if entry.key in self.overrides:
+            raise ValueError(f"{entry.key!r} is already folded: a matrix is folded once")
+        return self.read(entry, convert=False)
+
+    def stored_dtype(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype the file stores `attr` of `module` in (a vector's or a matrix's);
+        `tensor`'s own for a floating tensor the files do not have or a non-float one."""
+        for m, a, entry in self.vectors:
+            if m is module and a == attr:
+                return _TORCH_DTYPES.get(entry.dtype, tensor.dtype)
+        try:
+            return _TORCH_DTYPES.get(self._entry(module, attr).dtype, tensor.dtype)
+        except KeyError:
+            return tensor.dtype
 
     def override(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
         """From now on `module` runs with `tensor` as `attr` (held in memory: a fold
@@ -223,6 +239,11 @@ class BlockStreamer:
             self.unload(u)
 
         return hook
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F64": torch.float64}  # fmt: skip
+"""safetensors' floating dtype names."""
 
 
 def _legacy(attr: str) -> bool:
@@ -289,14 +310,14 @@ def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: 
         if source is not None:
             streamer.unit(lm_head, "lm_head").tensors.append(("weight", source.tensors[0][1]))
             streamer.tied = True
-    covered = {id(u.module) for u in streamer.units.values()}
+    covered = {(id(u.module), a) for u in streamer.units.values() for a, _ in u.tensors}
+    covered |= {(id(m), a) for m, a, _ in streamer.vectors}
     missing = [
-        n
+        f"{name}.{attr}".lstrip(".")
         for name, m in model.named_modules()
         for attr, p in m._parameters.items()
-        if p is not None and p.device.type == "meta" and id(m) not in covered
+        if p is not None and (id(m), attr) not in covered
         and (head or not name.startswith("lm_head"))
-        for n in [f"{name}.{attr}".lstrip(".")]
     ]  # fmt: skip
     if missing:
         raise ValueError(f"checkpoint has no tensor for {missing[0]!r} ({len(missing)} missing)")

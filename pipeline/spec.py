@@ -460,7 +460,8 @@ class JobSpec:
                 "evaluation.backend: vllm scores saved checkpoints; set save_checkpoints: true"
             )
         tp, gpus = ev.tensor_parallel_size, self.resources.grid.num_gpus
-        if isinstance(tp, int) and ev.backend != "transformers" and 0 < gpus < tp:
+        vllm = ev.backend == "vllm" or (ev.backend == "auto" and self.save_checkpoints)
+        if isinstance(tp, int) and ev.enabled and vllm and 0 < gpus < tp:
             raise SpecError(
                 f"evaluation.tensor_parallel_size: {tp} needs as many GPUs per vLLM evaluator, "
                 f"and resources.grid.num_gpus is {gpus:g}"

@@ -304,13 +304,15 @@ def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
     assert set(overrides) == {"model.embed_tokens.weight", "model.layers.2.mlp.down_proj.weight"}
 
 
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
 def test_a_streamed_fold_evaluates_what_its_bf16_checkpoint_holds(
-    checkpoints: dict[str, Path], tmp_path: Path
+    family: str, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """A bf16 checkpoint's variant is written in bf16, the fold rounded there: the
-    streamed model runs that rounded fold, so its perplexity is the written variant's."""
+    streamed model runs that rounded fold, so its perplexity is the written variant's
+    (OLMo 2: its post-MLP norm's folded scale too)."""
     bf16 = tmp_path / "bf16"
-    in_memory(checkpoints["llama"]).to(torch.bfloat16).save_pretrained(bf16)
+    in_memory(checkpoints[family]).to(torch.bfloat16).save_pretrained(bf16)
     layers = [3, 4]
     stats = capture_repair_stats(
         in_memory(bf16), [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
@@ -327,6 +329,25 @@ def test_a_streamed_fold_evaluates_what_its_bf16_checkpoint_holds(
     fold(dense, fits)
     drop_layers(dense, layers)
     assert perplexity(dense, x) != pytest.approx(perplexity(streamed, x), rel=1e-6)
+    # A matrix is folded once: a second fold of the same run would start from the file.
+    again = build_streamed(bf16)
+    fold(again, fits)
+    with pytest.raises(ValueError, match="is already folded: a matrix is folded once"):
+        fold(again, fits)
+
+
+def test_a_checkpoint_missing_a_vector_is_refused_naming_it(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "qwen2"
+    shutil.copytree(checkpoints["qwen2"], copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.q_proj.bias"]
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no tensor for 'model.layers.1.self_attn.q_proj.bias'"):
+        build_streamed(copy)
 
 
 def test_only_the_checkpoints_own_files_are_read(

@@ -84,14 +84,18 @@ chosen map, and a normed fit's rotation, its update and their products
 (`lorp.repair.fit_runs`)."""
 
 
-def _fit_bytes(spec: JobSpec, shape: Shape, itemsize: int, runs: int) -> int:
-    """What a repaired point holds besides its model: one run's fit at a time, and a
-    streamed model's fold overrides (one `down_proj` per run, kept while it evaluates;
-    held whole, the fold's one result before it is copied in). 0 without repair."""
+def _fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int, runs: int) -> int:
+    """What a repaired point holds besides its model: one run's fit at a time (on the
+    CPU: not counted against a GPU), and a streamed model's fold overrides (one
+    `down_proj` per run, kept while it evaluates, or the embeddings for a run from block
+    0 of an untied model; held whole, the fold's one result before it is copied in).
+    0 without repair."""
     if "linear" not in spec.repair:
         return 0
     down = shape.hidden * shape.intermediate * itemsize
-    return FIT_MATRICES * 8 * shape.hidden**2 + max(runs, 1) * down
+    first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
+    fit = FIT_MATRICES * 8 * shape.hidden**2 if spec.resources.grid.num_gpus == 0 else 0
+    return fit + first + max(runs - 1, 0) * down
 
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)
@@ -159,7 +163,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     sums = _repair_sums(spec, plan, shape.hidden)
     # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
     runs = min(max(plan.budgets, default=0), (plan.n_blocks + 1) // 2)
-    fit = _fit_bytes(spec, shape, itemsize, runs)
+    fit = _fit_bytes(spec, plan, shape, itemsize, runs)
     # The most windows one forward may take when streamed: a capture worker's shard (or
     # the held-out calibration windows its repair pass sums), the windows of one corpus.
     shard = max(-(-cal.samples // cal.shards), cal.loss_samples)  # the held-out windows too
