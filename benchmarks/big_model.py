@@ -275,7 +275,8 @@ def main() -> None:
     ap.add_argument("--memory-gib", type=float, help="worker memory (rehearsals only)")
     args = ap.parse_args()
     root = args.dir / args.shape
-    shutil.rmtree(root / "run", ignore_errors=True)
+    for part in ("run", "cache"):  # a fresh job: nothing from an earlier run's cache
+        shutil.rmtree(root / part, ignore_errors=True)
     try:
         result = measure(root, args.shape, args.memory_gib)
     finally:
