@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
 from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, weight_size
-from pipeline.cluster.memory import plan_memory, tensor_parallel
+from pipeline.cluster.memory import gpu_memory_bytes, plan_memory, tensor_parallel
 from pipeline.plan import GridPoint, plan_models
 from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import read_events
@@ -172,5 +172,11 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
         assert len(ids) == 2 and pool.idle == []
         pool.idle.append((both, (1, 2)))
         assert pool.actor_for(task.resources) is both  # an idle actor of its size is reused
+        # Planning without a GPU memory given asks a GPU worker (the driver has no GPU);
+        # these logical GPUs have no CUDA, so the plan asks for the figure in one line.
+        with pytest.raises(SpecError, match=r"^resources.grid.memory_gib: the grid runs on "
+                           r"GPUs and no GPU worker reported its memory within 120 s; set it "
+                           r"to one GPU's memory$"):  # fmt: skip
+            gpu_memory_bytes("grid")
     finally:
         ray.shutdown()

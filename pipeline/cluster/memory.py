@@ -36,17 +36,21 @@ MAX_EVAL_BATCH = 64
 """Windows per streamed evaluation forward at most (zero-shot items share the batch)."""
 
 
-def node_memory_bytes(resources: Resources, workers: int) -> int:
-    """One worker's share of the largest live node: the GPU's memory where the stage runs
-    on GPUs (one worker per device), else Ray's `memory` resource of the node divided
-    among the stage's workers that can run on it at once (its CPUs over the worker's)."""
+FIELDS = {"capture": "capture", "evaluate": "grid"}
+"""A stage's `resources.<field>`."""
+GPU_PROBE_S = 120.0
+"""How long planning waits for a GPU worker to report its device's memory."""
+
+
+def node_memory_bytes(resources: Resources, workers: int, stage: str = "grid") -> int:
+    """One worker's share of the largest live node: one GPU's memory where the stage runs
+    on GPUs (one worker per device, `gpu_memory_bytes`), else Ray's `memory` resource of
+    the node divided among the stage's workers that can run on it at once (its CPUs over
+    the worker's)."""
     import ray
 
     if resources.num_gpus > 0:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
+        return gpu_memory_bytes(stage)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     node = max(nodes, key=lambda r: r.get("memory", 0), default={})
     memory = int(node.get("memory", 0))
@@ -58,12 +62,52 @@ def node_memory_bytes(resources: Resources, workers: int) -> int:
     return memory // max(1, min(workers, slots))
 
 
-def worker_bytes(resources: Resources, workers: int) -> int:
+_GPU_MEMORY: dict[str, int] = {}
+"""Ray cluster (GCS address) -> one GPU's memory, read once per cluster."""
+
+
+def gpu_memory_bytes(stage: str) -> int:
+    """One GPU's memory: the driver's device where it has one, else what a one-GPU Ray
+    task reports from a worker node (a head node without GPUs is the common case). A
+    SpecError naming `resources.<stage>.memory_gib` when no GPU answers in
+    `GPU_PROBE_S` (an autoscaler's GPU nodes still down) or none has CUDA."""
+    import ray
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    cluster = ray.get_runtime_context().gcs_address
+    if cluster not in _GPU_MEMORY:
+        ref = ray.remote(num_gpus=1, num_cpus=0)(_probe).remote()
+        try:
+            found = ray.get(ref, timeout=GPU_PROBE_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            found = None
+        if not found:
+            raise SpecError(
+                f"resources.{stage}.memory_gib: the {stage} runs on GPUs and no GPU worker "
+                f"reported its memory within {GPU_PROBE_S:g} s; set it to one GPU's memory"
+            )
+        _GPU_MEMORY[cluster] = int(found)
+    return _GPU_MEMORY[cluster]
+
+
+def _probe() -> int | None:
+    """On a GPU worker: its device's memory (None where it has no CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def worker_bytes(resources: Resources, workers: int, stage: str = "grid") -> int:
     """The memory one worker of a stage plans with: the spec's `memory_gib`, else its
     share of the largest node (`node_memory_bytes`)."""
     if resources.memory_gib is not None:
         return int(resources.memory_gib * GIB)
-    return node_memory_bytes(resources, workers)
+    return node_memory_bytes(resources, workers, stage)
 
 
 def _repair_sums(spec: JobSpec, plan: ModelPlan, d: int) -> tuple[int, int]:
@@ -183,7 +227,9 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
                 stage,  # type: ignore[arg-type]
                 size,
                 shape,
-                worker_bytes=worker_bytes(resources, workers),
+                worker_bytes=worker_bytes(
+                    resources, workers, "grid" if stage == "evaluate" else stage
+                ),
                 batch=batch,
                 seq_len=seq_len,
                 itemsize=itemsize,
