@@ -18,7 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
 from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, weight_size
-from pipeline.cluster.memory import gpu_memory_bytes, plan_memory, tensor_parallel
+from pipeline.cluster.memory import (
+    gpu_memory_bytes,
+    plan_memory,
+    repair_fit_bytes,
+    tensor_parallel,
+)
 from pipeline.plan import GridPoint, plan_models
 from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import read_events
@@ -33,11 +38,12 @@ pytestmark = [pytest.mark.integration]
 EVAL = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
 
 
-def between(model: Path, stage: str, batch: int, seq_len: int) -> float:
-    """A worker memory (GiB) under the whole model's need and over the streamed one's."""
+def between(model: Path, stage: str, batch: int, seq_len: int, kept: int = 0) -> float:
+    """A worker memory (GiB) under the whole model's need and over the streamed one's
+    (`kept`: what the stage holds besides, a repaired point's fit)."""
     size = weight_size(tensor_index(model), torch.float32)
     shape = Shape.from_config(json.loads((model / "config.json").read_text()))
-    acts = stage_activations(stage, shape, batch, seq_len, 4)  # type: ignore[arg-type]
+    acts = stage_activations(stage, shape, batch, seq_len, 4) + kept  # type: ignore[arg-type]
     streamed = size.resident + 2 * size.largest_unit + acts
     whole = size.total + acts  # one copy (a CPU point holds two where they fit)
     assert streamed < whole
@@ -59,9 +65,11 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     )
     parsed = parse_spec(whole)
     cal, ev = parsed.calibration, parsed.evaluation
+    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
     resources = {
         "capture": {"memory_gib": between(model, "capture", cal.batch_size, cal.seq_len + 1)},
-        "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1)},
+        "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1, fit)},
     }
     streamed = tiny_job(tmp_path, model, name="streamed", resources=resources, **common)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
@@ -172,6 +180,7 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
         assert len(ids) == 2 and pool.idle == []
         pool.idle.append((both, (1, 2)))
         assert pool.actor_for(task.resources) is both  # an idle actor of its size is reused
+        ray.kill(both)  # its GPUs free for the probe below
         # Planning without a GPU memory given asks a GPU worker (the driver has no GPU);
         # these logical GPUs have no CUDA, so the plan asks for the figure in one line.
         with pytest.raises(SpecError, match=r"^resources.grid.memory_gib: the grid runs on "

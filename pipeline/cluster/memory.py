@@ -128,7 +128,7 @@ chosen map, and a normed fit's rotation, its update and their products
 (`lorp.repair.fit_runs`)."""
 
 
-def _fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int, runs: int) -> int:
+def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int) -> int:
     """What a repaired point holds besides its model: one run's fit at a time (on the
     CPU: not counted against a GPU), and a streamed model's fold overrides (one
     `down_proj` per run, kept while it evaluates, or the embeddings for a run from block
@@ -136,6 +136,8 @@ def _fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int, runs
     0 without repair."""
     if "linear" not in spec.repair:
         return 0
+    # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
+    runs = min(max(plan.budgets, default=0), (plan.n_blocks + 1) // 2)
     down = shape.hidden * shape.intermediate * itemsize
     first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
     fit = FIT_MATRICES * 8 * shape.hidden**2 if spec.resources.grid.num_gpus == 0 else 0
@@ -205,9 +207,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     res = spec.resources
     capture_workers = res.capture_workers or cal.shards
     sums = _repair_sums(spec, plan, shape.hidden)
-    # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
-    runs = min(max(plan.budgets, default=0), (plan.n_blocks + 1) // 2)
-    fit = _fit_bytes(spec, plan, shape, itemsize, runs)
+    fit = repair_fit_bytes(spec, plan, shape, itemsize)
     # The most windows one forward may take when streamed: a capture worker's shard (or
     # the held-out calibration windows its repair pass sums), the windows of one corpus.
     shard = max(-(-cal.samples // cal.shards), cal.loss_samples)  # the held-out windows too
@@ -227,9 +227,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
                 stage,  # type: ignore[arg-type]
                 size,
                 shape,
-                worker_bytes=worker_bytes(
-                    resources, workers, "grid" if stage == "evaluate" else stage
-                ),
+                worker_bytes=worker_bytes(resources, workers, FIELDS[stage]),
                 batch=batch,
                 seq_len=seq_len,
                 itemsize=itemsize,
