@@ -508,7 +508,7 @@ def memory_view(rows: Sequence[Row]) -> View | None:
     plans = [r for r in rows if r.get("memory_plan")]
     if not plans:
         return None
-    latest = max(plans, key=lambda r: str(r.get("ended") or r.get("timestamp") or ""))
+    latest = max(plans, key=lambda r: str(r.get("created_at") or ""))
     try:
         plan = json.loads(latest["memory_plan"])
     except (TypeError, ValueError):
