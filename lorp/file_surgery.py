@@ -28,17 +28,19 @@ import torch
 
 from lorp.architectures import architecture_for
 from lorp.atomic import atomic_dir
-from lorp.sizing import DTYPE_BYTES, TensorEntry, block_of, split_block_key, tensor_index
+from lorp.sizing import (
+    DTYPE_BYTES,
+    DTYPE_NAMES,
+    TensorEntry,
+    block_of,
+    split_block_key,
+    tensor_index,
+)
 from lorp.surgery import PROVENANCE_FILE, _subset_config, check_layers, kept_layers
 
 log = logging.getLogger(__name__)
 
 COPY_CHUNK = 64 * 1024**2
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
 # What a tokenizer is made of: copied as they are, like `tokenizer.save_pretrained` would.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -171,10 +173,12 @@ def _write_file(
 
     def converts(e: TensorEntry) -> bool:
         floating = e.dtype in ("F64", "F32", "F16", "BF16")
-        return e.key in changes or (dtype is not None and floating and _ST_DTYPES[dtype] != e.dtype)
+        return e.key in changes or (
+            dtype is not None and floating and DTYPE_NAMES[dtype] != e.dtype
+        )
 
     out_dtype = {
-        e.key: _ST_DTYPES[dtype] if dtype is not None and converts(e) else e.dtype for e in entries
+        e.key: DTYPE_NAMES[dtype] if dtype is not None and converts(e) else e.dtype for e in entries
     }
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0

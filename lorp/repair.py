@@ -237,8 +237,11 @@ def _validated(
             chosen, best = r, candidate
         del candidate
     assert best is not None
-    out = best if form == "full" else _fit(form, A, B, energy, T0, chosen, run, rounds)
-    del best
+    if form == "full":
+        out = best
+    else:  # the candidate goes before the normed fit's own matrices come
+        del best
+        out = _fit(form, A, B, energy, T0, chosen, run, rounds)
     T = out.matrix if out.scale is None else out.matrix * out.scale
     held_fit, held_t0 = residual_of(*held, T), residual_of(*held, T0)
     kept = "fit"
@@ -443,16 +446,21 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
             streamer.override(down, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
         else:
             down.weight.copy_(folded_down_weight(down.weight, fit))
-        # A streamed model's vectors are folded at the file's dtype too (the resident
-        # copy holds the file's values exactly), then held at the model's.
-        stored = streamer.stored_dtype if streamer is not None else (lambda m, a, t: t.dtype)
         if down.bias is not None:
-            bias = down.bias.to(stored(down, "bias", down.bias))
-            down.bias.copy_(folded_down_bias(bias, fit))
+            down.bias.copy_(folded_down_bias(_as_stored(streamer, down, "bias"), fit))
         if fit.form == "normed":
             norm = getattr(blocks[s - 1], arch.post_mlp_norm)
-            weight = norm.weight.to(stored(norm, "weight", norm.weight))
+            weight = _as_stored(streamer, norm, "weight")
             norm.weight.copy_(folded_norm_weight(weight, fit, arch.norm_offset))
+
+
+def _as_stored(streamer: Any, module: nn.Module, attr: str) -> torch.Tensor:
+    """A resident vector as the fold starts from it: a streamed model's at the dtype its
+    file stores it in (the resident copy holds the file's values exactly), so the fold
+    rounds where the variant's file will; a model held whole's as it is."""
+    t = getattr(module, attr)
+    dtype = streamer.stored_dtype(module, attr) if streamer is not None else None
+    return t if dtype is None else t.to(dtype)
 
 
 # The fold's arithmetic, one function per tensor it changes: the in-memory fold above and

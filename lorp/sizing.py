@@ -32,6 +32,13 @@ DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+"""torch dtypes by their safetensors names (and `TORCH_DTYPES` the other way)."""
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _BLOCK_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Share of a worker's memory a stage may plan to use: the rest is the process itself
 # (Python, torch, the tokenizer) and the allocator's slack.

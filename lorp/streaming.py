@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lorp.architectures import architecture_for, decoder_blocks
-from lorp.sizing import TensorEntry, split_block_key, tensor_index
+from lorp.sizing import TORCH_DTYPES, TensorEntry, split_block_key, tensor_index
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,8 @@ def _place(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
 class Unit:
     """A module whose matrices are streamed: read before its forward, released after."""
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.name = name
-        """The module's path in the model as built (before any surgery)."""
         self.tensors: list[tuple[str, TensorEntry]] = []
         """(attribute, the file's tensor) pairs."""
 
@@ -105,14 +103,13 @@ class BlockStreamer:
         split = split_block_key(key)
         if split is None:
             root, path = model, key
-            prefix = ""
         else:
             b = split[1]
             if b >= len(self.blocks):
                 raise ValueError(
                     f"checkpoint tensor {key!r} is past the model's {len(self.blocks)} blocks"
                 )
-            root, path, prefix = self.blocks[b], split[2], key[: len(key) - len(split[2])]
+            root, path = self.blocks[b], split[2]
         mpath, _, attr = path.rpartition(".")
         if _legacy(attr):
             return  # computed by the modules themselves, as `from_pretrained` ignores it
@@ -125,12 +122,12 @@ class BlockStreamer:
         if len(entry.shape) < 2 or attr in module._buffers:
             self.vectors.append((module, attr, entry))
             return
-        self.unit(module, (prefix + mpath).rstrip(".")).tensors.append((attr, entry))
+        self.unit(module).tensors.append((attr, entry))
 
-    def unit(self, module: nn.Module, name: str) -> Unit:
+    def unit(self, module: nn.Module) -> Unit:
         u = self.units.get(id(module))
         if u is None:
-            u = self.units[id(module)] = Unit(module, name)
+            u = self.units[id(module)] = Unit(module)
         return u
 
     def read(self, entry: TensorEntry, convert: bool = True) -> torch.Tensor:
@@ -180,12 +177,6 @@ class BlockStreamer:
             p = self._meta[entry.key] = nn.Parameter(meta, requires_grad=False)
         return p
 
-    def release(self) -> None:
-        """Every loaded unit back to the meta device."""
-        for u in self.units.values():
-            if id(u.module) in self.loaded:
-                self.unload(u)
-
     def _entry(self, module: nn.Module, attr: str) -> TensorEntry:
         u = self.units.get(id(module))
         for a, entry in u.tensors if u is not None else ():
@@ -202,16 +193,14 @@ class BlockStreamer:
             raise ValueError(f"{entry.key!r} is already folded: a matrix is folded once")
         return self.read(entry, convert=False)
 
-    def stored_dtype(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> torch.dtype:
-        """The dtype the file stores `attr` of `module` in (a vector's or a matrix's);
-        `tensor`'s own for a floating tensor the files do not have or a non-float one."""
-        for m, a, entry in self.vectors:
-            if m is module and a == attr:
-                return _TORCH_DTYPES.get(entry.dtype, tensor.dtype)
-        try:
-            return _TORCH_DTYPES.get(self._entry(module, attr).dtype, tensor.dtype)
-        except KeyError:
-            return tensor.dtype
+    def stored_dtype(self, module: nn.Module, attr: str) -> torch.dtype | None:
+        """The floating dtype the files store `attr` of `module` in (a vector's or a
+        matrix's); None where they do not have it or it is not floating."""
+        names = [e.dtype for m, a, e in self.vectors if m is module and a == attr]
+        if not names and id(module) in self.units:
+            names = [e.dtype for a, e in self.units[id(module)].tensors if a == attr]
+        dtype = TORCH_DTYPES.get(names[0]) if names else None
+        return dtype if dtype is not None and dtype.is_floating_point else None
 
     def override(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
         """From now on `module` runs with `tensor` as `attr` (held in memory: a fold
@@ -239,11 +228,6 @@ class BlockStreamer:
             self.unload(u)
 
         return hook
-
-
-_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "F64": torch.float64}  # fmt: skip
-"""safetensors' floating dtype names."""
 
 
 def _legacy(attr: str) -> bool:
@@ -308,7 +292,7 @@ def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: 
     ):
         source = streamer.units.get(id(embed))
         if source is not None:
-            streamer.unit(lm_head, "lm_head").tensors.append(("weight", source.tensors[0][1]))
+            streamer.unit(lm_head).tensors.append(("weight", source.tensors[0][1]))
             streamer.tied = True
     covered = {(id(u.module), a) for u in streamer.units.values() for a, _ in u.tensors}
     covered |= {(id(m), a) for m, a, _ in streamer.vectors}

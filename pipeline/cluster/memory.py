@@ -164,8 +164,11 @@ def tensor_parallel(
         return heads and size.total / t <= HEADROOM * gpu
 
     smallest = next((t for t in SHARDS if fits(t)), None)
-    chosen = asked if isinstance(asked, int) else smallest
-    if chosen is None or (isinstance(asked, int) and size.total / asked > HEADROOM * gpu):
+    if isinstance(asked, int):  # the spec's number, if the weights fit it
+        tried, chosen = asked, asked if size.total / asked <= HEADROOM * gpu else None
+    else:
+        tried, chosen = SHARDS[-1], smallest
+    if chosen is None:
         hint = (
             f"set evaluation.tensor_parallel_size: {smallest} (or auto)"
             if smallest
@@ -173,8 +176,7 @@ def tensor_parallel(
         )
         raise SpecError(
             f"model {plan.label!r}: its {gib(size.total)} of weights do not fit vLLM on "
-            f"{asked if isinstance(asked, int) else 64} GPU(s) of {gib(gpu)} "
-            f"({HEADROOM:.0%} usable): {hint}"
+            f"{tried} GPU(s) of {gib(gpu)} ({HEADROOM:.0%} usable): {hint}"
         )
     most = _node_gpus() if node_gpus is None else node_gpus
     if chosen > most:
