@@ -4,6 +4,7 @@ and the calibration mix.
 
     python benchmarks/heldout.py --models smollm2-135m --calib ptb --tokens 8192 32768
     python benchmarks/heldout.py --calib ptb:1,wiki:1 --ridge auto 0.001 --json out.json
+    python benchmarks/heldout.py --methods window --window-score loss   # ranked by loss
 
 Per model and calibration setting: S and the repair sums from `--tokens` calibration
 tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows (8 x 256
@@ -39,7 +40,14 @@ from lorp.data import (  # noqa: E402
 )
 from lorp.methods import select_layers  # noqa: E402
 from lorp.perplexity import perplexity  # noqa: E402
-from lorp.repair import RepairRefused, check_repairable, fit_runs, fold, window_scores  # noqa: E402
+from lorp.repair import (  # noqa: E402
+    RepairRefused,
+    check_repairable,
+    fit_runs,
+    fold,
+    window_losses,
+    window_scores,
+)
 from lorp.repair_stats import capture_repair_stats, contiguous_runs  # noqa: E402
 from lorp.sources import load_model  # noqa: E402
 from lorp.surgery import drop_layers  # noqa: E402
@@ -96,14 +104,20 @@ def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: in
             kwargs = {}
             if method == "window":
 
-                def scores(runs, _cal=cal):  # type: ignore[no-untyped-def]
+                def scores(runs, score, _cal=cal, _held=held):  # type: ignore[no-untyped-def]
                     rs = capture_repair_stats(
                         model, batches(_cal), runs, skip_prefix=skip, progress=False
                     )
-                    ws = window_scores(rs)
+                    if score == "residual":
+                        ws = window_scores(rs)
+                    else:
+                        rs.held = capture_repair_stats(
+                            model, batches(_held), runs, skip_prefix=skip, progress=False
+                        )
+                        ws = window_losses(model, rs, _held)
                     return [ws[r] for r in runs]
 
-                kwargs["repair_scores"] = scores
+                kwargs |= {"repair_scores": scores, "score": args.window_score}
             layers = list(select_layers(stats, budget, method, **kwargs).layers)
             base = {"model": loaded.alias if hasattr(loaded, "alias") else args.current,
                     "calib": mix_text, "tokens": tokens, "method": method, "budget": budget,
@@ -167,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib", nargs="+", default=["ptb"], help="corpus or mix: ptb:1,wiki:1")
     p.add_argument("--tokens", nargs="+", type=int, default=[8192])
     p.add_argument("--ridge", nargs="+", default=["auto", "0.001"])
+    p.add_argument(
+        "--window-score",
+        choices=("residual", "loss"),
+        default="residual",
+        help="how the window method ranks its candidates (its `score` option)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows: list[dict] = []

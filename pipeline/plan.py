@@ -19,7 +19,7 @@ from typing import Any
 
 from lorp import Selection, get_method, select_layers
 from lorp.architectures import architecture_for
-from lorp.methods import resolve_budget, validate_options
+from lorp.methods import RepairScores, resolve_budget, validate_options
 from lorp.repair import MAX_ROUNDS
 from lorp.repair_stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair_stats import contiguous_runs
@@ -327,11 +327,9 @@ def similarity_selector(stats: SimilarityStats, profile: Any = None) -> Selector
     return select
 
 
-def repair_selector(
-    stats: SimilarityStats, profile: Any, scores: Callable[[list[tuple[int, int]]], list[float]]
-) -> Selector:
+def repair_selector(stats: SimilarityStats, profile: Any, scores: RepairScores) -> Selector:
     """Select with a repair-aware method (`needs_repair`): `scores` ranks candidate runs
-    by what their linear repair leaves (`pipeline.prepare`, its repair scorer)."""
+    by how well their linear repair does (`pipeline.prepare`, its repair scorer)."""
 
     def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
         start = time.perf_counter()

@@ -31,7 +31,7 @@ from lorp.repair_stats import RepairStats
 from pipeline.plan import GridPoint, ModelPlan, plan_points, repair_selector, similarity_selector
 from pipeline.spec import JobSpec, MethodSpec, Resources
 from pipeline.stages.calibration import CalibrationShards
-from pipeline.stages.losses import LossSelector
+from pipeline.stages.losses import LossSelector, repaired_window_losses
 from pipeline.stages.statistics import (
     ModelRepairStats,
     ModelStats,
@@ -186,7 +186,7 @@ class _Preparation:
 
     def _select(self, ms: ModelStats, prof: Profile, key: str) -> list[GridPoint]:
         """Every point of the model, each selection made once for all its repairs."""
-        loss_guided = any(get_method(m.name).needs_evaluator for m in self.spec.methods)
+        loss_guided = any(_runs_models(m) for m in self.spec.methods)
         self.selecting = Stage("selection", self.spec.resources.grid if loss_guided else None)
         self._stage(self.selecting.name, self.selecting.need)
         losses = LossSelector(
@@ -212,26 +212,48 @@ class _Preparation:
 
     def _repair_scorer(
         self, shards: CalibrationShards | None
-    ) -> Callable[[list[tuple[int, int]]], list[float]]:
+    ) -> Callable[[list[tuple[int, int]], str], list[float]]:
         """`repair_scores` for the repair-aware methods: the candidate runs' sums from
-        the capture workers (one pass per call, cached), ranked on the driver; the sums
-        are kept for the repaired points that will need them."""
+        the capture workers (one pass per call, cached), ranked on the driver by the
+        residual their maps leave, or (`score: loss`) by the held-out loss of each
+        repaired variant, scored on the grid's resources; the sums are kept for the
+        repaired points that will need them."""
         from lorp.repair import window_scores
 
-        def scores(runs: list[tuple[int, int]]) -> list[float]:
+        def scores(runs: list[tuple[int, int]], score: str = "residual") -> list[float]:
             assert shards is not None
             self._stage("repair scores", self.spec.resources.capture)
             rs = repair_statistics(
                 self.spec, self.plan, shards, runs, self.spec.run_dir, self.job.force
             )
-            self.emit("stage", self.selecting)  # back to the selection's own needs
             self.job.records.repair_scored(self.plan, rs, len(runs))
             for run in rs.stats.runs:
                 self.repair_known[run] = rs.file
-            ranked = window_scores(rs.stats)
+            loss = score == "loss"
+            ranked = self._repaired_losses(rs, runs) if loss else window_scores(rs.stats)
+            self.emit("stage", self.selecting)  # back to the selection's own needs
             return [ranked[(int(s), int(e))] for s, e in runs]
 
         return scores
+
+    def _repaired_losses(
+        self, rs: ModelRepairStats, runs: list[tuple[int, int]]
+    ) -> dict[tuple[int, int], float]:
+        """The held-out loss of each run's repaired variant (`score: loss`), scored on
+        the grid's resources; one log line when any was scored now."""
+        from pipeline.records.progress import duration
+
+        self._stage("repair losses", self.spec.resources.grid)
+        start = time.perf_counter()
+        losses, scored = repaired_window_losses(
+            self.spec, self.plan, rs.stats, rs.file.stem, runs, self.job.force
+        )
+        if scored:
+            self.job.note(
+                f"{self.plan.label}: {scored} repaired windows scored on held-out loss "
+                f"in {duration(time.perf_counter() - start)}"
+            )
+        return losses
 
     # -- repair sums -------------------------------------------------------------------
 
@@ -273,3 +295,10 @@ class _Preparation:
             refs |= {(label, r): ray.put(rs.stats.subset([r])) for r in missing}
             self.job.records.repair_captured(label, rs, missing, variants)
         return refs
+
+
+def _runs_models(m: MethodSpec) -> bool:
+    """Whether selecting with `m` runs the model (on the grid's resources): the
+    loss-guided methods, and a repair-aware one scored by the repaired variants' loss."""
+    method = get_method(m.name)
+    return method.needs_evaluator or (method.needs_repair and m.options.get("score") == "loss")

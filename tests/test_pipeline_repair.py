@@ -13,8 +13,9 @@ import torch
 from job_specs import tiny_job
 from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lorp.loss import calibration_loss
 from lorp.repair import RIDGES, fit_runs, fold
 from lorp.repair_stats import capture_repair_stats, contiguous_runs
 from lorp.surgery import drop_layers
@@ -25,7 +26,7 @@ from pipeline.records.rows import EventLog
 from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
 from pipeline.spec import SpecError, parse_spec
-from pipeline.stages.calibration import read_shard
+from pipeline.stages.calibration import heldout_windows, read_shard
 
 pytestmark = [pytest.mark.integration]
 
@@ -46,7 +47,12 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         model,
         "repair",
         budgets=[2],
-        methods=[{"name": "shortgpt"}, {"name": "streamline"}, {"name": "window"}],
+        methods=[
+            {"name": "shortgpt"},
+            {"name": "streamline"},
+            {"name": "window"},
+            {"name": "window", "label": "window-loss", "options": {"score": "loss"}},
+        ],
         repair=["none", "linear"],
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         ray={"num_cpus": 2},
@@ -57,7 +63,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         again = run_job(parse_spec(spec))
     finally:
         ray.shutdown()
-    assert summary.done == 7 and not summary.failed and not summary.refused
+    assert summary.done == 9 and not summary.failed and not summary.refused
     assert (tmp_path / "fault.repair").is_file()  # the worker did die once
 
     run_dir = tmp_path / "repair"
@@ -70,20 +76,36 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         "streamline+linear",
         "window",
         "window+linear",
+        "window-loss",
+        "window-loss+linear",
     ]
-    # The window method ranked its 3 candidate runs from one pass of sums; the repaired
-    # points then needed only the runs those sums lack, deduplicated across methods.
+    # The window methods ranked their 3 candidate runs from one pass of sums (the second
+    # from its cache); the repaired points then needed only the runs those sums lack,
+    # deduplicated across methods.
     log = EventLog(run_dir / "events.jsonl").read()
     second = [i for i, e in enumerate(log) if e["event"] == "start"][1]
     events, later = log[:second], log[second:]
     ranked = [e for e in events if e["event"] == "repair_scores"]
-    assert [(e["runs"], e["source"]) for e in ranked] == [(3, "computed")]
+    assert [(e["runs"], e["source"]) for e in ranked] == [(3, "computed"), (3, "cache")]
     candidates = {(1, 2), (2, 3), (3, 4)}
     scores = _window_scores(rows["window"])
     best = min(candidates, key=lambda r: (scores[r[0]], r[0]))
     assert _runs(rows["window"]["pruned_layers"]) == [best]
+    # By loss: the lowest held-out loss of the repaired candidates wins, and the winner's
+    # loss is its repaired checkpoint's on the job's held-out windows.
+    losses = _window_scores(rows["window-loss"], "window_loss")
+    best = min(candidates, key=lambda r: (losses[r[0]], r[0]))
+    assert _runs(rows["window-loss"]["pruned_layers"]) == [best]
+    held, _ = heldout_windows(AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration)
+    variant = AutoModelForCausalLM.from_pretrained(
+        rows["window-loss+linear"]["checkpoint"], dtype=torch.float32
+    )
+    got = calibration_loss(variant, torch.from_numpy(held).long())
+    assert losses[best[0]] == pytest.approx(got, rel=1e-4)
     needed = {
-        r for m in ("shortgpt", "streamline", "window") for r in _runs(rows[m]["pruned_layers"])
+        r
+        for m in ("shortgpt", "streamline", "window", "window-loss")
+        for r in _runs(rows[m]["pruned_layers"])
     }
     captures = [e for e in events if e["event"] == "repair_capture"]
     assert [sorted(tuple(r) for r in e["runs"]) for e in captures] == (
@@ -94,7 +116,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     windows = torch.cat(
         [read_shard(p) for p in sorted((run_dir / "calibration").glob("*/shard-*.parquet"))]
     )
-    for method in ("shortgpt", "streamline", "window"):
+    for method in ("shortgpt", "streamline", "window", "window-loss"):
         twin, repaired = rows[method], rows[f"{method}+linear"]
         assert (twin["repair"], repaired["repair"]) == ("none", "linear")
         assert repaired["pruned_layers"] == twin["pruned_layers"]
@@ -132,23 +154,23 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     )
 
     status = format_status(run_status(run_dir))
-    assert "repair       3 repaired variant(s) beside 3 pruned" in status
+    assert "repair       4 repaired variant(s) beside 4 pruned" in status
 
-    # A rerun does nothing: the window's scores come from the cached sums, and no
-    # repaired point is left to need any.
-    assert (again.done, again.skipped) == (0, 7)
+    # A rerun does nothing: the windows' scores come from the cached sums and losses,
+    # and no repaired point is left to need any.
+    assert (again.done, again.skipped) == (0, 9)
     assert not [e for e in later if e["event"] == "repair_capture"]
-    assert [e["source"] for e in later if e["event"] == "repair_scores"] == ["cache"]
+    assert [e["source"] for e in later if e["event"] == "repair_scores"] == ["cache"] * 2
 
 
 def _runs(layers: list[int]) -> list[tuple[int, int]]:
     return contiguous_runs(layers, 6)
 
 
-def _window_scores(row: dict) -> dict[int, float]:
+def _window_scores(row: dict, key: str = "window_residual") -> dict[int, float]:
     """The window method's score per start, as its checkpoint's provenance records them."""
     prov = json.loads(Path(row["checkpoint"], "lorp_pruning.json").read_text())
-    return {int(s): float(v) for s, v in prov["details"]["window_residual"].items()}
+    return {int(s): float(v) for s, v in prov["details"][key].items()}
 
 
 @torch.no_grad()

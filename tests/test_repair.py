@@ -11,6 +11,7 @@ import torch
 from tiny_models import FAMILIES, N_BLOCKS, VOCAB, tiny_model
 
 from lorp.architectures import decoder_blocks
+from lorp.loss import calibration_loss
 from lorp.repair import (
     RIDGES,
     RepairRefused,
@@ -22,6 +23,7 @@ from lorp.repair import (
     fold,
     full_fits,
     prune_and_repair,
+    window_losses,
     window_scores,
 )
 from lorp.repair_stats import (
@@ -185,6 +187,31 @@ def test_with_held_out_sums_windows_are_scored_on_the_held_out_windows() -> None
             assert score == pytest.approx(error, rel=2e-3)
     fitted = window_scores(capture_repair_stats(model, [x], runs, progress=False))
     assert all(scores[r] > fitted[r] for r in runs)  # held-out error exceeds the fit's
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_window_losses_are_the_folded_variants_calibration_losses(family: str) -> None:
+    """Each run's loss is that of the checkpoint a repaired point writes: the validated
+    map folded, the run's blocks dropped; the model scored is left as it was."""
+    model = tiny_model(family)
+    x, held = windows(n=6), windows(n=4, seed=9)
+    runs = [(1, 2), (2, 3), (3, 4)]
+    stats = capture_repair_stats(model, [x], runs, progress=False)
+    stats.held = capture_repair_stats(model, [held], runs, progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = window_losses(model, stats, held, batch_size=3)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert len(decoder_blocks(model)) == N_BLOCKS
+    for run, loss in losses.items():
+        variant = copy.deepcopy(model)
+        fold(variant, fit_runs(model, stats.subset([run]), ridge=None))
+        drop_layers(variant, range(run[0], run[1] + 1))
+        assert loss == pytest.approx(calibration_loss(variant, held), rel=1e-5)
+        pruned = copy.deepcopy(model)
+        drop_layers(pruned, range(run[0], run[1] + 1))
+        assert loss != pytest.approx(calibration_loss(pruned, held), rel=1e-5)
+    assert len(set(losses.values())) == 3
+    assert window_losses(model, stats, held, runs=[(2, 3)]) == {(2, 3): losses[(2, 3)]}
 
 
 def test_normed_features_are_the_norm_input_before_its_weight() -> None:

@@ -10,11 +10,13 @@ beyond the block-input matrix:
   a bare N x N matrix cannot serve it.
 - ``needs_last_token``: the last-token statistics (`LayerSimilarity.last_token*`), which
   only a `SimilarityStats` captured by `lorp.capture` (format 2) carries.
-- ``needs_repair``: the method ranks candidate runs of blocks by what a linear repair
-  (`lorp.repair`) leaves of the gap each would open. It then receives
-  ``repair_scores=``, a `RepairScores` callable: ``repair_scores(runs) -> values``, each
-  run an inclusive (s, e) pair of blocks, each value ||Y + X T - H_e||^2 / ||H_e||^2 of
-  its fitted map on calibration tokens (`lorp.repair.window_scores`; lower is better).
+- ``needs_repair``: the method ranks candidate runs of blocks by how well a linear repair
+  (`lorp.repair`) closes the gap each would open. It then receives ``repair_scores=``, a
+  `RepairScores` callable: ``repair_scores(runs, score) -> values``, each run an
+  inclusive (s, e) pair of blocks, lower is better. `score` says which number:
+  ``"residual"``, ||Y + X T - H_e||^2 / ||H_e||^2 of the run's fitted map on calibration
+  tokens (`lorp.repair.window_scores`), or ``"loss"``, the held-out calibration loss of
+  the model with the run removed and its map applied (`lorp.repair.window_losses`).
   One call is one batch: the caller sums every run's statistics in one calibration pass.
 - ``needs_evaluator``: the method scores candidate pruned models itself (SLEB,
   Shortened-LLaMA's perplexity criterion, loss-guided LoRP). It then receives
@@ -52,8 +54,9 @@ from lorp.surgery import kept_layers
 
 # losses(candidates) -> one mean calibration NLL per candidate set of blocks to drop.
 Losses = Callable[[list[tuple[int, ...]]], list[float]]
-# repair_scores(runs) -> one relative leftover error per (s, e) run after its linear repair.
-RepairScores = Callable[[list[tuple[int, int]]], list[float]]
+# repair_scores(runs, score) -> one value per (s, e) run after its linear repair, lower
+# better: score "residual" (the error its map leaves) or "loss" (the repaired model's loss).
+RepairScores = Callable[[list[tuple[int, int]], str], list[float]]
 # check(options, n_blocks): raise ValueError("option 'x': ...") for a bad value. `options`
 # holds every option (defaults filled in); n_blocks is None when not known yet.
 OptionCheck = Callable[[Mapping[str, Any], int | None], None]
@@ -305,7 +308,8 @@ def select_layers(
         if repair_scores is None:
             raise ValueError(
                 f"method {method!r} ranks runs by their linear repair: pass repair_scores=, "
-                "a callable from (s, e) runs to their leftover error (lorp.repair.window_scores)"
+                "a callable from (s, e) runs and a score name to their values "
+                "(lorp.repair.window_scores)"
             )
         kwargs["repair_scores"] = repair_scores
     if spec.takes_profile and profile is not None:
