@@ -157,7 +157,7 @@ def render_repair(catalog: Path, models: list[str] | None = None) -> str:
         raise SystemExit(f"no repaired variants in {catalog}")
     parts = [
         "Reproduce: `python benchmarks/quality.py --methods lorp shortgpt streamline window "
-        "--section repair --readme README.md` (`jobs/quality.yaml`, `repair: [none, "
+        "window-loss --section repair --readme README.md` (`jobs/quality.yaml`, `repair: [none, "
         "linear]`, through `lorp run`; the repair's sums from the same calibration tokens as "
         "S, one pass on the capture workers, fitted on dense inputs, the ridge chosen on the "
         "held-out calibration windows). Ratios to dense on PTB and on the held-out news "
