@@ -168,14 +168,15 @@ def render_repair(catalog: Path, models: list[str] | None = None) -> str:
 
 
 def repair_findings(rows: list[dict[str, Any]]) -> list[str]:
-    """Per budget: the best repaired variant against dense, and the repaired LoRP's gate."""
+    """Per budget: the best repaired variant by the gate's (held-out) ratio, against
+    dense on both corpora, and the repaired LoRP's gate verdict on that ratio."""
     dense = next((_ppl(r) for r in rows if r["method"] == "dense"), math.nan)
     out = []
     for b in sorted({r["budget"] for r in rows if r["budget"]}):
         fixed = [r for r in rows if r["budget"] == b and (r.get("repair") or "none") != "none"]
         if not fixed or not math.isfinite(dense):
             continue
-        best = min(fixed, key=_ppl)
+        best = min(fixed, key=_judged)
         plain = {r["method_label"]: _ppl(r) for r in rows if r["budget"] == b}
         gains = [
             plain[r["method_label"].split("+")[0]] / _ppl(r)
@@ -183,18 +184,25 @@ def repair_findings(rows: list[dict[str, Any]]) -> list[str]:
             if r["method_label"].split("+")[0] in plain
         ]
         line = (
-            f"at {b} blocks the best repaired variant is {best['method_label']} at "
-            f"{_ppl(best):,.1f} = {_ppl(best) / dense:.2f}x dense; repair divides perplexity "
-            f"by {min(gains):.2f}-{max(gains):.2f}x"
+            f"at {b} blocks the best repaired variant is {best['method_label']}: "
+            f"{_both(best, dense)}; repair divides PTB perplexity by "
+            f"{min(gains):.2f}-{max(gains):.2f}x"
             if gains
             else ""
         )
         lorp = next((r for r in fixed if r["method_label"] == "lorp+linear"), None)
         if lorp is not None:
             verdict = "fails" if lorp.get("degraded") else "passes"
-            line += f"; repaired LoRP {verdict} the quality gate ({_ppl(lorp) / dense:.2f}x)"
+            line += f"; repaired LoRP {verdict} the quality gate ({_both(lorp, dense)})"
         out.append(line)
     return out
+
+
+def _both(row: dict[str, Any], dense: float) -> str:
+    """'PTB 1.22x, lee 1.48x dense' (the held-out ratio where the row has it)."""
+    text = f"PTB {_ppl(row) / dense:.2f}x"
+    held = row.get("ratio_lee")
+    return text + (f", lee {float(held):.2f}x dense" if held is not None else " dense")
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.quality import findings, model_table  # noqa: E402
+from benchmarks.quality import findings, model_table, repair_findings  # noqa: E402
 
 
 def row(label: str, budget: int, ppl: float, pruned=(), degraded=False, evals=0, secs=0.0):  # type: ignore[no-untyped-def]
@@ -53,3 +53,24 @@ def test_findings_hold_lorp_loss_to_one_pass_and_to_sleb() -> None:
         "at 2 blocks lorp-loss (75.0) is above the best one-pass method (streamline, 70.0)",
         "at 2 blocks lorp-loss / SLEB = 1.88 (outside 1.25x; SLEB 40.0)",
     ]
+
+
+def test_repair_findings_name_the_best_by_the_held_out_ratio() -> None:
+    """The best repaired variant is the gate's (lee) best, not PTB's; both ratios shown."""
+
+    def fixed(label: str, ppl: float, lee: float, degraded: bool = False) -> dict:
+        out = row(label, 2, ppl, (3, 4), degraded)
+        return out | {"repair": "linear", "ratio_lee": lee, "ppl_ratio": lee, "judged_on": "lee"}
+
+    rows = [
+        row("dense", 0, 50.0),
+        row("shortgpt", 2, 100.0, (3, 4)),
+        row("lorp", 2, 500.0, (1, 2), True),
+        fixed("shortgpt+linear", 60.0, 2.5),  # best on PTB, worse held out
+        fixed("lorp+linear", 70.0, 1.5),
+    ]
+    [line] = repair_findings(rows)
+    assert line.startswith(
+        "at 2 blocks the best repaired variant is lorp+linear: PTB 1.40x, lee 1.50x"
+    )
+    assert line.endswith("repaired LoRP passes the quality gate (PTB 1.40x, lee 1.50x dense)")
