@@ -338,8 +338,8 @@ def repaired_window_losses(
         plan.spec.dtype, task.batch_size, device,
     )  # fmt: skip
     memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=force)
-    todo = [tuple(r) for r in memo.missing([tuple(r) for r in runs])]
-    if todo:
+    todo = memo.missing([(int(s), int(e)) for s, e in runs])
+    if todo:  # only the runs to score travel: at large d each run's sums are d x d
         call = _repaired_losses.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=2)
-        memo.add(todo, ray.get(call.remote(task, stats, todo, spec.ridge_value)))
+        memo.add(todo, ray.get(call.remote(task, stats.subset(todo), todo, spec.ridge_value)))
     return {(int(s), int(e)): memo.losses[(s, e)] for s, e in runs}, len(todo)
