@@ -5,12 +5,14 @@ and the calibration mix.
     python benchmarks/heldout.py --models smollm2-135m --calib ptb --tokens 8192 32768
     python benchmarks/heldout.py --calib ptb:1,wiki:1 --ridge auto 0.001 --json out.json
     python benchmarks/heldout.py --methods window --window-score loss   # ranked by loss
+    python benchmarks/heldout.py --methods window --followers 0 1 2     # follower maps
 
 Per model and calibration setting: S and the repair sums from `--tokens` calibration
 tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows (8 x 256
 of the same mix, seed + 1: what `repair_ridge: auto` validates on), then for each method
 at each budget the pruned variant and its repaired twin under each `--ridge` (auto: the
-product's validated fit; a number: that ridge, every map kept). Perplexity on PTB test
+product's validated fit; a number: that ridge, every map kept), with each `--followers`
+count of follower maps (`lorp.repair.fit_followers`, validated). Perplexity on PTB test
 and on the Lee news corpus (held out: never calibrated on here unless named in --calib),
 12 windows of 512 each (6k tokens), as ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
 """
@@ -43,6 +45,7 @@ from lorp.perplexity import perplexity  # noqa: E402
 from lorp.repair import (  # noqa: E402
     RepairRefused,
     check_repairable,
+    fit_followers,
     fit_runs,
     fold,
     window_losses,
@@ -137,19 +140,23 @@ def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: in
                 model, batches(held), runs, skip_prefix=skip, progress=False
             )
             for ridge in args.ridge:
-                start = time.perf_counter()
-                fits = fit_runs(model, rs, ridge=None if ridge == "auto" else float(ridge))
-                repaired = copy.deepcopy(model)
-                fold(repaired, fits)
-                drop_layers(repaired, layers)
-                row = (
-                    base | {"repair": f"linear@{ridge}"} | _ratios(ppl_all(repaired, tests), dense)
-                )
-                row["fits"] = [f.record() for f in fits]
-                row["fit_s"] = round(time.perf_counter() - start, 1)
-                rows.append(row)
-                _say(row, loaded.n_blocks)
-                del repaired
+                for followers in args.followers:
+                    value = None if ridge == "auto" else float(ridge)
+                    start = time.perf_counter()
+                    fits = fit_runs(model, rs, ridge=value)
+                    fits += fit_followers(
+                        model, fits, layers, cal, held, followers, ridge=value, skip_prefix=skip
+                    )
+                    repaired = copy.deepcopy(model)
+                    fold(repaired, fits)
+                    drop_layers(repaired, layers)
+                    repair = f"linear@{ridge}" + (f"+{followers}f" if followers else "")
+                    row = base | {"repair": repair} | _ratios(ppl_all(repaired, tests), dense)
+                    row["fits"] = [f.record() for f in fits]
+                    row["fit_s"] = round(time.perf_counter() - start, 1)
+                    rows.append(row)
+                    _say(row, loaded.n_blocks)
+                    del repaired
     return rows
 
 
@@ -181,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib", nargs="+", default=["ptb"], help="corpus or mix: ptb:1,wiki:1")
     p.add_argument("--tokens", nargs="+", type=int, default=[8192])
     p.add_argument("--ridge", nargs="+", default=["auto", "0.001"])
+    p.add_argument(
+        "--followers", nargs="+", type=int, default=[0], help="follower maps per cut (each)"
+    )
     p.add_argument(
         "--window-score",
         choices=("residual", "loss"),

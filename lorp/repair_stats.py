@@ -21,6 +21,12 @@ The tokens are S's: padding and the first `skip_prefix` real tokens (a BOS) are 
 A run starting at block 0 has no block before it: its X is the embedding output (Y = 0),
 and the map folds into the embedding matrix (`lorp.repair`).
 
+A follower is a run of no blocks, (k + 1, k): block k is kept, and its map takes the
+state it leaves from where the repaired model puts it to the dense model's H_(k+1)
+(`lorp.repair.fit_followers`). Its sums come from `capture_follower_stats`: X and Y
+from the model pruned and repaired so far, H from the same model dense, two forwards of
+one model per batch.
+
 `held` carries the same sums over calibration windows held out from the fit (the job's
 loss windows: same split, another seed, never in S). The fit never sees them; they choose
 its ridge and decide whether the fitted map is kept at all (`lorp.repair.fit_runs`). They
@@ -108,7 +114,7 @@ class RepairStats:
         if not runs:
             raise ValueError("runs must name at least one run of removed blocks")
         for s, e in runs:
-            if not 0 <= s <= e < n_blocks:
+            if not (0 <= s <= e < n_blocks or 0 < s == e + 1 <= n_blocks):  # or a follower
                 raise ValueError(f"run {s}-{e} is not within blocks 0..{n_blocks - 1}")
         self.n_blocks, self.hidden, self.runs = n_blocks, hidden, runs
         self.forms: dict[Run, Form] = {r: (forms or {}).get(r, "full") for r in runs}
@@ -605,6 +611,70 @@ def _batch_sums(
     }
     states = {(s, e): seen[("H", e + 1)] for s, e in stats.runs}
     return features, targets, states
+
+
+def _states(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    rec: _StateRecorder,
+    context: contextlib.AbstractContextManager[Any],
+    hook_into: Callable[[_StateRecorder, list[RemovableHandle]], None],
+) -> dict[_StateKey, torch.Tensor]:
+    """The states `rec` owes, from one forward of `model` inside `context` with the hooks
+    `hook_into` registers (removed afterwards, whatever happens)."""
+    rec.keep = keep
+    handles: list[RemovableHandle] = []
+    try:
+        hook_into(rec, handles)
+        with context, contextlib.suppress(_StopForward):
+            decoder_stack(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    if rec.missing():
+        raise RuntimeError(f"the forward never produced {sorted(rec.missing())}")
+    return rec.seen
+
+
+def capture_follower_stats(
+    model: nn.Module,
+    batches: Iterable[torch.Tensor | Mapping[str, torch.Tensor]],
+    runs: Sequence[Run],
+    repaired: Callable[[], contextlib.AbstractContextManager[Any]],
+    *,
+    skip_prefix: int = 0,
+    progress: bool = True,
+    total: int | None = None,
+) -> RepairStats:
+    """The sums of `runs` (followers: module docstring) with X and Y from `model` inside
+    `repaired()` (its blocks dropped and its maps applied, by `lorp.repair`) and the
+    target H from `model` as it is, the dense model: per batch, one dense forward up to
+    the deepest target, then one repaired forward up to the deepest source, so nothing
+    is copied and a streamed model is read as any forward reads it. Runs index the
+    original blocks."""
+    arch = architecture_of(model)
+    blocks = decoder_blocks(model)  # the original indices, whatever `repaired` drops
+    forms = {r: run_form(model, r) for r in runs}
+    stats = RepairStats(len(blocks), int(model.config.hidden_size), runs, forms)
+    source, target = _owed_states(stats, shared=False)
+    device = device_of(model)
+    with torch.inference_mode():
+        for batch in tqdm(batches, total=total, disable=None if progress else True, desc="follow"):
+            ids, mask = unpack_batch(batch)
+            ids, mask = ids.to(device), None if mask is None else mask.to(device)
+            keep, _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
+            seen = _states(
+                model, ids, mask, keep, _StateRecorder(set(), target), contextlib.nullcontext(),
+                lambda rec, handles: _hook_targets(model, stats, rec, handles),
+            )  # fmt: skip
+            seen |= _states(
+                model, ids, mask, keep, _StateRecorder(source, set()), repaired(),
+                lambda rec, handles: _hook_sources(blocks, arch, stats, rec, handles),
+            )  # fmt: skip
+            stats.add(*_batch_sums(stats, seen))
+    return stats
 
 
 def capture_repair_stats(

@@ -131,7 +131,7 @@ class Fleet:
         self.queue: list[tuple[int, int, GridPoint]] = []
         self.seq = 0
         self.pool = make_pool(backend, self.capacity, res.grid)
-        self.repair_refs: dict[tuple[str, tuple[int, int]], Any] = {}
+        self.repair_refs: dict[tuple[str, Any], Any] = {}
         self.in_flight: dict[Any, tuple[GridPoint, ModelChain]] = {}
         self.speeds: dict[Any, ModelChain] = {}
         self.spans = timeline.start_span_log()

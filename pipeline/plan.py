@@ -203,6 +203,7 @@ def grid_key(
     repair: str = "none",
     rounds: int = MAX_ROUNDS,
     ridge: float | str = "auto",
+    followers: int = 0,
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
     catalogs and caches of earlier runs stay valid."""
@@ -214,6 +215,8 @@ def grid_key(
            "validated": "heldout"}  # fmt: skip
     if rounds != MAX_ROUNDS:  # the default leaves earlier runs' keys as they were
         fit["rounds"] = rounds
+    if followers:  # so do no followers
+        fit["followers"] = followers
     return content_key(model_key, point, dict(options), budget, ev, fit)
 
 
@@ -370,7 +373,7 @@ def plan_points(
             for repair in spec.repair:
                 key = grid_key(
                     model_key, m.name, options, budget, ev, repair, spec.repair_rounds,
-                    spec.repair_ridge,
+                    spec.repair_ridge, spec.repair_followers,
                 )  # fmt: skip
                 point = GridPoint(key, plan, m, sel, seconds, repair)
                 why = repair_refusal(plan, sel.layers) if repair != "none" else None

@@ -35,10 +35,11 @@ from pipeline.stages.losses import LossSelector, repaired_window_losses
 from pipeline.stages.statistics import (
     ModelRepairStats,
     ModelStats,
+    follower_windows,
     model_statistics,
     repair_statistics,
 )
-from pipeline.stages.tasks import RepairRefs
+from pipeline.stages.tasks import FOLLOWERS, RepairRefs
 
 
 class PrepareRecords(Protocol):
@@ -294,6 +295,9 @@ class _Preparation:
             )
             refs |= {(label, r): ray.put(rs.stats.subset([r])) for r in missing}
             self.job.records.repair_captured(label, rs, missing, variants)
+        if self.spec.repair_followers:
+            assert shards is not None
+            refs[(label, FOLLOWERS)] = ray.put(follower_windows(self.spec, self.plan, shards))
         return refs
 
 

@@ -139,3 +139,8 @@ def test_the_repair_ridge_is_auto_or_a_positive_number() -> None:
             SpecError, match=f"repair_ridge: must be auto or a number > 0, got {shown}"
         ):
             parse_spec(base | {"repair_ridge": bad})
+    assert parse_spec(base).repair_followers == 1
+    assert parse_spec(base | {"repair_followers": 0}).repair_followers == 0
+    for bad, says in ((-1, "must be an integer >= 0, got -1"), (1.5, "expected an integer")):
+        with pytest.raises(SpecError, match=f"repair_followers: {says}"):
+            parse_spec(base | {"repair_followers": bad})

@@ -16,7 +16,7 @@ from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorp.loss import calibration_loss
-from lorp.repair import RIDGES, fit_runs, fold
+from lorp.repair import RIDGES, fit_followers, fit_runs, fold, follower_blocks
 from lorp.repair_stats import capture_repair_stats, contiguous_runs
 from lorp.surgery import drop_layers
 from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
@@ -92,16 +92,19 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     best = min(candidates, key=lambda r: (scores[r[0]], r[0]))
     assert _runs(rows["window"]["pruned_layers"]) == [best]
     # By loss: the lowest held-out loss of the repaired candidates wins, and the winner's
-    # loss is its repaired checkpoint's on the job's held-out windows.
+    # loss is its repaired variant's on the job's held-out windows (the run's map, folded
+    # as the checkpoint folds it; followers come after the choice).
     losses = _window_scores(rows["window-loss"], "window_loss")
     best = min(candidates, key=lambda r: (losses[r[0]], r[0]))
     assert _runs(rows["window-loss"]["pruned_layers"]) == [best]
     held, _ = heldout_windows(AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration)
-    variant = AutoModelForCausalLM.from_pretrained(
-        rows["window-loss+linear"]["checkpoint"], dtype=torch.float32
+    held = torch.from_numpy(held).long()
+    windows = torch.cat(
+        [read_shard(p) for p in sorted((run_dir / "calibration").glob("*/shard-*.parquet"))]
     )
-    got = calibration_loss(variant, torch.from_numpy(held).long())
-    assert losses[best[0]] == pytest.approx(got, rel=1e-4)
+    fits = json.loads(rows["window-loss+linear"]["repair_fits"])
+    variant = _repaired(model, windows, held, fits, list(range(best[0], best[1] + 1)), 0)
+    assert losses[best[0]] == pytest.approx(calibration_loss(variant, held), rel=1e-4)
     needed = {
         r
         for m in ("shortgpt", "streamline", "window", "window-loss")
@@ -113,9 +116,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     )
     assert all(e["source"] == "computed" and e["passes"] == 1 for e in captures)
 
-    windows = torch.cat(
-        [read_shard(p) for p in sorted((run_dir / "calibration").glob("*/shard-*.parquet"))]
-    )
+    followed = 0
     for method in ("shortgpt", "streamline", "window", "window-loss"):
         twin, repaired = rows[method], rows[f"{method}+linear"]
         assert (twin["repair"], repaired["repair"]) == ("none", "linear")
@@ -123,9 +124,15 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         assert repaired["params"] == twin["params"] < twin["params_dense"]
         config = lambda r: json.loads(Path(r["checkpoint"], "config.json").read_text())  # noqa: E731
         assert config(repaired) == config(twin)
-        fits = json.loads(repaired["repair_fits"])
-        assert [tuple(f["run"]) for f in fits] == [tuple(r) for r in _runs(twin["pruned_layers"])]
-        for f in fits:  # validated on the held-out windows: never worse than unrepaired there
+        records = json.loads(repaired["repair_fits"])
+        fits = [f for f in records if "follower" not in f]
+        followers = [f for f in records if "follower" in f]
+        runs = _runs(twin["pruned_layers"])
+        assert [tuple(f["run"]) for f in fits] == [tuple(r) for r in runs]
+        # one follower (the job's default) on the kept block after each cut that has one
+        assert [f["follower"] for f in followers] == follower_blocks(6, twin["pruned_layers"], 1)
+        followed += len(followers)
+        for f in records:  # validated on the held-out windows: never worse than unrepaired there
             assert f["form"] == "normed" and f["ridge"] in RIDGES
             assert f["held_residual"] <= f["held_unrepaired_residual"]
             assert f["ridges_tried"][f"{f['ridge']:g}"] == min(f["ridges_tried"].values())
@@ -134,15 +141,17 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
             else:
                 assert f["residual"] == f["unrepaired_residual"]
         assert repaired["repair_residual"] == max(f["residual"] for f in fits)
-        kept = sum(f["kept"] == "fit" for f in fits)
-        assert repaired["repair_kept"] == f"{kept}/{len(fits)} runs"
+        kept = f"{sum(f['kept'] == 'fit' for f in fits)}/{len(fits)} runs"
+        if followers:
+            kept += f", {sum(f['kept'] == 'fit' for f in followers)}/{len(followers)} followers"
+        assert repaired["repair_kept"] == kept
         prov = json.loads(Path(repaired["checkpoint"], "lorp_pruning.json").read_text())
-        assert prov["repair"]["method"] == "linear" and prov["repair"]["runs"] == fits
+        assert prov["repair"]["method"] == "linear" and prov["repair"]["runs"] == records
         assert (
             json.loads(Path(twin["checkpoint"], "lorp_pruning.json").read_text())["repair"] is None
         )
-        _same_logits(model, windows, fits, twin["pruned_layers"], Path(repaired["checkpoint"]))
-
+        _same_logits(model, windows, held, records, twin["pruned_layers"], repaired)
+    assert followed >= 2  # the windows inside the stack have one
     client = MlflowClient(summary.tracking_uri)
     run = client.get_run(rows["shortgpt+linear"]["mlflow_run_id"])
     assert run.data.params["repair"] == "linear" and run.info.run_name == "shortgpt+linear-b2"
@@ -173,20 +182,44 @@ def _window_scores(row: dict, key: str = "window_residual") -> dict[int, float]:
     return {int(s): float(v) for s, v in prov["details"][key].items()}
 
 
-@torch.no_grad()
-def _same_logits(
-    model: Path, windows: torch.Tensor, fits: list[dict], layers: list[int], saved: Path
-) -> None:
-    """The saved checkpoint's logits equal the dense model's, repaired here in one pass
-    with each run's recorded ridge, its map folded where the job kept it."""
+def _repaired(
+    model: Path,
+    windows: torch.Tensor,
+    held: torch.Tensor,
+    records: list[dict],
+    layers: list[int],
+    followers: int,
+) -> torch.nn.Module:
+    """The dense model repaired here in one process: each run's map with its recorded
+    ridge where the job kept it, then `followers` follower maps validated on `held`."""
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     batches = [windows[i : i + 4] for i in range(0, len(windows), 4)]
     stats = capture_repair_stats(ref, batches, _runs(layers), progress=False)
-    for f in fits:
-        if f["kept"] == "fit":
-            fold(ref, fit_runs(ref, stats.subset([tuple(f["run"])]), ridge=f["ridge"]))
+    fits = [
+        fit_runs(ref, stats.subset([tuple(f["run"])]), ridge=f["ridge"])[0]
+        for f in records
+        if "follower" not in f and f["kept"] == "fit"
+    ]
+    fits += fit_followers(ref, fits, layers, windows, held, followers, batch_size=4)
+    fold(ref, fits)
     drop_layers(ref, layers)
-    got = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    return ref
+
+
+@torch.no_grad()
+def _same_logits(
+    model: Path,
+    windows: torch.Tensor,
+    held: torch.Tensor,
+    records: list[dict],
+    layers: list[int],
+    row: dict,
+) -> None:
+    """The saved checkpoint's logits equal the dense model's, repaired here in one
+    process from the same windows (`_repaired`, with the job's followers)."""
+    followers = sum("follower" in f for f in records)
+    ref = _repaired(model, windows, held, records, layers, 1 if followers else 0)
+    got = AutoModelForCausalLM.from_pretrained(row["checkpoint"], dtype=torch.float32).eval()
     ids = windows[:2]
     expect = ref(ids).logits
     assert len(got.model.layers) == 6 - len(layers)

@@ -129,19 +129,22 @@ chosen map, and a normed fit's rotation, its update and their products
 
 
 def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int) -> int:
-    """What a repaired point holds besides its model: one run's fit at a time (on the
-    CPU: not counted against a GPU), and a streamed model's fold overrides (one
-    `down_proj` per run, kept while it evaluates, or the embeddings for a run from block
-    0 of an untied model; held whole, the fold's one result before it is copied in).
-    0 without repair."""
+    """What a repaired point holds besides its model: one run's (or follower's) fit at a
+    time (on the CPU: not counted against a GPU), and a streamed model's fold overrides
+    (one `down_proj` per run and per follower, kept while it evaluates, or the
+    embeddings for a run from block 0 of an untied model; held whole, the fold's one
+    result before it is copied in). 0 without repair. A follower's forwards take the
+    evaluation's tokens per batch at most (`pipeline.stages.statistics.follower_windows`),
+    so the evaluation's activations cover them."""
     if "linear" not in spec.repair:
         return 0
     # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
     runs = min(max(plan.budgets, default=0), (plan.n_blocks + 1) // 2)
+    maps = min(runs * (1 + spec.repair_followers), plan.n_blocks)
     down = shape.hidden * shape.intermediate * itemsize
     first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
     fit = FIT_MATRICES * 8 * shape.hidden**2 if spec.resources.grid.num_gpus == 0 else 0
-    return fit + first + max(runs - 1, 0) * down
+    return fit + first + max(maps - 1, 0) * down
 
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)

@@ -233,9 +233,7 @@ def catalog_row(
         "lorp_version": lorp.__version__,
     }
     row |= planning_columns(point)
-    if result.repair:  # the worst run's share of its gap the repair left, on calibration
-        row["repair_residual"] = max(float(f["residual"]) for f in result.repair)
-        row |= repair_validation(result.repair)
+    row |= repair_columns(result.repair)
     row |= costs(spec, point, facts, result)
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
 
@@ -249,17 +247,32 @@ def planning_columns(point: GridPoint) -> dict[str, Any]:
     return out
 
 
+def repair_columns(fits: list[dict[str, Any]]) -> dict[str, Any]:
+    """A repaired point's figures: the worst run's share of its gap left on calibration
+    (`repair_residual`; followers are counted in `repair_kept` only), and the held-out
+    validation's (`repair_validation`)."""
+    runs = [f for f in fits if "follower" not in f]
+    if not runs:
+        return {}
+    return {"repair_residual": max(float(f["residual"]) for f in runs)} | repair_validation(fits)
+
+
 def repair_validation(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """What the held-out calibration windows said of a repaired point's maps: the worst
-    run's residual there (`repair_held_residual`) and how many runs kept their fitted map
-    (`repair_kept`: "2/2 runs"; "0/2 runs" is a variant equal to its unrepaired twin)."""
+    run's residual there (`repair_held_residual`) and how many runs, and followers, kept
+    their fitted map (`repair_kept`: "2/2 runs, 1/2 followers"; "0/2 runs" with no
+    follower kept is a variant equal to its unrepaired twin)."""
     validated = [f for f in fits if f.get("held_residual") is not None]
-    if not validated:
+    runs = [f for f in validated if "follower" not in f]
+    if not runs:
         return {}
-    kept = sum(f.get("kept") == "fit" for f in validated)
+    kept = f"{sum(f.get('kept') == 'fit' for f in runs)}/{len(runs)} runs"
+    followers = [f for f in validated if "follower" in f]
+    if followers:
+        kept += f", {sum(f.get('kept') == 'fit' for f in followers)}/{len(followers)} followers"
     return {
-        "repair_held_residual": max(float(f["held_residual"]) for f in validated),
-        "repair_kept": f"{kept}/{len(validated)} runs",
+        "repair_held_residual": max(float(f["held_residual"]) for f in runs),
+        "repair_kept": kept,
     }
 
 

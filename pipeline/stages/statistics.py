@@ -32,6 +32,7 @@ from pipeline.spec import JobSpec
 from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
 from pipeline.stages.workers import (
     CaptureTask,
+    FollowerWindows,
     Shard,
     distributed_capture,
     distributed_repair_capture,
@@ -134,6 +135,21 @@ def repair_statistics(
     stats.to_file(local)
     store.put_file(local, name)
     return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name), local)
+
+
+def follower_windows(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> FollowerWindows:
+    """The windows a repaired point fits its follower maps on (S's calibration shards, in
+    shard order) and validates them on (the held-out windows): tokens, not sums, since a
+    follower's inputs depend on the point's own maps."""
+    windows = np.concatenate([s.windows for s in load_shards(shards)])
+    held, _ = _held_windows(spec, plan)
+    # Per forward, no more tokens than the point's evaluation takes: its memory plan
+    # (`pipeline.cluster.memory`) covers the follower's forwards too.
+    ev, cal = spec.evaluation, spec.calibration
+    tokens = plan.batch("evaluate", ev.batch_size) * (ev.seq_len + 1)
+    batch = max(1, min(plan.batch("capture", cal.batch_size), tokens // windows.shape[1]))
+    skip = int(shards.bos is not None)
+    return FollowerWindows(windows, held.astype(np.int32), skip, batch)
 
 
 def _held_windows(spec: JobSpec, plan: ModelPlan) -> tuple[np.ndarray, str]:

@@ -20,8 +20,10 @@ from pipeline.records.rows import provenance
 from pipeline.spec import EvaluationSpec, JobSpec, Resources
 from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
 
-RepairRefs = Mapping[tuple[str, tuple[int, int]], Any]
-"""(model label, run) -> ObjectRef of that run's one-run `RepairStats`."""
+RepairRefs = Mapping[tuple[str, Any], Any]
+"""(model label, run) -> ObjectRef of that run's one-run `RepairStats`; (model label,
+FOLLOWERS) -> ObjectRef of the model's `FollowerWindows`, where the job fits followers."""
+FOLLOWERS = "follower windows"
 
 
 def checkpoint(spec: JobSpec, point: GridPoint) -> str | None:
@@ -75,7 +77,9 @@ def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask
         return None
     runs = tuple(point.runs)
     stats = tuple(refs[(point.model.label, r)] for r in runs)
-    return RepairTask(runs, stats, spec.ridge_value, spec.repair_rounds)
+    followers = spec.repair_followers
+    windows = refs[(point.model.label, FOLLOWERS)] if followers else None
+    return RepairTask(runs, stats, spec.ridge_value, spec.repair_rounds, followers, windows)
 
 
 def speed_task(spec: JobSpec, storage: str, points: list[GridPoint]) -> SpeedTask:

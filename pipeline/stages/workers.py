@@ -285,6 +285,22 @@ class RepairTask:
     ridge: float | None
     rounds: int = 100
     """A normed fit's rounds at most (the job's `repair_rounds`)."""
+    followers: int = 0
+    """Kept blocks after each cut that take a follower map (`lorp.repair.fit_followers`)."""
+    windows: Any = None
+    """With followers: an ObjectRef of the model's `FollowerWindows`."""
+
+
+@dataclass(frozen=True)
+class FollowerWindows:
+    """What a follower map is fitted on and validated on: the model's calibration windows
+    (S's tokens) and its held-out calibration windows, int32 [n, T] each, put in the
+    object store once per model."""
+
+    windows: np.ndarray
+    held: np.ndarray
+    skip_prefix: int
+    batch_size: int
 
 
 def execute_point(task: PointTask) -> PointResult:
@@ -375,8 +391,27 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
                 f"({stats.model_fingerprint}, {stats.runs})"
             )
         fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
+    if rt.followers:
+        fits += _followers(task, model, fits)
     fold(model, fits)  # a streamed model's too: its files get the fold when written
     return fits
+
+
+def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
+    """The point's follower maps, fitted on the model's calibration windows with its runs'
+    maps applied by hooks (nothing copied: a streamed model too)."""
+    import torch
+
+    from lorp.repair import fit_followers
+
+    rt = task.repair
+    assert rt is not None and rt.windows is not None
+    fw: FollowerWindows = ray.get(rt.windows)
+    return fit_followers(
+        model, fits, task.layers, torch.from_numpy(fw.windows).long(),
+        torch.from_numpy(fw.held).long(), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
+        batch_size=fw.batch_size, skip_prefix=fw.skip_prefix,
+    )  # fmt: skip
 
 
 def _save_checkpoint(
