@@ -14,7 +14,8 @@ at each budget the pruned variant and its repaired twin under each `--ridge` (au
 product's validated fit; a number: that ridge, every map kept), with each `--followers`
 count of follower maps (`lorp.repair.fit_followers`, validated). Perplexity on PTB test
 and on the Lee news corpus (held out: never calibrated on here unless named in --calib),
-12 windows of 512 each (6k tokens), as ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
+`--eval-windows` windows of 512 each (12: 6k tokens; `jobs/quality.yaml` takes 32), as
+ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def calibration(tok: Any, bos: int | None, mix: list[tuple[str, float]], n: int,
     return prepend_bos(windows, bos) if bos is not None else windows
 
 
-def test_windows(tok: Any, bos: int | None, corpus: str, n: int = 12) -> torch.Tensor:
+def test_windows(tok: Any, bos: int | None, corpus: str, n: int) -> torch.Tensor:
     ids = torch.cat(
         [torch.as_tensor(d) for d in tokenize_documents(tok, load_corpus(corpus, "test"))]
     )
@@ -98,7 +99,7 @@ def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: in
     mix = parse_mix(mix_text)
     cal = calibration(tok, bos, mix, tokens // SEQ, 0)
     held = calibration(tok, bos, mix, HELD, 1)
-    tests = {c: test_windows(tok, bos, c) for c in EVAL}
+    tests = {c: test_windows(tok, bos, c, args.eval_windows) for c in EVAL}
     dense = ppl_all(model, tests)
     stats = capture_stats(model, batches(cal), skip_prefix=skip, progress=False)
     rows = []
@@ -196,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("residual", "loss"),
         default="residual",
         help="how the window method ranks its candidates (its `score` option)",
+    )
+    p.add_argument(
+        "--eval-windows",
+        type=int,
+        default=12,
+        help="512-token windows per corpus",
     )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)

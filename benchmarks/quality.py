@@ -15,6 +15,7 @@ caches.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections import defaultdict
@@ -133,8 +134,10 @@ def repair_table(rows: list[dict[str, Any]]) -> list[str]:
         if ratio and held is not None:  # the held-out news beside PTB
             text += f"; lee {float(held):.2f}x"
         text = f"**{text}**" if bold else text
-        marks = [m for m in ("degraded", "fits_calibration_only") if r.get(m)]
-        return text + "".join(f" ({m.replace('_', ' ')})" for m in marks)
+        marks = [m.replace("_", " ") for m in ("degraded", "fits_calibration_only") if r.get(m)]
+        if ratio and not followers(r):  # a cut at the end has none; an older run had none
+            marks.append("no follower")
+        return text + "".join(f" ({m})" for m in marks)
 
     order = sorted(
         by, key=lambda m: min(_ppl(v.get("linear") or v["none"]) for v in by[m].values())
@@ -151,8 +154,25 @@ def repair_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant (model, label, budget): the newest. A rerun under a changed
+    repair setting (followers) gives the repaired points new keys; the catalog keeps the
+    earlier rows beside them, and the report is the latest run's."""
+    newest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["model"], r["method_label"], r["budget"])
+        if key not in newest or str(r.get("created_at")) > str(newest[key].get("created_at")):
+            newest[key] = r
+    return list(newest.values())
+
+
+def followers(row: dict[str, Any]) -> int:
+    """How many follower maps a repaired row's variant folded (`repair_fits`)."""
+    return sum("follower" in f for f in json.loads(row.get("repair_fits") or "[]"))
+
+
 def render_repair(catalog: Path, models: list[str] | None = None) -> str:
-    rows = [r for r in read_catalog(catalog) if not models or r["model"] in models]
+    rows = latest([r for r in read_catalog(catalog) if not models or r["model"] in models])
     if not any((r.get("repair") or "none") != "none" for r in rows):
         raise SystemExit(f"no repaired variants in {catalog}")
     parts = [
@@ -160,8 +180,10 @@ def render_repair(catalog: Path, models: list[str] | None = None) -> str:
         "window-loss --section repair --readme README.md` (`jobs/quality.yaml`, `repair: [none, "
         "linear]`, through `lorp run`; the repair's sums from the same calibration tokens as "
         "S, one pass on the capture workers, fitted on dense inputs, the ridge chosen on the "
-        "held-out calibration windows). Ratios to dense on PTB and on the held-out news "
-        "(lee); bold: the best repaired variant by the held-out ratio.",
+        "held-out calibration windows, one follower map per cut: `repair_followers`). Ratios "
+        "to dense on PTB and on the held-out news (lee); bold: the best repaired variant by "
+        "the held-out ratio; `no follower`: a repaired variant without a follower map (its "
+        "cut ends the stack, or its row is from a run before followers).",
         "",
     ]
     return _per_model(parts, rows, repair_table, repair_findings)

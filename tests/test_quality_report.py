@@ -7,7 +7,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.quality import findings, model_table, repair_findings  # noqa: E402
+from benchmarks.quality import (  # noqa: E402
+    findings,
+    followers,
+    latest,
+    model_table,
+    repair_findings,
+    repair_table,
+)
 
 
 def row(label: str, budget: int, ppl: float, pruned=(), degraded=False, evals=0, secs=0.0):  # type: ignore[no-untyped-def]
@@ -74,3 +81,32 @@ def test_repair_findings_name_the_best_by_the_held_out_ratio() -> None:
         "at 2 blocks the best repaired variant is lorp+linear: PTB 1.40x, lee 1.50x"
     )
     assert line.endswith("repaired LoRP passes the quality gate (PTB 1.40x, lee 1.50x dense)")
+
+
+def test_the_repair_report_is_the_latest_run_and_says_which_variants_lack_a_follower() -> None:
+    """A rerun with followers leaves the earlier repaired rows in the catalog under other
+    keys: the report takes each variant's newest row, and marks a repaired variant whose
+    fits hold no follower map."""
+    import json
+
+    def fixed(ppl: float, lee: float, when: str, fits: list[dict]) -> dict:
+        out = row("window+linear", 2, ppl, (3, 4))
+        return out | {
+            "model": "m", "n_blocks": 6, "repair": "linear", "ratio_lee": lee, "ppl_ratio": lee,
+            "judged_on": "lee", "created_at": when, "repair_fits": json.dumps(fits),
+        }  # fmt: skip
+
+    run = {"run": [3, 4], "kept": "fit"}
+    base = {"model": "m", "n_blocks": 6, "created_at": "2026-12-01"}
+    rows = [
+        row("dense", 0, 50.0) | base,
+        row("window", 2, 100.0, (3, 4)) | base,
+        fixed(60.0, 2.0, "2026-12-01T10:00", [run]),  # before followers
+        fixed(55.0, 1.8, "2026-12-02T10:00", [run, {"run": [5, 4], "follower": 4}]),
+    ]
+    (newest,) = [r for r in latest(rows) if r["method_label"] == "window+linear"]
+    assert newest["ppl_ptb"] == 55.0 and followers(newest) == 1
+    line = next(x for x in repair_table(latest(rows)) if x.startswith("| window |"))
+    assert "**55.0 (1.10x); lee 1.80x**" in line and "no follower" not in line
+    older = next(x for x in repair_table(rows[:3]) if x.startswith("| window |"))
+    assert "60.0 (1.20x); lee 2.00x** (no follower)" in older
