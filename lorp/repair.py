@@ -412,9 +412,9 @@ def fit_followers(
         with blocks_dropped(model, layers) as kept, applied_by_hooks(model, maps, kept):
             yield
 
+    kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}
     for k in follower_blocks(len(decoder_blocks(model)), layers, count):
         _check_site(model, k)
-        kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}
         stats = capture_follower_stats(model, split(windows), [(k + 1, k)], repaired, **kw)
         stats.held = capture_follower_stats(model, split(held), [(k + 1, k)], repaired, **kw)
         followers += fit_runs(model, stats, ridge=ridge, rounds=rounds)

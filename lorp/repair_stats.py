@@ -585,14 +585,10 @@ def _forward_batch(
 ) -> None:
     """Run one batch through each of `models` until its hooks have what they owe; a state
     still missing afterwards means a hook never fired, and the sums would be wrong."""
-    ids, mask = unpack_batch(batch)
-    ids = ids.to(device)
-    mask = None if mask is None else mask.to(device)
-    rec.keep, _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
+    ids, mask, rec.keep = _batch_inputs(batch, device, skip_prefix)
     rec.seen.clear()
     for m in models:
-        with contextlib.suppress(_StopForward):
-            decoder_stack(m)(input_ids=ids, attention_mask=mask, use_cache=False)
+        _forward(m, ids, mask)
     missing = rec.missing()
     if missing:
         raise RuntimeError(f"the forward never produced {sorted(missing)}")
@@ -613,6 +609,22 @@ def _batch_sums(
     return features, targets, states
 
 
+def _batch_inputs(
+    batch: torch.Tensor | Mapping[str, torch.Tensor], device: torch.device, skip_prefix: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A batch's ids and mask on `device`, and which of its tokens the sums count."""
+    ids, mask = unpack_batch(batch)
+    ids, mask = ids.to(device), None if mask is None else mask.to(device)
+    keep, _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
+    return ids, mask, keep
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """One forward of the decoder stack, until a hook has everything it owes."""
+    with contextlib.suppress(_StopForward):
+        decoder_stack(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
 def _states(
     model: nn.Module,
     ids: torch.Tensor,
@@ -628,8 +640,8 @@ def _states(
     handles: list[RemovableHandle] = []
     try:
         hook_into(rec, handles)
-        with context, contextlib.suppress(_StopForward):
-            decoder_stack(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+        with context:
+            _forward(model, ids, mask)
     finally:
         for h in handles:
             h.remove()
@@ -662,9 +674,7 @@ def capture_follower_stats(
     device = device_of(model)
     with torch.inference_mode():
         for batch in tqdm(batches, total=total, disable=None if progress else True, desc="follow"):
-            ids, mask = unpack_batch(batch)
-            ids, mask = ids.to(device), None if mask is None else mask.to(device)
-            keep, _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
+            ids, mask, keep = _batch_inputs(batch, device, skip_prefix)
             seen = _states(
                 model, ids, mask, keep, _StateRecorder(set(), target), contextlib.nullcontext(),
                 lambda rec, handles: _hook_targets(model, stats, rec, handles),
