@@ -40,8 +40,12 @@ lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Test files are shared among TEST_WORKERS processes (whole files, so a module's fixtures are
+# built once; the slow files first, in tests/conftest.py's order, not xdist's by test count);
+# every test keeps its own Ray, ports and temp dirs, so they run side by side.
+TEST_WORKERS ?= 2
 test: lint $(STAMP_VLLM) $(STAMP_MODELS)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The main job end to end on an embedded local Ray; a second run resumes, not repeats.
 demo: $(STAMP_TEST) $(STAMP_MODELS)

@@ -5,6 +5,32 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+# `make test` shares whole files among two processes (pytest-xdist, `--dist loadfile`,
+# files handed out in collection order). The files that take minutes (real Ray jobs, two
+# nodes, real models, measured under xdist) go out first and the quick ones fill in behind
+# them, so neither process is left alone with a long file at the end.
+SLOW_FILES = (
+    "test_pipeline.py",
+    "test_faults.py",
+    "test_two_nodes.py",
+    "test_shared_catalog.py",
+    "test_connect.py",
+    "test_pipeline_streamed.py",
+    "test_evaluation.py",
+    "test_pipeline_repair.py",
+    "test_fleet.py",
+    "test_dashboard.py",
+    "test_model_registry.py",
+    "test_real_model.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow files first, in `SLOW_FILES` order; every other file and every file's own
+    tests keep pytest's order."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 def make_states(
     n_states: int, tokens: int, d: int, seed: int = 0, drift: float = 0.35
