@@ -6,6 +6,7 @@ and the calibration mix.
     python benchmarks/heldout.py --calib ptb:1,wiki:1 --ridge auto 0.001 --json out.json
     python benchmarks/heldout.py --methods window --window-score loss   # ranked by loss
     python benchmarks/heldout.py --methods window --followers 0 1 2     # follower maps
+    python benchmarks/heldout.py --methods --cuts 8-15 6-9+12-15        # blocks as given
 
 Per model and calibration setting: S and the repair sums from `--tokens` calibration
 tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows (8 x 256
@@ -25,6 +26,8 @@ import copy
 import json
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,63 +104,103 @@ def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: in
     held = calibration(tok, bos, mix, HELD, 1)
     tests = {c: test_windows(tok, bos, c, args.eval_windows) for c in EVAL}
     dense = ppl_all(model, tests)
-    stats = capture_stats(model, batches(cal), skip_prefix=skip, progress=False)
+    ctx = _Setting(model, skip, cal, held, tests, dense, loaded.n_blocks)
     rows = []
+    for method, budget, layers in selections(ctx, args):
+        base = {"model": args.current, "calib": mix_text, "tokens": tokens,
+                "method": method, "budget": budget, "layers": layers}  # fmt: skip
+        rows += variant_rows(ctx, args, base)
+    return rows
+
+
+@dataclass
+class _Setting:
+    """One model under one calibration setting: what every variant is fitted and judged on."""
+
+    model: Any
+    skip: int
+    cal: torch.Tensor
+    held: torch.Tensor
+    tests: dict[str, torch.Tensor]
+    dense: dict[str, float]
+    n_blocks: int
+
+
+def parse_cuts(text: str) -> list[int]:
+    """`6-9+12-15` -> [6, 7, 8, 9, 12, 13, 14, 15]: blocks given, not selected."""
+    out = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def selections(ctx: _Setting, args: argparse.Namespace) -> Iterator[tuple[str, int, list[int]]]:
+    """(method, budget, blocks removed): each `--methods` at each `--budgets` as the method
+    selects on this setting's S, then each `--cuts` as given (method `cuts`)."""
+    stats = capture_stats(ctx.model, batches(ctx.cal), skip_prefix=ctx.skip, progress=False)
     for method in args.methods:
         for budget in args.budgets:
             kwargs = {}
             if method == "window":
+                kwargs = {"repair_scores": _window_scorer(ctx), "score": args.window_score}
+            yield method, budget, list(select_layers(stats, budget, method, **kwargs).layers)
+    for text in args.cuts:
+        layers = parse_cuts(text)
+        yield "cuts", len(layers), layers
 
-                def scores(runs, score, _cal=cal, _held=held):  # type: ignore[no-untyped-def]
-                    rs = capture_repair_stats(
-                        model, batches(_cal), runs, skip_prefix=skip, progress=False
-                    )
-                    if score == "residual":
-                        ws = window_scores(rs)
-                    else:
-                        rs.held = capture_repair_stats(
-                            model, batches(_held), runs, skip_prefix=skip, progress=False
-                        )
-                        ws = window_losses(model, rs, _held)
-                    return [ws[r] for r in runs]
 
-                kwargs |= {"repair_scores": scores, "score": args.window_score}
-            layers = list(select_layers(stats, budget, method, **kwargs).layers)
-            base = {"model": loaded.alias if hasattr(loaded, "alias") else args.current,
-                    "calib": mix_text, "tokens": tokens, "method": method, "budget": budget,
-                    "layers": layers}  # fmt: skip
-            pruned = copy.deepcopy(model)
-            drop_layers(pruned, layers)
-            rows.append(base | {"repair": "none"} | _ratios(ppl_all(pruned, tests), dense))
-            _say(rows[-1], loaded.n_blocks)
-            del pruned
-            try:
-                runs = check_repairable(model, layers)
-            except RepairRefused as exc:
-                print(f"  {method} {budget}: {exc}")
-                continue
-            rs = capture_repair_stats(model, batches(cal), runs, skip_prefix=skip, progress=False)
-            rs.held = capture_repair_stats(
-                model, batches(held), runs, skip_prefix=skip, progress=False
+def _window_scorer(ctx: _Setting):  # type: ignore[no-untyped-def]
+    """The `window` method's `repair_scores`: each candidate run's residual or held-out loss."""
+
+    def scores(runs, score):  # type: ignore[no-untyped-def]
+        kw = {"skip_prefix": ctx.skip, "progress": False}
+        rs = capture_repair_stats(ctx.model, batches(ctx.cal), runs, **kw)
+        if score == "residual":
+            ws = window_scores(rs)
+        else:
+            rs.held = capture_repair_stats(ctx.model, batches(ctx.held), runs, **kw)
+            ws = window_losses(ctx.model, rs, ctx.held)
+        return [ws[r] for r in runs]
+
+    return scores
+
+
+def variant_rows(ctx: _Setting, args: argparse.Namespace, base: dict) -> list[dict]:
+    """The pruned variant of `base["layers"]`, then its repaired twin under each `--ridge`
+    and `--followers` count."""
+    model, layers = ctx.model, base["layers"]
+    pruned = copy.deepcopy(model)
+    drop_layers(pruned, layers)
+    rows = [base | {"repair": "none"} | _ratios(ppl_all(pruned, ctx.tests), ctx.dense)]
+    _say(rows[-1], ctx.n_blocks)
+    del pruned
+    try:
+        runs = check_repairable(model, layers)
+    except RepairRefused as exc:
+        print(f"  {base['method']} {base['budget']}: {exc}")
+        return rows
+    kw = {"skip_prefix": ctx.skip, "progress": False}
+    rs = capture_repair_stats(model, batches(ctx.cal), runs, **kw)
+    rs.held = capture_repair_stats(model, batches(ctx.held), runs, **kw)
+    for ridge in args.ridge:
+        for followers in args.followers:
+            value = None if ridge == "auto" else float(ridge)
+            start = time.perf_counter()
+            fits = fit_runs(model, rs, ridge=value)
+            fits += fit_followers(
+                model, fits, layers, ctx.cal, ctx.held, followers, ridge=value, skip_prefix=ctx.skip
             )
-            for ridge in args.ridge:
-                for followers in args.followers:
-                    value = None if ridge == "auto" else float(ridge)
-                    start = time.perf_counter()
-                    fits = fit_runs(model, rs, ridge=value)
-                    fits += fit_followers(
-                        model, fits, layers, cal, held, followers, ridge=value, skip_prefix=skip
-                    )
-                    repaired = copy.deepcopy(model)
-                    fold(repaired, fits)
-                    drop_layers(repaired, layers)
-                    repair = f"linear@{ridge}" + (f"+{followers}f" if followers else "")
-                    row = base | {"repair": repair} | _ratios(ppl_all(repaired, tests), dense)
-                    row["fits"] = [f.record() for f in fits]
-                    row["fit_s"] = round(time.perf_counter() - start, 1)
-                    rows.append(row)
-                    _say(row, loaded.n_blocks)
-                    del repaired
+            repaired = copy.deepcopy(model)
+            fold(repaired, fits)
+            drop_layers(repaired, layers)
+            repair = f"linear@{ridge}" + (f"+{followers}f" if followers else "")
+            row = base | {"repair": repair} | _ratios(ppl_all(repaired, ctx.tests), ctx.dense)
+            row["fits"] = [f.record() for f in fits]
+            row["fit_s"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            _say(row, ctx.n_blocks)
+            del repaired
     return rows
 
 
@@ -184,7 +227,13 @@ def _ratios(ppl: dict[str, float], dense: dict[str, float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", default=["smollm2-135m"])
-    p.add_argument("--methods", nargs="+", default=["shortgpt", "lorp", "window"])
+    p.add_argument("--methods", nargs="*", default=["shortgpt", "lorp", "window"])
+    p.add_argument(
+        "--cuts",
+        nargs="*",
+        default=[],
+        help="blocks to remove as given, not selected: 6-9+12-15 (each cut its own map)",
+    )
     p.add_argument("--budgets", nargs="+", type=int, default=[8])
     p.add_argument("--calib", nargs="+", default=["ptb"], help="corpus or mix: ptb:1,wiki:1")
     p.add_argument("--tokens", nargs="+", type=int, default=[8192])
