@@ -125,6 +125,15 @@ class _Setting:
     dense: dict[str, float]
     n_blocks: int
 
+    def repair_stats(self, runs, held: bool = True):  # type: ignore[no-untyped-def]
+        """The repair sums of `runs` on the calibration windows, with the held-out
+        windows' under `.held` (what `fit_runs` validates on, and `window_losses` judges)."""
+        kw = {"skip_prefix": self.skip, "progress": False}
+        rs = capture_repair_stats(self.model, batches(self.cal), runs, **kw)
+        if held:
+            rs.held = capture_repair_stats(self.model, batches(self.held), runs, **kw)
+        return rs
+
 
 def parse_cuts(text: str) -> list[int]:
     """`6-9+12-15` -> [6, 7, 8, 9, 12, 13, 14, 15]: blocks given, not selected."""
@@ -154,13 +163,10 @@ def _window_scorer(ctx: _Setting):  # type: ignore[no-untyped-def]
     """The `window` method's `repair_scores`: each candidate run's residual or held-out loss."""
 
     def scores(runs, score):  # type: ignore[no-untyped-def]
-        kw = {"skip_prefix": ctx.skip, "progress": False}
-        rs = capture_repair_stats(ctx.model, batches(ctx.cal), runs, **kw)
         if score == "residual":
-            ws = window_scores(rs)
+            ws = window_scores(ctx.repair_stats(runs, held=False))
         else:
-            rs.held = capture_repair_stats(ctx.model, batches(ctx.held), runs, **kw)
-            ws = window_losses(ctx.model, rs, ctx.held)
+            ws = window_losses(ctx.model, ctx.repair_stats(runs), ctx.held)
         return [ws[r] for r in runs]
 
     return scores
@@ -180,9 +186,7 @@ def variant_rows(ctx: _Setting, args: argparse.Namespace, base: dict) -> list[di
     except RepairRefused as exc:
         print(f"  {base['method']} {base['budget']}: {exc}")
         return rows
-    kw = {"skip_prefix": ctx.skip, "progress": False}
-    rs = capture_repair_stats(model, batches(ctx.cal), runs, **kw)
-    rs.held = capture_repair_stats(model, batches(ctx.held), runs, **kw)
+    rs = ctx.repair_stats(runs)
     for ridge in args.ridge:
         for followers in args.followers:
             value = None if ridge == "auto" else float(ridge)
