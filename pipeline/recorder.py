@@ -5,10 +5,12 @@ model preparations (`pipeline.prepare`) call its verbs.
 
 A row is written once, when its point ends, with the figures known then; whatever it
 learns later (speed, a repaired variant's twin speed, the quality gate, its registry
-version) goes through `_update`, which writes the catalog first and the point's MLflow
-run after. Recording order for a point: catalog row first, then the MLflow run is
-closed, so a killed driver never leaves a FINISHED run without its row (the next start
-closes the rest).
+version) goes through `_update`. The catalog says what is done, so it is written last:
+a point's figures go into its MLflow run (still RUNNING), then its row into the catalog,
+then the run is closed; an update goes into the run, then into the row. A driver killed
+anywhere in between leaves either a run whose point is not done (the next start closes
+it FAILED and runs the point again) or a row whose run holds every figure in it (the
+next start closes it FINISHED): never a FINISHED run without its row or its figures.
 
 Where things live: the run directory is the driver's; the storage (`pipeline.storage`)
 is where results live for every node (by default the run directory itself; with
@@ -346,7 +348,6 @@ class Recorder:
             self.storage.uri(),
         )  # fmt: skip
         row = catalog_row(self.spec, point, self.facts[point.model.label], result, ctx)
-        self.catalog.put(row)  # before FINISHED: see the module docstring
         metrics = {
             **result.metrics,
             "params": result.params,
@@ -359,6 +360,7 @@ class Recorder:
             tags["memory_plan"] = row["memory_plan"]
         self.tracker.log(run_id, metrics=metrics, tags=tags)
         self.tracker.log_evaluation_inputs(run_id, self.spec.evaluation, result.zero_shot)
+        self.catalog.put(row)  # the run holds the figures, then the row: module docstring
         self.tracker.finish(run_id)
         self.summary.done += 1
         self.events(
@@ -397,10 +399,12 @@ class Recorder:
         metrics: Mapping[str, float] | None = None,
         tags: Mapping[str, str] | None = None,
     ) -> None:
-        """Figures a written row learns later: into the catalog, then into its run."""
-        row = self.catalog.update(key, values)
+        """Figures a written row learns later: into its run, then into the catalog (a
+        driver killed between leaves the row without them, and the next start redoes them)."""
         if metrics or tags:
-            self.tracker.log(row["mlflow_run_id"], metrics=metrics, tags=tags)
+            run_id = self.catalog.by_key()[key]["mlflow_run_id"]
+            self.tracker.log(run_id, metrics=metrics, tags=tags)
+        self.catalog.update(key, values)
 
     def _replace_old(self, point: GridPoint) -> None:
         """A point about to run replaces its slot's old row: the old MLflow run goes."""

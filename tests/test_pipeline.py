@@ -24,7 +24,7 @@ from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
 from pipeline.cluster.model_source import ModelSource
-from pipeline.records.catalog import read_catalog
+from pipeline.records.catalog import Catalog, read_catalog
 from pipeline.records.rows import EventLog
 from pipeline.run import run_job
 from pipeline.spec import CalibrationSpec, parse_spec
@@ -99,8 +99,20 @@ def test_grid_captures_once_records_everything_resumes_and_shares_S(
     local_ray, models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    put, at_put = Catalog.put, []
+
+    def spy(catalog: Catalog, row: dict) -> None:  # what the run holds as its row goes in
+        run = MlflowClient(row["tracking_uri"]).get_run(row["mlflow_run_id"])
+        at_put.append((run.info.status, run.data.metrics.get("params"), row["params"]))
+        put(catalog, row)
+
+    monkeypatch.setattr(Catalog, "put", spy)
     spec = parse_spec(job(tmp_path, models["llama"]))
     summary = run_job(spec)
+    # A driver killed once a row is in leaves a run that holds the row's figures: each
+    # run has them, still RUNNING, before its row goes into the catalog.
+    assert len(at_put) == 9
+    assert all(status == "RUNNING" and logged == params for status, logged, params in at_put)
     run_dir = tmp_path / "run"
     events = EventLog(run_dir / "events.jsonl").read()
     assert [e["source"] for e in events if e["event"] == "capture"] == ["computed"]
