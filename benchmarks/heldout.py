@@ -7,13 +7,15 @@ and the calibration mix.
     python benchmarks/heldout.py --methods window --window-score loss   # ranked by loss
     python benchmarks/heldout.py --methods window --followers 0 1 2     # follower maps
     python benchmarks/heldout.py --methods --cuts 8-15 6-9+12-15        # blocks as given
+    python benchmarks/heldout.py --methods window --followers 1 --distill 0 2  # distilled
 
 Per model and calibration setting: S and the repair sums from `--tokens` calibration
 tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows (8 x 256
 of the same mix, seed + 1: what `repair_ridge: auto` validates on), then for each method
 at each budget the pruned variant and its repaired twin under each `--ridge` (auto: the
 product's validated fit; a number: that ridge, every map kept), with each `--followers`
-count of follower maps (`lorp.repair.fit_followers`, validated). Perplexity on PTB test
+count of follower maps (`lorp.repair.fit_followers`, validated) and each `--distill`
+count of epochs of distillation (`lorp.distill`, validated). Perplexity on PTB test
 and on the Lee news corpus (held out: never calibrated on here unless named in --calib),
 `--eval-windows` windows of 512 each (12: 6k tokens; `jobs/quality.yaml` takes 32), as
 ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
@@ -44,6 +46,7 @@ from lorp.data import (  # noqa: E402
     resolve_bos,
     tokenize_documents,
 )
+from lorp.distill import DEFAULT_LR, distill_fits  # noqa: E402
 from lorp.methods import select_layers  # noqa: E402
 from lorp.perplexity import perplexity  # noqa: E402
 from lorp.repair import (  # noqa: E402
@@ -195,16 +198,24 @@ def variant_rows(ctx: _Setting, args: argparse.Namespace, base: dict) -> list[di
             fits += fit_followers(
                 model, fits, layers, ctx.cal, ctx.held, followers, ridge=value, skip_prefix=ctx.skip
             )
-            repaired = copy.deepcopy(model)
-            fold(repaired, fits)
-            drop_layers(repaired, layers)
-            repair = f"linear@{ridge}" + (f"+{followers}f" if followers else "")
-            row = base | {"repair": repair} | _ratios(ppl_all(repaired, ctx.tests), ctx.dense)
-            row["fits"] = [f.record() for f in fits]
-            row["fit_s"] = round(time.perf_counter() - start, 1)
-            rows.append(row)
-            _say(row, ctx.n_blocks)
-            del repaired
+            fit_s = time.perf_counter() - start
+            for epochs in args.distill:
+                start = time.perf_counter()
+                tuned = distill_fits(
+                    model, fits, layers, ctx.cal, ctx.held, epochs=epochs, lr=args.distill_lr,
+                    say=lambda line: print(f"    {line}", flush=True),
+                )  # fmt: skip
+                repaired = copy.deepcopy(model)
+                fold(repaired, tuned)
+                drop_layers(repaired, layers)
+                repair = f"linear@{ridge}" + (f"+{followers}f" if followers else "")
+                repair += f"+kd{epochs}" if epochs else ""
+                row = base | {"repair": repair} | _ratios(ppl_all(repaired, ctx.tests), ctx.dense)
+                row["fits"] = [f.record() for f in tuned]
+                row["fit_s"] = round(fit_s + time.perf_counter() - start, 1)
+                rows.append(row)
+                _say(row, ctx.n_blocks)
+                del repaired
     return rows
 
 
@@ -245,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--followers", nargs="+", type=int, default=[0], help="follower maps per cut (each)"
     )
+    p.add_argument(
+        "--distill",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="epochs of distillation of the maps (lorp.distill), each; 0: least squares only",
+    )
+    p.add_argument("--distill-lr", type=float, default=DEFAULT_LR)
     p.add_argument(
         "--window-score",
         choices=("residual", "loss"),

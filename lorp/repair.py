@@ -113,9 +113,14 @@ class RunFit:
     """The same residuals on the held-out windows (validated fits only)."""
     held_unrepaired: float | None = None
     kept: str = "fit"
-    """"fit", or "unrepaired": the fitted map did no better on held-out windows."""
+    """"fit", or "unrepaired": the fitted map did no better on held-out windows; or
+    "distilled" (`lorp.distill`)."""
     validation: dict[float, float] | None = None
     """Relative ridge -> held-out residual of the unconstrained map, every candidate."""
+    distilled: dict[str, Any] | None = None
+    """`lorp.distill`'s record (held-out KL per epoch, the epoch kept) when the map went
+    through distillation; `kept` is then "distilled" where an epoch beat the fit. The
+    residuals stay the least-squares fit's."""
 
     def record(self) -> dict[str, Any]:
         """What provenance keeps: the run, the form, lambda and the fit's residuals, and
@@ -137,6 +142,9 @@ class RunFit:
                 "kept": self.kept,
                 "ridges_tried": {f"{k:g}": round(v, 6) for k, v in (self.validation or {}).items()},
             }
+        if self.distilled is not None:
+            out["kept"] = self.kept
+            out["distilled"] = self.distilled
         return out
 
 
