@@ -20,9 +20,9 @@ d x d matrix; a `normed` map stays an orthogonal matrix times a diagonal, Q0 exp
 K^T) diag(g), so it still passes the post-MLP norm (`lorp.repair`).
 
 Measured (Qwen2.5-Coder-0.5B, blocks 8-15 of 24 removed, PTB + wiki 32k calibration
-tokens, news the maps never saw, 32 x 512): the least-squares map 1.56x dense on news
-and 1.14x on PTB; distilled 2 epochs at lr 1e-4, 1.47x and 1.11x (held-out KL 0.596 ->
-0.482, 15 min on 2 cores).
+tokens, news the maps never saw, 32 x 512 windows): the cut's least-squares map and one
+follower 1.54x dense on news and 1.10x on PTB; distilled 2 epochs at lr 1e-4, 1.45x and
+1.07x (held-out KL 0.580 -> 0.477); 4 epochs, 1.45x and 1.07x (0.469).
 
 Cost: per epoch, a dense forward and a pruned forward and backward (from the first map
 on) of every calibration window: the repair's cost becomes a few minutes of training

@@ -204,6 +204,7 @@ def grid_key(
     rounds: int = MAX_ROUNDS,
     ridge: float | str = "auto",
     followers: int = 0,
+    distill: tuple[int, float] = (0, 0.0),
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
     catalogs and caches of earlier runs stay valid."""
@@ -217,6 +218,8 @@ def grid_key(
         fit["rounds"] = rounds
     if followers:  # so do no followers
         fit["followers"] = followers
+    if distill[0]:  # and no distillation (epochs, learning rate)
+        fit["distill"] = {"epochs": distill[0], "lr": distill[1]}
     return content_key(model_key, point, dict(options), budget, ev, fit)
 
 
@@ -374,6 +377,7 @@ def plan_points(
                 key = grid_key(
                     model_key, m.name, options, budget, ev, repair, spec.repair_rounds,
                     spec.repair_ridge, spec.repair_followers,
+                    (spec.distill_epochs(m), float(spec.repair_distill_lr)),
                 )  # fmt: skip
                 point = GridPoint(key, plan, m, sel, seconds, repair)
                 why = repair_refusal(plan, sel.layers) if repair != "none" else None

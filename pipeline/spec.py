@@ -73,9 +73,16 @@ class MethodSpec:
     """The method's options (e.g. lorp: variant, k, thresholds, ks, seed)."""
     label: str | None = None
     """Name in the catalog; needed when one method appears twice with other options."""
+    repair_distill: int | None = None
+    """Epochs of distillation of this method's repaired twins (the job's `repair_distill`
+    when not given): distillation costs minutes per point, so a job can spend it on the
+    methods whose repaired variants it ranks first."""
 
     def __post_init__(self) -> None:
         from lorp.methods import get_method
+
+        if self.repair_distill is not None:
+            _positive("repair_distill", self.repair_distill, minimum=0)
 
         try:
             get_method(self.name)
@@ -412,6 +419,25 @@ class JobSpec:
     like the runs' maps). Each costs the repaired point a dense and a repaired forward of
     the calibration windows; 0 fits the runs' maps only. Measured on SmolLM2-135M at 8 of
     30 blocks: one took held-out news from 2.32x to 2.20x dense (README, Linear repair)."""
+    repair_distill: int = 0
+    """Epochs of distillation of each repaired point's maps, the runs' and the followers'
+    (`lorp.distill`): trained together towards the dense model's next-token distribution
+    on the calibration windows, the best epoch on the held-out windows kept (the
+    least-squares maps where none beats them). Each epoch costs the point a dense
+    forward and a pruned forward and backward of the calibration windows. 0: least
+    squares only. Not for a model streamed in its grid points (larger than its worker)."""
+    repair_distill_lr: float = 1e-4
+    """Adam's learning rate for `repair_distill`."""
+
+    def distill_epochs(self, method: MethodSpec | None) -> int:
+        """Epochs of distillation of `method`'s repaired twins: its own, else the job's."""
+        own = method.repair_distill if method is not None else None
+        return self.repair_distill if own is None else own
+
+    @property
+    def distills(self) -> bool:
+        """Whether any repaired point of the job is distilled."""
+        return "linear" in self.repair and any(self.distill_epochs(m) for m in self.methods)
 
     @property
     def ridge_value(self) -> float | None:
@@ -449,6 +475,10 @@ class JobSpec:
         _unique("repair", list(self.repair))
         _positive("repair_rounds", self.repair_rounds)
         _positive("repair_followers", self.repair_followers, minimum=0)
+        _positive("repair_distill", self.repair_distill, minimum=0)
+        lr = self.repair_distill_lr
+        if not (_is_number(lr) and 0 < float(lr) < 1):
+            raise SpecError(f"repair_distill_lr: must be a number in (0, 1), got {lr!r}")
         ridge = self.repair_ridge
         if ridge != "auto" and not (_is_number(ridge) and float(ridge) > 0):
             raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")

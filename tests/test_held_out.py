@@ -144,3 +144,22 @@ def test_the_repair_ridge_is_auto_or_a_positive_number() -> None:
     for bad, says in ((-1, "must be an integer >= 0, got -1"), (1.5, "expected an integer")):
         with pytest.raises(SpecError, match=f"repair_followers: {says}"):
             parse_spec(base | {"repair_followers": bad})
+    assert parse_spec(base).repair_distill == 0  # least squares only, unless asked
+    assert not parse_spec(base).distills
+    job = parse_spec(base | {"repair_distill": 2})
+    assert job.distill_epochs(job.methods[0]) == 2 and job.distills
+    own = [{"name": "lorp", "repair_distill": 3}, {"name": "shortgpt"}]
+    one = parse_spec(base | {"methods": own})  # a method's own epochs, the job's elsewhere
+    assert [one.distill_epochs(m) for m in one.methods] == [3, 0] and one.distills
+    assert not parse_spec(base | {"methods": own, "repair": ["none"]}).distills
+    with pytest.raises(SpecError, match="methods.0..repair_distill: must be an integer >= 0"):
+        parse_spec(base | {"methods": [{"name": "lorp", "repair_distill": -1}]})
+    with pytest.raises(SpecError, match="repair_distill: must be an integer >= 0, got -1"):
+        parse_spec(base | {"repair_distill": -1})
+    for bad, says in (
+        ("fast", "expected a number, got str 'fast'"),
+        (0, "must be a number in .0, 1., got 0"),
+        (2, "must be a number in .0, 1., got 2"),
+    ):
+        with pytest.raises(SpecError, match=f"repair_distill_lr: {says}"):
+            parse_spec(base | {"repair_distill_lr": bad})

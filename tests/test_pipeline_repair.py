@@ -20,7 +20,7 @@ from lorp.repair import RIDGES, fit_followers, fit_runs, fold, follower_blocks
 from lorp.repair_stats import capture_repair_stats, contiguous_runs
 from lorp.surgery import drop_layers
 from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
-from pipeline.plan import GridPoint, ModelPlan, plan_points
+from pipeline.plan import GridPoint, ModelPlan, grid_key, plan_points
 from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import EventLog
 from pipeline.records.status import format_status, run_status
@@ -170,6 +170,69 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     assert (again.done, again.skipped) == (0, 9)
     assert not [e for e in later if e["event"] == "repair_capture"]
     assert [e["source"] for e in later if e["event"] == "repair_scores"] == ["cache"] * 2
+
+
+def test_distilled_maps_are_what_the_checkpoint_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`repair_distill` (here one method's): the point distils its run's map and its
+    follower's together on
+    the model's calibration windows; the record says so per map, the checkpoint's KL to
+    the dense model on the held-out windows is the record's best epoch's, below the
+    least-squares maps' (the bf16 steps' figures, so within a few percent), and the row
+    and the provenance say what was kept."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model = save_tiny_ptb("qwen2", tmp_path / "qwen2")
+    spec = tiny_job(
+        tmp_path, model, "distill", budgets=[2],
+        methods=[{"name": "shortgpt", "repair_distill": 3}, {"name": "streamline"}],
+        repair=["linear"], repair_distill_lr=3e-3,
+        evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
+        ray={"num_cpus": 2},
+    )  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        summary = run_job(parse_spec(spec))
+    finally:
+        ray.shutdown()
+    assert summary.done == 3 and not summary.failed
+    rows = {r["method_label"]: r for r in read_catalog(tmp_path / "distill" / "catalog.parquet")}
+    row = rows["shortgpt+linear"]  # distilled: the method asks for it
+    assert all("distilled" not in f for f in json.loads(rows["streamline+linear"]["repair_fits"]))
+    records = json.loads(row["repair_fits"])
+    assert len(records) == 2 and "follower" in records[1]  # the run's map and its follower
+    distilled = records[0]["distilled"]
+    assert all(f["distilled"] == distilled for f in records)
+    assert distilled["epochs"] == 3 and len(distilled["held_kl"]) == 4
+    best = distilled["best_epoch"]
+    assert best >= 1 and [f["kept"] for f in records] == ["distilled"] * 2
+    assert distilled["held_kl"][best] < distilled["held_kl"][0]
+    assert row["repair_kept"] == f"1/1 runs, 1/1 followers; distilled, epoch {best} of 3"
+    prov = json.loads(Path(row["checkpoint"], "lorp_pruning.json").read_text())
+    assert prov["repair"]["distill"]["epochs"] == 3 and prov["repair"]["runs"] == records
+
+    held, _ = heldout_windows(AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration)
+    held = torch.from_numpy(held).long()
+    dense = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    got = AutoModelForCausalLM.from_pretrained(row["checkpoint"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        p = torch.log_softmax(dense(held).logits, -1)
+        q = torch.log_softmax(got(held).logits, -1)
+    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    assert kl == pytest.approx(distilled["held_kl"][best], rel=0.05)
+
+
+def test_distillation_is_part_of_a_repaired_points_key_and_nothing_else() -> None:
+    """Distilled and least-squares twins are different points; without distillation a
+    repaired point's key is what it was before distillation existed."""
+    args = ("model", "shortgpt", {}, 2, None, "linear", 100, "auto", 1)
+    plain = grid_key(*args)
+    assert grid_key(*args, (0, 1e-4)) == plain
+    assert grid_key(*args, (2, 1e-4)) != plain
+    assert grid_key(*args, (2, 1e-4)) != grid_key(*args, (2, 3e-4)) != grid_key(*args, (3, 3e-4))
+    assert grid_key("model", "shortgpt", {}, 2, None) == grid_key(
+        *args[:5], "none", 100, "auto", 0, (2, 1e-4)
+    )
 
 
 def _runs(layers: list[int]) -> list[tuple[int, int]]:

@@ -123,6 +123,32 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         assert torch.allclose(p, q, rtol=0, atol=1e-6), name
 
 
+def test_distillation_of_a_model_streamed_in_its_points_is_refused_while_planning(
+    tmp_path: Path,
+) -> None:
+    """A backward pass through a streamed model would hold all its weights: the plan says
+    so in one line, before the run directory exists; held whole, the same job plans."""
+    model = save_tiny_ptb("llama", tmp_path / "llama", n_blocks=8)
+    job = {"budgets": [2], "methods": [{"name": "shortgpt"}], "repair": ["linear"],
+           "repair_distill": 2, "evaluation": EVAL}  # fmt: skip
+    parsed = parse_spec(tiny_job(tmp_path, model, **job))
+    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
+    ev = parsed.evaluation
+    grid = {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1, fit)}
+    capture = {"memory_gib": 4}
+    spec = parse_spec(
+        tiny_job(tmp_path, model, resources={"grid": grid, "capture": capture}, **job)
+    )
+    (plan,) = plan_models(spec)
+    with pytest.raises(SpecError, match=r"^repair_distill: tiny is streamed in its grid points"):
+        plan_memory(spec, plan)
+    assert not (tmp_path / "grid").exists()
+    whole = {"grid": {"memory_gib": 4}, "capture": capture}
+    held = parse_spec(tiny_job(tmp_path, model, resources=whole, **job))
+    assert plan_memory(held, plan_models(held)[0]).streamed("evaluate") is False
+
+
 def test_a_model_that_does_not_fit_even_streamed_is_refused(tmp_path: Path) -> None:
     model = save_tiny_ptb("llama", tmp_path / "llama")
     spec = parse_spec(tiny_job(tmp_path, model, resources={"capture": {"memory_gib": 1e-6}}))

@@ -144,7 +144,27 @@ def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int
     down = shape.hidden * shape.intermediate * itemsize
     first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
     fit = FIT_MATRICES * 8 * shape.hidden**2 if spec.resources.grid.num_gpus == 0 else 0
-    return fit + first + max(maps - 1, 0) * down
+    return fit + first + max(maps - 1, 0) * down + distill_bytes(spec, shape, maps)
+
+
+DISTILL_COPIES = 4
+"""Vocabulary-wide float32 arrays a distillation step holds per token: the dense
+log-probabilities, the pruned logits, their log-softmax and its gradient."""
+
+
+def distill_bytes(spec: JobSpec, shape: Shape, maps: int) -> int:
+    """What `repair_distill` adds to a repaired point: one step's log-probabilities (its
+    windows bounded like a follower's forward, `lorp.distill.DEFAULT_BATCH` at most) and
+    every map with Adam's two moments, in float32. The backward's activations are those of
+    the blocks after the first map, fewer than the evaluation's forward holds."""
+    if not spec.distills:
+        return 0
+    from lorp.distill import DEFAULT_BATCH
+
+    ev, cal = spec.evaluation, spec.calibration
+    windows = max(1, min(DEFAULT_BATCH, ev.batch_size * (ev.seq_len + 1) // (cal.seq_len + 1)))
+    logits = DISTILL_COPIES * 4 * windows * (cal.seq_len + 1) * shape.vocab
+    return logits + maps * 3 * 4 * shape.hidden**2
 
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)
@@ -245,4 +265,15 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
         except TooLargeError as exc:
             raise SpecError(str(exc)) from None
         decisions.append((stage, d))
+    _check_distill(spec, plan, dict(decisions)["evaluate"])
     return replace(plan, memory=tuple(decisions), tensor_parallel=tp)
+
+
+def _check_distill(spec: JobSpec, plan: ModelPlan, evaluate: Decision) -> None:
+    """Distillation backpropagates through the model: a streamed one would hold it all."""
+    if spec.distills and evaluate.mode == "streamed":
+        raise SpecError(
+            f"repair_distill: {plan.label} is streamed in its grid points (larger than a grid "
+            f"worker) and distillation trains through the model held whole; set "
+            f"repair_distill: 0 or give the grid workers more memory"
+        )

@@ -126,19 +126,25 @@ def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
         grid_key=point.key,
         job=spec.name,
         calibration=asdict(spec.calibration),
-        repair=repair_record(point, spec.repair_rounds, spec.repair_ridge),
-    )
+        repair=repair_record(
+            point, spec.repair_rounds, spec.repair_ridge,
+            (spec.distill_epochs(point.method), float(spec.repair_distill_lr)),
+        ),
+    )  # fmt: skip
 
 
 def repair_record(
-    point: GridPoint, rounds: int = 100, ridge: float | str = "auto"
+    point: GridPoint,
+    rounds: int = 100,
+    ridge: float | str = "auto",
+    distill: tuple[int, float] = (0, 0.0),
 ) -> dict[str, Any] | None:
     """How a repaired point's maps are fitted (the task adds each run's fit)."""
     if point.repair == "none":
         return None
     from lorp.repair import RIDGES
 
-    return {
+    out: dict[str, Any] = {
         "method": point.repair,
         "ridge": ridge,
         "ridges": list(RIDGES) if ridge == "auto" else [ridge],
@@ -148,6 +154,16 @@ def repair_record(
         "fit": "one pass of calibration statistics on dense inputs (pipeline capture workers)",
         "rounds": rounds,
     }
+    if distill[0]:
+        out["distill"] = {
+            "epochs": distill[0],
+            "lr": distill[1],
+            "objective": "KL(dense || pruned) of the next token at every position of the "
+            "calibration windows, every map trained together (lorp.distill)",
+            "validation": "the best epoch's maps on the held-out calibration windows' KL, "
+            "the least-squares maps where none beats them",
+        }
+    return out
 
 
 def point_params(point: GridPoint) -> dict[str, Any]:
@@ -261,15 +277,21 @@ def repair_validation(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """What the held-out calibration windows said of a repaired point's maps: the worst
     run's residual there (`repair_held_residual`) and how many runs, and followers, kept
     their fitted map (`repair_kept`: "2/2 runs, 1/2 followers"; "0/2 runs" with no
-    follower kept is a variant equal to its unrepaired twin)."""
+    follower kept is a variant equal to its unrepaired twin), then what distillation
+    kept ("; distilled, epoch 2 of 2" or "; distillation not kept")."""
     validated = [f for f in fits if f.get("held_residual") is not None]
     runs = [f for f in validated if "follower" not in f]
     if not runs:
         return {}
-    kept = f"{sum(f.get('kept') == 'fit' for f in runs)}/{len(runs)} runs"
+    fitted = ("fit", "distilled")
+    kept = f"{sum(f.get('kept') in fitted for f in runs)}/{len(runs)} runs"
     followers = [f for f in validated if "follower" in f]
     if followers:
-        kept += f", {sum(f.get('kept') == 'fit' for f in followers)}/{len(followers)} followers"
+        kept += f", {sum(f.get('kept') in fitted for f in followers)}/{len(followers)} followers"
+    distilled = runs[0].get("distilled")
+    if distilled:
+        best, epochs = distilled["best_epoch"], distilled["epochs"]
+        kept += f"; distilled, epoch {best} of {epochs}" if best else "; distillation not kept"
     return {
         "repair_held_residual": max(float(f["held_residual"]) for f in runs),
         "repair_kept": kept,

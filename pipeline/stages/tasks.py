@@ -22,7 +22,8 @@ from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
 
 RepairRefs = Mapping[tuple[str, Any], Any]
 """(model label, run) -> ObjectRef of that run's one-run `RepairStats`; (model label,
-FOLLOWERS) -> ObjectRef of the model's `FollowerWindows`, where the job fits followers."""
+FOLLOWERS) -> ObjectRef of the model's `FollowerWindows`, where the job fits followers
+or distils the maps."""
 FOLLOWERS = "follower windows"
 
 
@@ -77,9 +78,12 @@ def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask
         return None
     runs = tuple(point.runs)
     stats = tuple(refs[(point.model.label, r)] for r in runs)
-    followers = spec.repair_followers
-    windows = refs[(point.model.label, FOLLOWERS)] if followers else None
-    return RepairTask(runs, stats, spec.ridge_value, spec.repair_rounds, followers, windows)
+    followers, distill = spec.repair_followers, spec.distill_epochs(point.method)
+    windows = refs[(point.model.label, FOLLOWERS)] if followers or distill else None
+    return RepairTask(
+        runs, stats, spec.ridge_value, spec.repair_rounds, followers, windows, distill,
+        float(spec.repair_distill_lr),
+    )  # fmt: skip
 
 
 def speed_task(spec: JobSpec, storage: str, points: list[GridPoint]) -> SpeedTask:

@@ -26,6 +26,7 @@ storage. Pitfalls, where they bite:
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from pipeline.records.rows import PointResult
 from pipeline.records.timeline import span
 from pipeline.spec import EvaluationSpec, Resources
 from pipeline.storage import Storage, scratch_dir
+
+log = logging.getLogger(__name__)
 
 
 def _pin_threads(num_cpus: float) -> None:
@@ -288,7 +291,10 @@ class RepairTask:
     followers: int = 0
     """Kept blocks after each cut that take a follower map (`lorp.repair.fit_followers`)."""
     windows: Any = None
-    """With followers: an ObjectRef of the model's `FollowerWindows`."""
+    """With followers or distillation: an ObjectRef of the model's `FollowerWindows`."""
+    distill: int = 0
+    """Epochs of distillation of the point's maps (`lorp.distill`); 0: none."""
+    distill_lr: float = 1e-4
 
 
 @dataclass(frozen=True)
@@ -393,6 +399,8 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
         fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
     if rt.followers:
         fits += _followers(task, model, fits)
+    if rt.distill:
+        fits = _distill(task, model, fits)
     fold(model, fits)  # a streamed model's too: its files get the fold when written
     return fits
 
@@ -411,6 +419,24 @@ def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
         model, fits, task.layers, torch.from_numpy(fw.windows).long(),
         torch.from_numpy(fw.held).long(), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
         batch_size=fw.batch_size, skip_prefix=fw.skip_prefix,
+    )  # fmt: skip
+
+
+def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
+    """The point's maps distilled together on the model's calibration windows, validated
+    on its held-out windows (`lorp.distill`); one log line per epoch."""
+    import torch
+
+    from lorp.distill import DEFAULT_BATCH, distill_fits
+
+    rt = task.repair
+    assert rt is not None and rt.windows is not None
+    fw: FollowerWindows = ray.get(rt.windows)
+    return distill_fits(
+        model, fits, task.layers, torch.from_numpy(fw.windows).long(),
+        torch.from_numpy(fw.held).long(), epochs=rt.distill, lr=rt.distill_lr,
+        batch_size=min(fw.batch_size, DEFAULT_BATCH),
+        say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
     )  # fmt: skip
 
 
