@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lorp.architectures import architecture_of, decoder_blocks, decoder_stack
 from lorp.repair import RepairRefused, RunFit
@@ -52,8 +53,9 @@ log = logging.getLogger(__name__)
 DEFAULT_LR = 1e-4
 """Adam's learning rate on the maps (each starts near the identity's scale)."""
 DEFAULT_BATCH = 4
-"""Windows per step at most; the caller bounds it by tokens (a step holds the dense and
-the pruned log-probabilities and their gradient: about 4 x windows x T x vocab floats)."""
+"""Windows per step at most; the caller bounds it by tokens, like a forward's."""
+CHUNK = 128
+"""Positions whose vocabulary-wide log-probabilities a step holds at once (`_kl`)."""
 
 
 class DistillRefused(RepairRefused):
@@ -135,13 +137,43 @@ def _autocast(model: nn.Module, enabled: bool) -> Any:
     return torch.autocast(device, dtype=torch.bfloat16)
 
 
+def _final(model: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The final (normed) states of windows `w`, [B * T, d]: what the LM head reads."""
+    out = decoder_stack(model)(input_ids=w, use_cache=False).last_hidden_state
+    return out.reshape(-1, out.shape[-1])
+
+
+def _log_probs(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The next-token log-probabilities of final states `h`, as the model's forward makes
+    its logits (the head, then a final soft cap where the family has one)."""
+    logits = model.get_output_embeddings()(h).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.log_softmax(logits, -1)
+
+
+def _chunk_kl(model: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    target = _log_probs(model, t)
+    return (target.exp() * (target - _log_probs(model, h))).sum()
+
+
 def _kl(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int], w: torch.Tensor, amp: bool):
-    """Mean KL(dense || pruned) over every position of windows `w`."""
+    """Mean KL(dense || pruned) over every position of windows `w`. The vocabulary-wide
+    arrays exist for `CHUNK` positions at a time, in the forward and (recomputed) in the
+    backward: a step's memory does not grow with the windows' tokens times the vocabulary."""
     with torch.no_grad(), _autocast(model, amp):
-        target = torch.log_softmax(model(input_ids=w, use_cache=False).logits.float(), -1)
+        t = _final(model, w)
     with _applied(model, maps, layers), _autocast(model, amp):
-        logits = model(input_ids=w, use_cache=False).logits.float()
-    return (target.exp() * (target - torch.log_softmax(logits, -1))).sum(-1).mean()
+        h = _final(model, w)
+        total = h.new_zeros((), dtype=torch.float32)
+        for i in range(0, len(h), CHUNK):
+            part = (model, h[i : i + CHUNK], t[i : i + CHUNK])
+            if h.requires_grad:
+                total = total + checkpoint(_chunk_kl, *part, use_reentrant=False)
+            else:
+                total = total + _chunk_kl(*part)
+    return total / len(h)
 
 
 def _held_kl(model: nn.Module, maps, layers, held: torch.Tensor, batch: int, amp: bool) -> float:  # type: ignore[no-untyped-def]

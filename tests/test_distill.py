@@ -37,9 +37,10 @@ def least_squares(model: torch.nn.Module, x: torch.Tensor, held: torch.Tensor) -
     return fits + fit_followers(model, fits, LAYERS, x, held, 1, batch_size=8)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "gemma3_text"])
 def test_distilled_maps_fold_exactly_and_lower_the_held_out_kl(family: str) -> None:
-    """Qwen2's maps are full, Gemma 3's orthogonal times a diagonal: both fold, the
+    """Qwen2's maps are full, Gemma's orthogonal times a diagonal (Gemma 2's logits soft
+    capped): all fold, the
     folded variant's KL on the held-out windows is the record's best, lower than the
     least-squares maps', and the dense model is untouched."""
     model = tiny_model(family)
@@ -66,7 +67,7 @@ def test_distilled_maps_fold_exactly_and_lower_the_held_out_kl(family: str) -> N
     best = record["held_kl"][record["best_epoch"]]
     assert kl(model, distilled, held) == pytest.approx(best, rel=1e-4)
     assert kl(model, plain, held) == pytest.approx(record["held_kl"][0], rel=1e-4)
-    if family == "gemma3_text":  # still an orthogonal matrix: it passes the post-MLP norm
+    if family != "qwen2":  # still an orthogonal matrix: it passes the post-MLP norm
         Q = out[0].matrix
         assert torch.allclose(Q.T @ Q, torch.eye(Q.shape[0], dtype=Q.dtype), atol=1e-5)
     assert out[0].record()["distilled"]["best_epoch"] == record["best_epoch"]

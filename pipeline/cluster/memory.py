@@ -147,24 +147,23 @@ def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int
     return fit + first + max(maps - 1, 0) * down + distill_bytes(spec, shape, maps)
 
 
-DISTILL_COPIES = 4
-"""Vocabulary-wide float32 arrays a distillation step holds per token: the dense
-log-probabilities, the pruned logits, their log-softmax and its gradient."""
+DISTILL_COPIES = 5
+"""Vocabulary-wide float32 arrays a distillation step holds per position of a chunk: the
+dense log-probabilities and their exponential, the pruned logits, their log-softmax and
+its gradient."""
 
 
 def distill_bytes(spec: JobSpec, shape: Shape, maps: int) -> int:
-    """What `repair_distill` adds to a repaired point: one step's log-probabilities (its
-    windows bounded like a follower's forward, `lorp.distill.DEFAULT_BATCH` at most) and
-    every map with Adam's two moments, in float32. The backward's activations are those of
-    the blocks after the first map, fewer than the evaluation's forward holds."""
+    """What `repair_distill` adds to a repaired point: one chunk's log-probabilities
+    (`lorp.distill.CHUNK` positions) and every map with Adam's two moments, in float32.
+    The backward's activations are those of the blocks after the first map for one step's
+    windows (bounded like a follower's forward), fewer than the evaluation's forward
+    holds."""
     if not spec.distills:
         return 0
-    from lorp.distill import DEFAULT_BATCH
+    from lorp.distill import CHUNK
 
-    ev, cal = spec.evaluation, spec.calibration
-    windows = max(1, min(DEFAULT_BATCH, ev.batch_size * (ev.seq_len + 1) // (cal.seq_len + 1)))
-    logits = DISTILL_COPIES * 4 * windows * (cal.seq_len + 1) * shape.vocab
-    return logits + maps * 3 * 4 * shape.hidden**2
+    return DISTILL_COPIES * 4 * CHUNK * shape.vocab + maps * 3 * 4 * shape.hidden**2
 
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)
