@@ -162,6 +162,7 @@ def _kl(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int], w: torch.
     """Mean KL(dense || pruned) over every position of windows `w`. The vocabulary-wide
     arrays exist for `CHUNK` positions at a time, in the forward and (recomputed) in the
     backward: a step's memory does not grow with the windows' tokens times the vocabulary."""
+    w = w.to(next(model.parameters()).device)  # windows stay where the caller keeps them
     with torch.no_grad(), _autocast(model, amp):
         t = _final(model, w)
     with _applied(model, maps, layers), _autocast(model, amp):
@@ -220,7 +221,8 @@ def distill_fits(
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
-    maps = [_Map(f) for f in fits]
+    device = next(model.parameters()).device
+    maps = [_Map(f).to(device) for f in fits]
     try:
         heldkl, train, best = _train(
             model, maps, layers, windows, held, epochs, lr, batch_size, autocast, seed, say
