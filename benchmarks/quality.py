@@ -137,6 +137,8 @@ def repair_table(rows: list[dict[str, Any]]) -> list[str]:
         marks = [m.replace("_", " ") for m in ("degraded", "fits_calibration_only") if r.get(m)]
         if ratio and not followers(r):  # a cut at the end has none; an older run had none
             marks.append("no follower")
+        if ratio and distilled(r):
+            marks.append("distilled")
         return text + "".join(f" ({m})" for m in marks)
 
     order = sorted(
@@ -166,6 +168,12 @@ def latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(newest.values())
 
 
+def distilled(row: dict[str, Any]) -> bool:
+    """Whether a repaired row's maps are the distilled ones (`lorp.distill`)."""
+    fits = json.loads(row.get("repair_fits") or "[]")
+    return any(f.get("kept") == "distilled" for f in fits)
+
+
 def followers(row: dict[str, Any]) -> int:
     """How many follower maps a repaired row's variant folded (`repair_fits`)."""
     return sum("follower" in f for f in json.loads(row.get("repair_fits") or "[]"))
@@ -180,10 +188,12 @@ def render_repair(catalog: Path, models: list[str] | None = None) -> str:
         "window-loss --section repair --readme README.md` (`jobs/quality.yaml`, `repair: [none, "
         "linear]`, through `lorp run`; the repair's sums from the same calibration tokens as "
         "S, one pass on the capture workers, fitted on dense inputs, the ridge chosen on the "
-        "held-out calibration windows, one follower map per cut: `repair_followers`). Ratios "
+        "held-out calibration windows, one follower map per cut: `repair_followers`; the "
+        "twins of streamline and window distilled 2 epochs: `repair_distill`). Ratios "
         "to dense on PTB and on the held-out news (lee); bold: the best repaired variant by "
         "the held-out ratio; `no follower`: a repaired variant without a follower map (its "
-        "cut ends the stack, or its row is from a run before followers).",
+        "cut ends the stack, or its row is from a run before followers); `distilled`: its "
+        "maps distilled (an epoch beat least squares on the held-out windows).",
         "",
     ]
     return _per_model(parts, rows, repair_table, repair_findings)

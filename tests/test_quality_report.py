@@ -110,3 +110,12 @@ def test_the_repair_report_is_the_latest_run_and_says_which_variants_lack_a_foll
     assert "**55.0 (1.10x); lee 1.80x**" in line and "no follower" not in line
     older = next(x for x in repair_table(rows[:3]) if x.startswith("| window |"))
     assert "60.0 (1.20x); lee 2.00x** (no follower)" in older
+    # a distilled twin says so; one whose distillation was not kept does not
+    kept = {"run": [3, 4], "kept": "distilled", "distilled": {"best_epoch": 2}}
+    rows.append(fixed(52.0, 1.6, "2026-12-03T10:00", [kept, {"run": [5, 4], "follower": 4}]))
+    line = next(x for x in repair_table(latest(rows)) if x.startswith("| window |"))
+    assert line.endswith("**52.0 (1.04x); lee 1.60x** (distilled) |")
+    not_kept = [run | {"distilled": {"best_epoch": 0}}, {"run": [5, 4], "follower": 4}]
+    rows.append(fixed(52.0, 1.6, "2026-12-04T10:00", not_kept))
+    line = next(x for x in repair_table(latest(rows)) if x.startswith("| window |"))
+    assert "distilled" not in line
