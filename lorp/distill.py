@@ -43,9 +43,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lorp.architectures import architecture_of, decoder_blocks, decoder_stack
-from lorp.repair import RepairRefused, RunFit
-from lorp.repair_stats import mlp_site, rms_unit
+from lorp.architectures import decoder_blocks, decoder_stack
+from lorp.repair import RepairRefused, RunFit, map_site
+from lorp.repair_stats import rms_unit
 from lorp.surgery import blocks_dropped
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,6 @@ class _Map(nn.Module):
 def _applied(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int]) -> Iterator[None]:
     """`model` without `layers`, each map applied by a hook on its site (differentiable:
     `lorp.repair.applied_by_hooks` applies fixed maps in float64)."""
-    arch = architecture_of(model)
     blocks = decoder_blocks(model)
     handles = []
 
@@ -117,12 +116,8 @@ def _applied(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int]) -> I
 
     try:
         for m in maps:
-            s, normed = m.fit.run[0], m.fit.form == "normed"
-            if s == 0:
-                site = decoder_stack(model).embed_tokens
-            else:
-                site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
-            handles.append(site.register_forward_hook(hook(m, normed)))
+            site = map_site(model, blocks, m.fit)
+            handles.append(site.register_forward_hook(hook(m, m.fit.form == "normed")))
         with blocks_dropped(model, layers):
             yield
     finally:
@@ -158,13 +153,19 @@ def _chunk_kl(model: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tenso
     return (target.exp() * (target - _log_probs(model, h))).sum()
 
 
-def _kl(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int], w: torch.Tensor, amp: bool):
-    """Mean KL(dense || pruned) over every position of windows `w`. The vocabulary-wide
-    arrays exist for `CHUNK` positions at a time, in the forward and (recomputed) in the
-    backward: a step's memory does not grow with the windows' tokens times the vocabulary."""
-    w = w.to(next(model.parameters()).device)  # windows stay where the caller keeps them
+def _dense(model: nn.Module, w: torch.Tensor, amp: bool) -> torch.Tensor:
+    """The dense model's final states of windows `w` (on the model's device)."""
     with torch.no_grad(), _autocast(model, amp):
-        t = _final(model, w)
+        return _final(model, w.to(next(model.parameters()).device))
+
+
+def _kl(model, maps, layers, w: torch.Tensor, amp: bool, t: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    """Mean KL(dense || pruned) over every position of windows `w` (`t`: the dense final
+    states, when already known). The vocabulary-wide arrays exist for `CHUNK` positions
+    at a time, in the forward and (recomputed) in the backward: a step's memory does not
+    grow with the windows' tokens times the vocabulary."""
+    w = w.to(next(model.parameters()).device)  # windows stay where the caller keeps them
+    t = _dense(model, w, amp) if t is None else t
     with _applied(model, maps, layers), _autocast(model, amp):
         h = _final(model, w)
         total = h.new_zeros((), dtype=torch.float32)
@@ -177,13 +178,11 @@ def _kl(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int], w: torch.
     return total / len(h)
 
 
-def _held_kl(model: nn.Module, maps, layers, held: torch.Tensor, batch: int, amp: bool) -> float:  # type: ignore[no-untyped-def]
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, len(held), batch):
-            w = held[i : i + batch]
-            total += float(_kl(model, maps, layers, w, amp)) * len(w)
-    return total / len(held)
+def _held_kl(model, maps, layers, held: list, amp: bool) -> float:  # type: ignore[no-untyped-def]
+    """Mean KL over the held-out (windows, dense final states) batches (computed once
+    for every epoch's measurement)."""
+    total = sum(float(_kl(model, maps, layers, w, amp, t)) * len(w) for w, t in held)
+    return total / sum(len(w) for w, _ in held)
 
 
 def distill_fits(
@@ -247,7 +246,9 @@ def _train(model, maps, layers, windows, held, epochs, lr, batch, amp, seed, say
     params = [p for m in maps for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    heldkl = [_held_kl(model, maps, layers, held, batch, amp)]
+    held_batches = [(w, _dense(model, w, amp)) for w in held.split(batch)]
+    with torch.no_grad():
+        heldkl = [_held_kl(model, maps, layers, held_batches, amp)]
     best, state = 0, [p.detach().clone() for p in params]
     say(f"distill: held-out KL {heldkl[0]:.4f} before, {epochs} epoch(s) of {len(windows)} windows")
     train = []
@@ -260,7 +261,8 @@ def _train(model, maps, layers, windows, held, epochs, lr, batch, amp, seed, say
             opt.step()
             total += float(loss.detach()) * len(idx)
         train.append(total / len(windows))
-        heldkl.append(_held_kl(model, maps, layers, held, batch, amp))
+        with torch.no_grad():
+            heldkl.append(_held_kl(model, maps, layers, held_batches, amp))
         if heldkl[-1] < heldkl[best]:
             best, state = epoch, [p.detach().clone() for p in params]
         say(

@@ -627,7 +627,6 @@ def applied_by_hooks(
     through its weights: the reference a fold must equal, and the way to apply a map that
     does not fold (a full map after a norm). `kept`: the original indices of a pruned
     model's blocks (`drop_layers` returns them); None for the dense model."""
-    arch = architecture_of(model)
     current = decoder_blocks(model)
     position = {b: i for i, b in enumerate(kept if kept is not None else range(len(current)))}
     blocks = {b: current[i] for b, i in position.items()}
@@ -643,16 +642,23 @@ def applied_by_hooks(
     try:
         for fit in fits:
             T = fit.matrix if fit.scale is None else fit.matrix * fit.scale
-            s = fit.run[0]
-            if s == 0:
-                site = decoder_stack(model).embed_tokens
-            else:
-                site = mlp_site(blocks[s - 1], arch.post_mlp_norm if fit.form == "normed" else None)
+            site = map_site(model, blocks, fit)
             handles.append(site.register_forward_hook(replace(T, fit.form == "normed")))
         yield
     finally:
         for h in handles:
             h.remove()
+
+
+def map_site(model: nn.Module, blocks: Any, fit: RunFit) -> nn.Module:
+    """The module whose output `fit`'s map replaces: the embeddings for a run from block
+    0, else block s-1's MLP (its post-MLP norm for a `normed` fit). `blocks`: the
+    original index -> block (a pruned model's kept blocks by their original indices)."""
+    s = fit.run[0]
+    if s == 0:
+        return decoder_stack(model).embed_tokens
+    normed = fit.form == "normed"
+    return mlp_site(blocks[s - 1], architecture_of(model).post_mlp_norm if normed else None)
 
 
 def full_fits(
