@@ -195,6 +195,7 @@ def repair_table(mv: View) -> Markup | None:
         th(f"repaired {metric}"),
         th("gain"),
         th("residual"),
+        th("kept", left=True),
     ]
 
     def verdict(value: float | None, degraded: bool | None) -> Markup:
@@ -212,6 +213,7 @@ def repair_table(mv: View) -> Markup | None:
             verdict(v["repaired"], v["repaired_degraded"]),
             value_td(v["gain"], 2),
             value_td(v["residual"], 3),
+            td(v["kept"] or "-", left=True, cls="kept"),
             class_="repair-pair",
         )
         for v in pairs
@@ -219,10 +221,13 @@ def repair_table(mv: View) -> Markup | None:
     dense = mv["dense_metric"]
     caption = (
         "Each repaired variant beside its unrepaired twin (same blocks removed): one linear "
-        "map per run of removed blocks, fitted in closed form on the calibration tokens and "
-        "folded into block s-1's weights, so both have the same architecture and size. "
-        "Gain = pruned / repaired perplexity; residual = the worst run's share of its gap "
-        "the map leaves on calibration tokens (0: closed, 1: as pruned)."
+        "map per run of removed blocks (and per follower block), fitted in closed form on the "
+        "calibration tokens, trained towards the dense model's next-token distribution where "
+        "the job distils, and folded into the weights, so both have the same architecture "
+        f"and size. Perplexity on {metric.removeprefix('ppl_')}; gain = pruned / repaired "
+        "perplexity; residual = the worst run's share of its gap the map leaves on "
+        "calibration tokens (0: closed, 1: as pruned); kept = the maps that beat the "
+        "unrepaired ones on held-out calibration windows, and the distillation epoch kept."
     )
     if dense is not None:
         caption += f" Dense: {dense:,.2f}."

@@ -110,6 +110,21 @@ def ppl_metric(rows: Iterable[Row]) -> str | None:
     return names[0] if names else None
 
 
+def judged_metric(rows: Iterable[Row]) -> str | None:
+    """The perplexity column of the held-out corpus the gate judged the rows on (the first
+    of `judged_on`'s corpora); rows judged on calibration text, or from before the
+    judgement: the first perplexity column by name."""
+    from pipeline.evaluation.metrics import metric_name  # imports torch: only here
+
+    rows = list(rows)
+    held = [str(r["judged_on"]) for r in rows if r.get("judged_on")]
+    held = [j for j in held if not j.endswith("(calibration text)")]
+    column = metric_name(held[0].split(",")[0]) if held else None
+    if column and any(finite(r.get(column)) is not None for r in rows):
+        return column
+    return ppl_metric(rows)
+
+
 def rank_metric(rows: Sequence[Row]) -> str | None:
     """The column "best" ranks by, as the registry's aliases do: the protocol's first
     perplexity (`pipeline.records.protocol.rank_column`); catalogs without an
@@ -474,7 +489,8 @@ def repair_of(row: Row) -> str:
 def repair_pairs(points: Sequence[Row], metric: str | None) -> list[View]:
     """Every repaired variant beside its unrepaired twin (same method, budget and blocks):
     the figure both have on `metric`, the gain (pruned / repaired), each one's gate
-    verdict and the fit's worst residual on calibration tokens. Empty without repairs."""
+    verdict, the fit's worst residual on calibration tokens and what the held-out
+    calibration windows kept of it (`repair_kept`). Empty without repairs."""
     plain = {(r["method_label"], r["budget"]): r for r in points if repair_of(r) == "none"}
     out = []
     for r in points:
@@ -497,6 +513,7 @@ def repair_pairs(points: Sequence[Row], metric: str | None) -> list[View]:
                 "pruned_degraded": is_degraded(twin) if twin else None,
                 "repaired_degraded": is_degraded(r),
                 "residual": finite(r.get("repair_residual")),
+                "kept": r.get("repair_kept") or None,
             }
         )
     return sorted(out, key=lambda v: (v["label"], v["budget"]))
@@ -554,9 +571,9 @@ def model_view(
         "variants": [variant_view(r, tracking, mlflow_ui) for r in points],
         "tables": metric_tables(ordered, tracking, mlflow_ui),
         "tradeoffs": tradeoffs(dense, points),
-        "repairs": repair_pairs(points, ppl_metric(rows)),
-        "repair_metric": ppl_metric(rows),
-        "dense_metric": finite(dense.get(ppl_metric(rows) or "")) if dense else None,
+        "repairs": repair_pairs(points, judged_metric(rows)),
+        "repair_metric": judged_metric(rows),
+        "dense_metric": finite(dense.get(judged_metric(rows) or "")) if dense else None,
         "jobs": tracking_view({j: tracking.get(j, NO_TRACKING) for j in jobs}, mlflow_ui),
         "memory": memory_view(rows),
     }

@@ -366,6 +366,7 @@ def test_repaired_variants_sit_beside_their_twins(tmp_path: Path) -> None:
         extra = {"repair_residual": 0.25} if fix == "linear" else {}
         r = row("m", label.split("+")[0], budget, ppl_ptb=ppl, degraded=bad, repair=fix, **extra)
         rows.append(r | {"method_label": label, "grid_key": f"{label}-{budget}"})
+    rows[4]["repair_kept"] = "1/1 runs, 1/1 followers; distilled, epoch 2 of 2"
     pairs = views.repair_pairs(rows[1:], "ppl_ptb")
     assert [(p["label"], p["budget"]) for p in pairs] == [("lorp", 2), ("shortgpt", 2)]
     lorp, short = pairs
@@ -378,6 +379,28 @@ def test_repaired_variants_sit_beside_their_twins(tmp_path: Path) -> None:
     page = (tmp_path / "site" / "model-m.html").read_text()
     assert page.count('class="repair-pair"') == 2 and "Pruned vs repaired" in page
     assert "Dense: 10.00." in page and 'data-v="4.0"' in page
+    assert '<td class="l kept">1/1 runs, 1/1 followers; distilled, epoch 2 of 2</td>' in page
+    assert page.count('<td class="l kept">-</td>') == 1  # lorp+linear: nothing said
+
+
+def test_the_repair_table_judges_on_the_held_out_corpus(tmp_path: Path) -> None:
+    """Rows the gate judged on held-out text pair their figures on that corpus, not on the
+    first perplexity column by name; rows judged on calibration text keep that column."""
+    rows = [row("m", "dense", 0, ppl_ptb=10.0, ppl_wiki=20.0)]
+    for label, fix, ptb, wiki in [
+        ("window", "none", 40.0, 80.0),
+        ("window+linear", "linear", 20.0, 25.0),
+    ]:
+        r = row("m", "window", 2, ppl_ptb=ptb, ppl_wiki=wiki, repair=fix, judged_on="wiki")
+        rows.append(r | {"method_label": label, "grid_key": f"{label}-2"})
+    assert views.judged_metric(rows) == "ppl_wiki"
+    [pair] = views.model_view("m", rows, None, {}, "")["repairs"]
+    assert (pair["pruned"], pair["repaired"], pair["gain"]) == (80.0, 25.0, 3.2)
+    calib = [r | {"judged_on": "ptb (calibration text)"} for r in rows]
+    assert views.judged_metric(calib) == "ppl_ptb"
+    build_site(rows, tmp_path / "site")
+    page = (tmp_path / "site" / "model-m.html").read_text()
+    assert "Perplexity on wiki; gain" in page and "Dense: 20.00." in page
 
 
 def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path: Path) -> None:
