@@ -183,6 +183,23 @@ def perplexity_table(t: View) -> Markup | None:
     return _variant_table("Perplexity (Table 2 layout)", t, cells, head, caption)
 
 
+def repair_caption(metric: str, dense: float | None) -> str:
+    """What the repair table's columns mean, on `metric` (dense's figure when known)."""
+    caption = (
+        "Each repaired variant beside its unrepaired twin (same blocks removed): one linear "
+        "map per run of removed blocks (and per follower block), fitted in closed form on the "
+        "calibration tokens, trained towards the dense model's next-token distribution where "
+        "the job distils, and folded into the weights, so both have the same architecture "
+        f"and size. Perplexity on {metric.removeprefix('ppl_')}; gain = pruned / repaired "
+        "perplexity; residual = the worst run's share of its gap the map leaves on "
+        "calibration tokens (0: closed, 1: as pruned); kept = the maps that beat the "
+        "unrepaired ones on held-out calibration windows, and the distillation epoch kept."
+    )
+    if dense is not None:
+        caption += f" Dense: {dense:,.2f}."
+    return caption
+
+
 def repair_table(mv: View) -> Markup | None:
     """Pruned vs repaired, side by side: what the linear repair bought each variant."""
     pairs, metric = mv["repairs"], mv["repair_metric"]
@@ -218,19 +235,7 @@ def repair_table(mv: View) -> Markup | None:
         )
         for v in pairs
     ]
-    dense = mv["dense_metric"]
-    caption = (
-        "Each repaired variant beside its unrepaired twin (same blocks removed): one linear "
-        "map per run of removed blocks (and per follower block), fitted in closed form on the "
-        "calibration tokens, trained towards the dense model's next-token distribution where "
-        "the job distils, and folded into the weights, so both have the same architecture "
-        f"and size. Perplexity on {metric.removeprefix('ppl_')}; gain = pruned / repaired "
-        "perplexity; residual = the worst run's share of its gap the map leaves on "
-        "calibration tokens (0: closed, 1: as pruned); kept = the maps that beat the "
-        "unrepaired ones on held-out calibration windows, and the distillation epoch kept."
-    )
-    if dense is not None:
-        caption += f" Dense: {dense:,.2f}."
+    caption = repair_caption(metric, mv["dense_metric"])
     return frag(
         el("h2", "Pruned vs repaired"), sortable(head, rows), el("p", caption, class_="muted")
     )
