@@ -142,7 +142,7 @@ def repair_table(rows: list[dict[str, Any]]) -> list[str]:
         return text + "".join(f" ({m})" for m in marks)
 
     order = sorted(
-        by, key=lambda m: min(_ppl(v.get("linear") or v["none"]) for v in by[m].values())
+        by, key=lambda m: min(_ppl(v.get("linear") or v.get("none")) for v in by[m].values())
     )
     for method in order:
         cells = []

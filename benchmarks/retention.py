@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -47,11 +48,51 @@ def chosen(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
+def distillation(row: dict[str, Any]) -> tuple[int, float | None]:
+    """(epochs, learning rate) a catalog row's maps were distilled with, from its
+    `repair_fits`; (0, None) for a row not distilled (or from before distillation)."""
+    fits = row.get("repair_fits") or []
+    fits = json.loads(fits) if isinstance(fits, str) else fits
+    for fit in fits:
+        if fit.get("distilled"):
+            return int(fit["distilled"]["epochs"]), float(fit["distilled"]["lr"])
+    return 0, None
+
+
+def as_picked(spec, picks: dict[int, dict[str, Any]]):  # type: ignore[no-untyped-def]
+    """`spec`'s methods, each distilled as its picked rows were (so the retention job
+    evaluates the catalog's variant, whatever `jobs/quality.yaml` says today)."""
+    by_method: dict[str, set[tuple[int, float | None]]] = {}
+    for r in picks.values():
+        if (r.get("repair") or "none") != "none":
+            by_method.setdefault(r["method_label"].split("+")[0], set()).add(distillation(r))
+    lrs = {lr for d in by_method.values() for _, lr in d if lr is not None}
+    if any(len(d) > 1 for d in by_method.values()) or len(lrs) > 1:
+        raise SystemExit(f"picks distilled differently within one job: {by_method}")
+    methods = tuple(
+        dataclasses.replace(m, repair_distill=next(iter(by_method[m.key]))[0])
+        if m.key in by_method
+        else m
+        for m in spec.methods
+    )
+    lr = lrs.pop() if lrs else spec.repair_distill_lr
+    return dataclasses.replace(spec, methods=methods, repair_distill_lr=lr)
+
+
+def one_job_each(picks: dict[int, dict[str, Any]]) -> list[dict[int, dict[str, Any]]]:
+    """`picks` grouped by method and repair: a job runs its methods at all its budgets, so
+    picks of two methods in one job would evaluate two variants nobody picked."""
+    groups: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for b, r in sorted(picks.items()):
+        groups.setdefault((r["method_label"], r.get("repair") or "none"), {})[b] = r
+    return list(groups.values())
+
+
 def retention_spec(model: str, picks: dict[int, dict[str, Any]], limit: int, out: str):  # type: ignore[no-untyped-def]
     """The quality job cut down to dense and `picks`, scored on the zero-shot tasks."""
     from pipeline.spec import load_spec
 
-    spec = load_spec(ROOT / "jobs" / "quality.yaml")
+    spec = as_picked(load_spec(ROOT / "jobs" / "quality.yaml"), picks)
     labels = {r["method_label"].split("+")[0] for r in picks.values()}
     repairs = {r.get("repair") or "none" for r in picks.values()}
     ev = dataclasses.replace(
@@ -135,7 +176,8 @@ def main() -> int:
         picks = chosen([r for r in rows if r["model"] == model])
         if not picks:
             continue
-        summary = run_job(retention_spec(model, picks, args.limit, args.out))
+        for group in one_job_each(picks):  # a job per method: only the picked points run
+            summary = run_job(retention_spec(model, group, args.limit, args.out))
         got = [r for r in read_catalog(summary.catalog) if r["model"] == model]
         parts += table(model, picks, got) + [""]
         print("\n".join(parts), flush=True)
