@@ -142,7 +142,7 @@ def repair_table(rows: list[dict[str, Any]]) -> list[str]:
         return text + "".join(f" ({m})" for m in marks)
 
     order = sorted(
-        by, key=lambda m: min(_ppl(v.get("linear") or v.get("none")) for v in by[m].values())
+        by, key=lambda m: min(_ppl(v.get("linear") or v["none"]) for v in by[m].values() if v)
     )
     for method in order:
         cells = []
@@ -179,8 +179,10 @@ def followers(row: dict[str, Any]) -> int:
     return sum("follower" in f for f in json.loads(row.get("repair_fits") or "[]"))
 
 
-def render_repair(catalog: Path, models: list[str] | None = None) -> str:
-    rows = latest([r for r in read_catalog(catalog) if not models or r["model"] in models])
+def render_repair(
+    catalog: Path, models: list[str] | None = None, methods: list[str] | None = None
+) -> str:
+    rows = latest([r for r in read_catalog(catalog) if shown(r, models, methods)])
     if not any((r.get("repair") or "none") != "none" for r in rows):
         raise SystemExit(f"no repaired variants in {catalog}")
     parts = [
@@ -269,8 +271,16 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     return out + repair_findings(rows)
 
 
-def render(catalog: Path, models: list[str] | None = None) -> str:
-    rows = [r for r in read_catalog(catalog) if not models or r["model"] in models]
+def shown(r: dict[str, Any], models: list[str] | None, methods: list[str] | None) -> bool:
+    """A catalog row of `models` and `methods` (labels, repaired twins with them; dense
+    always); None: all."""
+    if models and r["model"] not in models:
+        return False
+    return not methods or r["method"] == "dense" or r["method_label"].split("+")[0] in methods
+
+
+def render(catalog: Path, models: list[str] | None = None, methods: list[str] | None = None) -> str:
+    rows = [r for r in read_catalog(catalog) if shown(r, models, methods)]
     if not rows:
         raise SystemExit(f"--models: no rows for {models} in {catalog}")
     parts = [
@@ -352,8 +362,9 @@ def main() -> int:
     if args.from_catalog and not Path(args.from_catalog).is_file():
         raise SystemExit(f"--from-catalog: no such file {args.from_catalog}")
     catalog = Path(args.from_catalog) if args.from_catalog else run(args.models, args.methods)
-    chosen = args.models if args.from_catalog else None
-    text = render_repair(catalog, chosen) if args.section == "repair" else render(catalog, chosen)
+    chosen = (args.models, args.methods) if args.from_catalog else (None, None)
+    draw = render_repair if args.section == "repair" else render
+    text = draw(catalog, *chosen)
     print(text)
     if args.readme:
         write_readme(Path(args.readme), text, args.section)

@@ -14,7 +14,9 @@ from benchmarks.quality import (  # noqa: E402
     model_table,
     repair_findings,
     repair_table,
+    shown,
 )
+from benchmarks.retention import as_picked, distillation, one_job_each  # noqa: E402
 
 
 def row(label: str, budget: int, ppl: float, pruned=(), degraded=False, evals=0, secs=0.0):  # type: ignore[no-untyped-def]
@@ -119,3 +121,38 @@ def test_the_repair_report_is_the_latest_run_and_says_which_variants_lack_a_foll
     rows.append(fixed(52.0, 1.6, "2026-12-04T10:00", not_kept))
     line = next(x for x in repair_table(latest(rows)) if x.startswith("| window |"))
     assert "distilled" not in line
+
+
+def test_a_report_drawn_from_a_catalog_keeps_to_its_methods_and_survives_lone_twins() -> None:
+    """`--from-catalog` with `--methods`: rows of other methods (an interrupted full run
+    left some) are not drawn; a method with only repaired rows still gets its line."""
+    rows = [r | {"model": "m"} for r in ROWS[:3]]
+    rows.append(row("lorp-released+linear", 2, 60.0, (1, 2)) | {"model": "m", "repair": "linear"})
+    rows.append(row("shortgpt", 4, 90.0, (1, 2, 3, 4)) | {"model": "m"})  # none at 4 for the rest
+    assert [r["method_label"] for r in rows if shown(r, ["m"], ["lorp"])] == ["dense", "lorp"]
+    assert not [r for r in rows if shown(r, ["other"], None)]
+    line = next(x for x in repair_table(rows) if x.startswith("| lorp-released |"))
+    assert line.startswith("| lorp-released | 1 2 | - | **60.0 (1.20x)**")
+
+
+def test_retention_evaluates_each_pick_as_its_row_was_distilled() -> None:
+    """One job per picked method (a job runs every method at every budget), each method
+    distilled as its picked row's `repair_fits` say, whatever the spec says today."""
+    import dataclasses
+    import json
+
+    from pipeline.spec import MethodSpec, load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "jobs" / "quality.yaml")
+    spec = dataclasses.replace(spec, methods=(MethodSpec("streamline", repair_distill=2),
+                                              MethodSpec("window", repair_distill=2)))  # fmt: skip
+    fits = [{"run": [1, 2], "kept": "distilled", "distilled": {"epochs": 3, "lr": 5e-5}}]
+    picks = {
+        4: {"method_label": "window+linear", "repair": "linear", "repair_fits": json.dumps(fits)},
+        8: {"method_label": "streamline+linear", "repair": "linear", "repair_fits": []},
+    }
+    assert distillation(picks[4]) == (3, 5e-5) and distillation(picks[8]) == (0, None)
+    assert [sorted(g) for g in one_job_each(picks)] == [[4], [8]]
+    got = as_picked(spec, picks)
+    assert [(m.key, m.repair_distill) for m in got.methods] == [("streamline", 0), ("window", 3)]
+    assert got.repair_distill_lr == 5e-5
