@@ -127,13 +127,15 @@ def retained(variant: dict[str, Any], dense: dict[str, Any], task: str) -> tuple
 def table(model: str, picks: dict[int, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
     """Dense's accuracies, then per budget the best variant's accuracy and retention."""
     dense = next(r for r in rows if r["method"] == "dense")
-    by = {(r["method_label"], r["budget"]): r for r in rows}
+    by = {}  # the newest row of each variant as picked (an older, undistilled twin may remain)
+    for r in sorted(rows, key=lambda r: str(r.get("created_at") or "")):
+        by[(r["method_label"], r["budget"], distillation(r)[0])] = r
     head = "| " + model + " | " + " | ".join(TASKS) + " | mean retained |"
     lines = [head, "| --- " * (len(TASKS) + 2) + "|"]
     cells = [f"{dense[f'acc_{t}']:.1f} ({int(dense[f'n_{t}'])} items)" for t in TASKS]
     lines.append(f"| dense (acc %) | {' | '.join(cells)} | 100 |")
     for b, pick in sorted(picks.items()):
-        row = by.get((pick["method_label"], b))
+        row = by.get((pick["method_label"], b, distillation(pick)[0]))
         if row is None:
             continue
         scores = [retained(row, dense, t) for t in TASKS]

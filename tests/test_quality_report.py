@@ -16,7 +16,7 @@ from benchmarks.quality import (  # noqa: E402
     repair_table,
     shown,
 )
-from benchmarks.retention import as_picked, distillation, one_job_each  # noqa: E402
+from benchmarks.retention import TASKS, as_picked, distillation, one_job_each, table  # noqa: E402
 
 
 def row(label: str, budget: int, ppl: float, pruned=(), degraded=False, evals=0, secs=0.0):  # type: ignore[no-untyped-def]
@@ -156,3 +156,20 @@ def test_retention_evaluates_each_pick_as_its_row_was_distilled() -> None:
     got = as_picked(spec, picks)
     assert [(m.key, m.repair_distill) for m in got.methods] == [("streamline", 0), ("window", 3)]
     assert got.repair_distill_lr == 5e-5
+
+
+def test_retention_table_reads_the_row_distilled_as_picked() -> None:
+    """The retention catalog keeps an earlier, undistilled twin of a pick beside the
+    distilled one (another key): the table shows the one that was picked."""
+    import json
+
+    acc = {f"acc_{t}": 50.0 for t in TASKS} | {f"n_{t}": 500 for t in TASKS}
+    fits = json.dumps([{"run": [1, 2], "distilled": {"epochs": 2, "lr": 1e-4}}])
+    dense = {"method": "dense", "method_label": "dense", "budget": 0, **acc}
+    old = {"method": "window", "method_label": "window+linear", "budget": 4, "n_blocks": 30,
+           **acc, "acc_arc_easy": 30.0, "created_at": "2026-12-01"}  # fmt: skip
+    new = old | {"acc_arc_easy": 40.0, "repair_fits": fits, "created_at": "2026-12-02"}
+    for rows in ([dense, new, old], [dense, old, new]):
+        line = table("m", {4: new}, rows)[-1]
+        assert line.startswith("| window+linear @ 4/30 | 40.0 (80.0 ± ")
+    assert table("m", {4: old}, [dense, new, old])[-1].startswith("| window+linear @ 4/30 | 30.0")
