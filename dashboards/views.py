@@ -557,6 +557,7 @@ def model_view(
     dense, points = split_dense(rows)
     ordered = ([dense] if dense else []) + points
     jobs = sorted({r["job"] for r in rows})
+    judged = judged_metric(rows)
     return {
         "model": model,
         "protocol": protocol_of(first),
@@ -571,9 +572,9 @@ def model_view(
         "variants": [variant_view(r, tracking, mlflow_ui) for r in points],
         "tables": metric_tables(ordered, tracking, mlflow_ui),
         "tradeoffs": tradeoffs(dense, points),
-        "repairs": repair_pairs(points, judged_metric(rows)),
-        "repair_metric": judged_metric(rows),
-        "dense_metric": finite(dense.get(judged_metric(rows) or "")) if dense else None,
+        "repairs": repair_pairs(points, judged),
+        "repair_metric": judged,
+        "dense_metric": finite(dense.get(judged or "")) if dense else None,
         "jobs": tracking_view({j: tracking.get(j, NO_TRACKING) for j in jobs}, mlflow_ui),
         "memory": memory_view(rows),
     }
