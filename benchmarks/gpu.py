@@ -19,7 +19,7 @@ torch, transformers and `lorp/`, which is all the device image has of ours):
 6. streamed          (`--streamed`, on by default) the llama-8b shape saved as a bf16
                      checkpoint, S and perplexity in memory, then with the process's device
                      memory capped below the model's size (`set_per_process_memory_fraction`)
-                     streamed a module at a time from the files (`lorp.streaming`): time,
+                     streamed a module at a time from the files (`lorp.models.streaming`): time,
                      peak memory, and |dS|, |d ppl| against the in-memory figures.
 5. serving           (where vLLM is installed; `--serving`, on by default on CUDA) the
                      8B Llama shape in bf16, dense and with 8 and 12 blocks removed, each
@@ -60,12 +60,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lorp.architectures import decoder_stack  # noqa: E402
-from lorp.capture import capture_stats  # noqa: E402
+from lorp.locality.capture import capture_stats  # noqa: E402
 from lorp.methods import select_layers  # noqa: E402
-from lorp.repair import check_repairable, fit_runs, fold  # noqa: E402
-from lorp.repair_stats import bytes_per_pass, capture_repair_stats  # noqa: E402
-from lorp.surgery import drop_layers  # noqa: E402
+from lorp.models.architectures import decoder_stack  # noqa: E402
+from lorp.models.surgery import drop_layers  # noqa: E402
+from lorp.repair.capture import capture_repair_stats  # noqa: E402
+from lorp.repair.fit import check_repairable, fit_runs  # noqa: E402
+from lorp.repair.fold import fold  # noqa: E402
+from lorp.repair.stats import bytes_per_pass  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-8b": {
@@ -277,7 +279,7 @@ def _held_whole(args: argparse.Namespace, shape: str, dtype: torch.dtype, out: P
 
     from transformers import AutoModelForCausalLM
 
-    from lorp.perplexity import perplexity
+    from lorp.models.perplexity import perplexity
 
     device = args.device
     model = build(shape, args.tiny, device).to(dtype)
@@ -313,9 +315,10 @@ def _held_whole(args: argparse.Namespace, shape: str, dtype: torch.dtype, out: P
 def measure_streamed(args: argparse.Namespace) -> dict[str, Any]:
     """Section 6: the llama-8b shape held whole, then streamed under a memory cap below
     its size, on the same tokens; S and perplexity must agree."""
-    from lorp.perplexity import perplexity
-    from lorp.sizing import tensor_index, weight_size
-    from lorp.streaming import build_streamed
+    from lorp.models.memory import weight_size
+    from lorp.models.perplexity import perplexity
+    from lorp.models.safetensors_index import tensor_index
+    from lorp.models.streaming import build_streamed
 
     device, shape = args.device, "llama-8b"
     cuda = device.startswith("cuda")
@@ -393,7 +396,7 @@ def measure_serving_8b(args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vllm is not installed on this machine (no serving figures)"}
     from pipeline.evaluation.serving import serving_speedup
-    from pipeline.spec import ServingSpec
+    from pipeline.spec.evaluation import ServingSpec
 
     spec = ServingSpec(
         concurrency=args.serve_concurrency,

@@ -14,8 +14,8 @@ tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows
 of the same mix, seed + 1: what `repair_ridge: auto` validates on), then for each method
 at each budget the pruned variant and its repaired twin under each `--ridge` (auto: the
 product's validated fit; a number: that ridge, every map kept), with each `--followers`
-count of follower maps (`lorp.repair.fit_followers`, validated) and each `--distill`
-count of epochs of distillation (`lorp.distill`, validated). Perplexity on PTB test
+count of follower maps (`lorp.repair.followers.fit_followers`, validated) and each `--distill`
+count of epochs of distillation (`lorp.repair.distill`, validated). Perplexity on PTB test
 and on the Lee news corpus (held out: never calibrated on here unless named in --calib),
 `--eval-windows` windows of 512 each (12: 6k tokens; `jobs/quality.yaml` takes 32), as
 ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
@@ -37,30 +37,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorp.capture import capture_stats  # noqa: E402
-from lorp.data import (  # noqa: E402
-    eval_windows,
-    load_corpus,
-    mixed_windows,
-    prepend_bos,
-    resolve_bos,
-    tokenize_documents,
-)
-from lorp.distill import DEFAULT_LR, distill_fits  # noqa: E402
+from lorp.data.corpora import load_corpus, tokenize_documents
+from lorp.data.windows import eval_windows, mixed_windows, prepend_bos, resolve_bos
+from lorp.locality.capture import capture_stats
 from lorp.methods import select_layers  # noqa: E402
-from lorp.perplexity import perplexity  # noqa: E402
-from lorp.repair import (  # noqa: E402
-    RepairRefused,
-    check_repairable,
-    fit_followers,
-    fit_runs,
-    fold,
-    window_losses,
-    window_scores,
-)
-from lorp.repair_stats import capture_repair_stats, contiguous_runs  # noqa: E402
-from lorp.sources import load_model  # noqa: E402
-from lorp.surgery import drop_layers  # noqa: E402
+from lorp.methods.window_scores import window_losses, window_scores
+from lorp.models.loading import load_model
+from lorp.models.perplexity import perplexity
+from lorp.models.surgery import drop_layers
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.distill import DEFAULT_LR, distill_fits
+from lorp.repair.fit import check_repairable, fit_runs
+from lorp.repair.fold import fold
+from lorp.repair.followers import fit_followers
+from lorp.repair.maps import RepairRefused
+from lorp.repair.stats import contiguous_runs
 
 SEQ = 256
 HELD = 8
@@ -261,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=int,
         default=[0],
-        help="epochs of distillation of the maps (lorp.distill), each; 0: least squares only",
+        help="epochs of distillation of the maps (lorp.repair.distill), each; 0: least squares",
     )
     p.add_argument("--distill-lr", type=float, default=DEFAULT_LR)
     p.add_argument(

@@ -41,7 +41,7 @@ def run(models: list[str] | None, methods: list[str] | None = None) -> Path:
 
     from pipeline.cli import talk
     from pipeline.run import run_job
-    from pipeline.spec import load_spec
+    from pipeline.spec.parse import load_spec
 
     spec = load_spec(ROOT / "jobs" / "quality.yaml")
     if models:
@@ -169,7 +169,7 @@ def latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def distilled(row: dict[str, Any]) -> bool:
-    """Whether a repaired row's maps are the distilled ones (`lorp.distill`)."""
+    """Whether a repaired row's maps are the distilled ones (`lorp.repair.distill`)."""
     fits = json.loads(row.get("repair_fits") or "[]")
     return any(f.get("kept") == "distilled" for f in fits)
 
@@ -323,10 +323,10 @@ def write_readme(path: Path, text: str, section: str = "quality") -> None:
 def bos_check() -> None:
     import torch
 
-    from lorp.perplexity import perplexity
-    from lorp.sources import load_model
+    from lorp.models.loading import load_model
+    from lorp.models.perplexity import perplexity
     from pipeline.evaluation.metrics import corpus_windows
-    from pipeline.spec import EvaluationSpec
+    from pipeline.spec.evaluation import EvaluationSpec
 
     torch.set_num_threads(2)
     lm = load_model("gemma3-270m")

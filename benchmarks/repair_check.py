@@ -25,30 +25,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorp.capture import capture_stats  # noqa: E402
-from lorp.data import (  # noqa: E402
-    calibration_windows,
-    eval_windows,
-    load_corpus,
-    prepend_bos,
-    resolve_bos,
-    tokenize_documents,
-)
+from lorp.data.corpora import load_corpus, tokenize_documents
+from lorp.data.windows import calibration_windows, eval_windows, prepend_bos, resolve_bos
+from lorp.locality.capture import capture_stats
 from lorp.methods import select_layers  # noqa: E402
-from lorp.perplexity import perplexity  # noqa: E402
-from lorp.repair import (  # noqa: E402
-    DEFAULT_RIDGE,
-    RepairRefused,
-    applied_by_hooks,
-    check_repairable,
-    fit_runs,
-    fold,
-    full_fits,
-    prune_and_repair,
-)
-from lorp.repair_stats import capture_repair_stats, contiguous_runs  # noqa: E402
-from lorp.sources import load_model  # noqa: E402
-from lorp.surgery import drop_layers  # noqa: E402
+from lorp.models.loading import load_model
+from lorp.models.perplexity import perplexity
+from lorp.models.surgery import drop_layers
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.fit import check_repairable, fit_runs
+from lorp.repair.fold import applied_by_hooks, fold
+from lorp.repair.maps import DEFAULT_RIDGE, RepairRefused
+from lorp.repair.prune_and_repair import full_fits, prune_and_repair
+from lorp.repair.stats import contiguous_runs
 
 
 def windows_for(tokenizer, bos: int | None, calib: tuple[int, int], test: tuple[int, int]):  # type: ignore[no-untyped-def]

@@ -90,7 +90,7 @@ def one_job_each(picks: dict[int, dict[str, Any]]) -> list[dict[int, dict[str, A
 
 def retention_spec(model: str, picks: dict[int, dict[str, Any]], limit: int, out: str):  # type: ignore[no-untyped-def]
     """The quality job cut down to dense and `picks`, scored on the zero-shot tasks."""
-    from pipeline.spec import load_spec
+    from pipeline.spec.parse import load_spec
 
     spec = as_picked(load_spec(ROOT / "jobs" / "quality.yaml"), picks)
     labels = {r["method_label"].split("+")[0] for r in picks.values()}

@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lorp import SimilarityStats, available_methods, get_method, select_layers  # noqa: E402
-from lorp.architectures import decoder_stack  # noqa: E402
-from lorp.capture import capture_stats  # noqa: E402
-from lorp.clustering import cluster_layers  # noqa: E402
+from lorp.locality.capture import capture_stats  # noqa: E402
+from lorp.locality.clustering import cluster_layers  # noqa: E402
+from lorp.models.architectures import decoder_stack  # noqa: E402
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
@@ -58,7 +58,8 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
 
 
 def calibration_tokens(tokenizer: Any, samples: int, seq_len: int) -> torch.Tensor:
-    from lorp.data import calibration_windows, load_corpus, tokenize_documents
+    from lorp.data.corpora import load_corpus, tokenize_documents
+    from lorp.data.windows import calibration_windows
 
     docs = tokenize_documents(tokenizer, load_corpus("ptb", "train"))
     return calibration_windows(docs, samples, seq_len, seed=0)
@@ -130,7 +131,8 @@ def wide_random_model(d: int = 2048, layers: int = 4) -> Any:
 def repair_benchmarks(model: Any, batches: list[torch.Tensor], repeats: int) -> dict[str, float]:
     """One pass of repair sums for every run the grid's selections need, against the S
     capture over the same tokens; the sums' memory at this width and at d = 4096."""
-    from lorp.repair_stats import bytes_per_pass, capture_repair_stats, contiguous_runs
+    from lorp.repair.capture import capture_repair_stats
+    from lorp.repair.stats import bytes_per_pass, contiguous_runs
 
     stats = capture_stats(model, batches, progress=False)
     n = stats.n_blocks
@@ -187,8 +189,9 @@ def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[
     import ray
 
     from pipeline.cluster.model_source import ModelSource
-    from pipeline.spec import Resources
-    from pipeline.stages.workers import CaptureTask, CaptureWorker, tree_reduce
+    from pipeline.messages import CaptureTask
+    from pipeline.spec.resources import Resources
+    from pipeline.stages.capture import CaptureWorker, tree_reduce
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
@@ -250,10 +253,11 @@ if __name__ == "__main__":
 
 
 def evaluation_benchmarks(quick: bool) -> dict[str, float]:
-    from lorp.data import eval_windows, load_corpus, tokenize_documents
-    from lorp.perplexity import perplexity
-    from lorp.sources import load_model
-    from lorp.surgery import drop_layers, save_pruned
+    from lorp.data.corpora import load_corpus, tokenize_documents
+    from lorp.data.windows import eval_windows
+    from lorp.models.loading import load_model
+    from lorp.models.perplexity import perplexity
+    from lorp.models.surgery import drop_layers, save_pruned
     from pipeline.evaluation.speed import interleaved_speedup
 
     out: dict[str, float] = {}
@@ -331,7 +335,7 @@ def main() -> int:
         "quick": args.quick,
         "tokens": samples * seq_len,
     }
-    from lorp.sources import load_model
+    from lorp.models.loading import load_model
 
     lm = load_model("smollm2-135m")
     windows = calibration_tokens(lm.tokenizer, samples, seq_len)

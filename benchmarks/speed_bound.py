@@ -43,8 +43,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lorp.sources import load_model  # noqa: E402
-from lorp.surgery import drop_layers  # noqa: E402
+from lorp.models.loading import load_model  # noqa: E402
+from lorp.models.surgery import drop_layers  # noqa: E402
 from pipeline.evaluation.speed import speedup_bound, timed_speedups  # noqa: E402
 
 
@@ -114,7 +114,7 @@ def under_load(dense: Any, pruned: Any, ids: torch.Tensor, reps: int) -> list[di
 
 def per_block(dense: Any, pruned: Any, kept: list[int], ids: torch.Tensor) -> dict[str, float]:
     """Mean over kept blocks of (block in dense copy) / (same block in pruned copy)."""
-    from lorp.architectures import decoder_stack
+    from lorp.models.architectures import decoder_stack
 
     stack_d, stack_p = decoder_stack(dense), decoder_stack(pruned)
     with torch.inference_mode():

@@ -378,7 +378,7 @@ SIZE_COLUMNS = (
     "serve_speedup",
 )
 """The size-and-speed table's columns, where some row has them: counted from the config
-(`lorp.cost`, the predictions named so), then measured."""
+(`lorp.serving_cost`, the predictions named so), then measured."""
 
 
 def _present(rows: Sequence[Row], cols: Iterable[str]) -> list[str]:

@@ -4,9 +4,12 @@ Tensors and arrays in, arrays and layer lists out. Nothing here imports Ray, MLf
 vLLM: the fleet orchestration lives in `pipeline/`.
 """
 
-from lorp.allocation import Allocation, allocate, allocate_detailed, redundancy_scores
-from lorp.clustering import affinity, cluster_layers
-from lorp.locality import k_for_rls, off_diagonal_mean, rls
+from lorp.locality.allocation import Allocation, allocate, allocate_detailed, redundancy_scores
+from lorp.locality.clustering import affinity, cluster_layers
+from lorp.locality.profile import Profile, profile
+from lorp.locality.rls import k_for_rls, off_diagonal_mean, rls
+from lorp.locality.similarity import LayerSimilarity, NonFiniteActivationError
+from lorp.locality.similarity_stats import FORMAT_VERSION, SimilarityStats, load_similarity
 from lorp.methods import (
     LorpExplanation,
     RegisteredMethod,
@@ -20,16 +23,8 @@ from lorp.methods import (
     unregister_method,
     validate_options,
 )
-from lorp.model_profile import Profile, profile
+from lorp.models.surgery import kept_layers
 from lorp.provenance import provenance
-from lorp.similarity import (
-    FORMAT_VERSION,
-    LayerSimilarity,
-    NonFiniteActivationError,
-    SimilarityStats,
-    load_similarity,
-)
-from lorp.surgery import kept_layers
 from lorp.version import __version__
 
 __all__ = [

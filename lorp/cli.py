@@ -18,11 +18,12 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
-from lorp.allocation import VARIANTS
-from lorp.data import BOS_POLICIES
+from lorp.data.windows import BOS_POLICIES
+from lorp.locality.allocation import VARIANTS
+from lorp.locality.similarity import LayerSimilarity
+from lorp.locality.similarity_stats import SimilarityStats, load_similarity
 from lorp.methods import available_methods, get_method, select_layers
 from lorp.methods.shortgpt import CANDIDATES
-from lorp.similarity import LayerSimilarity, SimilarityStats, load_similarity
 from lorp.version import __version__
 
 EXIT_BAD_INPUT = 2
@@ -148,16 +149,15 @@ def add_capture(sub: argparse._SubParsersAction) -> None:
 
 
 def run_capture(args: argparse.Namespace) -> int:
-    from lorp.capture import capture_stats
-    from lorp.data import (
+    from lorp.data.corpora import load_corpus, tokenize_documents
+    from lorp.data.windows import (
         calibration_fingerprint,
         calibration_windows,
-        load_corpus,
         prepend_bos,
         resolve_bos,
-        tokenize_documents,
     )
-    from lorp.sources import load_model, parse_model_ref
+    from lorp.locality.capture import capture_stats
+    from lorp.models.loading import load_model, parse_model_ref
 
     if not str(args.out).endswith(".npz"):
         raise ValueError(f"--out must end in .npz, got {args.out!r}")
@@ -225,9 +225,9 @@ def add_prune(sub: argparse._SubParsersAction) -> None:
 def run_prune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lorp.fingerprint import fingerprint_checkpoint
-    from lorp.sources import load_model, materialize, read_num_layers
-    from lorp.surgery import check_layers, drop_layers, save_pruned
+    from lorp.models.fingerprint import fingerprint_checkpoint
+    from lorp.models.loading import load_model, materialize, read_num_layers
+    from lorp.models.surgery import check_layers, drop_layers, save_pruned
 
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"--out {args.out!r} already exists (pass --overwrite to replace it)")
@@ -277,7 +277,7 @@ def _prune_provenance(
     args: argparse.Namespace, stats: SimilarityStats | None, fingerprint: str, n_blocks: int
 ) -> dict[str, Any]:
     """Select the blocks (a method on `stats`, or the `--layers` list) and describe them."""
-    from lorp.fingerprint import stats_hash
+    from lorp.locality.similarity_stats import stats_hash
     from lorp.provenance import provenance
 
     source = {"source_model": args.model, "source_fingerprint": fingerprint}

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lorp.methods.registry import jsonable
-from lorp.surgery import kept_layers
+from lorp.models.surgery import kept_layers
 from lorp.version import __version__
 
 
@@ -36,8 +36,8 @@ def provenance(
     """The `lorp_pruning.json` record (plain JSON types; `kept` derived from `pruned`).
 
     `method` is a registered method's name, or "manual" for an explicit block list;
-    `stats_hash` is `lorp.fingerprint.stats_hash` of the statistics the selection used;
-    `repair` says how the gaps were closed (`lorp.repair`: method, ridge, one record per
+    `stats_hash` is `lorp.locality.similarity_stats.stats_hash` of the statistics the selection
+    used; `repair` says how the gaps were closed (`lorp.repair`: method, ridge, one record per
     run with its fit's residual), null for a plainly pruned checkpoint.
     """
     layers = sorted({int(i) for i in pruned})

@@ -43,7 +43,7 @@ def run_command(args: argparse.Namespace) -> int:
     from pipeline.records.progress import Progress
     from pipeline.records.tracking import redact
     from pipeline.run import Stopped, run_job
-    from pipeline.spec import load_spec
+    from pipeline.spec.parse import load_spec
 
     spec = load_spec(args.spec)
     talk(args.quiet)

@@ -47,10 +47,10 @@ from pipeline.plan import GridPoint, ModelPlan
 from pipeline.prepare import PreparedModel, Preparer, Stage
 from pipeline.recorder import Recorder
 from pipeline.records import timeline
-from pipeline.spec import JobSpec
+from pipeline.spec.job import JobSpec
 from pipeline.stages.pools import make_pool
+from pipeline.stages.speed_pass import run_speed
 from pipeline.stages.tasks import point_task, speed_task
-from pipeline.stages.workers import run_speed
 
 POLL_S = 0.25
 """How long the loop waits on Ray before it looks at the model threads again."""

@@ -15,18 +15,21 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lorp import Selection, get_method, select_layers
-from lorp.architectures import architecture_for
+from lorp.locality.similarity_stats import FORMAT_VERSION, SimilarityStats
 from lorp.methods import RepairScores, resolve_budget, validate_options
-from lorp.repair import MAX_ROUNDS
-from lorp.repair_stats import FORMAT_VERSION as REPAIR_FORMAT
-from lorp.repair_stats import contiguous_runs
-from lorp.similarity import FORMAT_VERSION, SimilarityStats
-from lorp.sizing import Decision
-from lorp.sources import Kind, materialize, parse_model_ref, read_config
-from pipeline.spec import EvaluationSpec, JobSpec, MethodSpec, ModelSpec, SpecError
+from lorp.models.architectures import architecture_for
+from lorp.models.loading import Kind, materialize, parse_model_ref, read_config
+from lorp.models.memory import GIB, Stage, gib
+from lorp.repair.maps import MAX_ROUNDS
+from lorp.repair.stats import FORMAT_VERSION as REPAIR_FORMAT
+from lorp.repair.stats import contiguous_runs
+from pipeline.spec.checks import SpecError
+from pipeline.spec.evaluation import EvaluationSpec
+from pipeline.spec.job import JobSpec
+from pipeline.spec.models import MethodSpec, ModelSpec
 
 BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
 
@@ -211,7 +214,7 @@ def grid_key(
     if repair == "none":
         return content_key(model_key, point, dict(options), budget, ev)
     # validated: the ridge chosen (or fixed) and the map kept only where it beats the
-    # unrepaired map on held-out calibration windows (lorp.repair.fit_runs)
+    # unrepaired map on held-out calibration windows (lorp.repair.fit.fit_runs)
     fit = {"repair": repair, "ridge": ridge, "fit": "one-pass", "format": REPAIR_FORMAT,
            "validated": "heldout"}  # fmt: skip
     if rounds != MAX_ROUNDS:  # the default leaves earlier runs' keys as they were
@@ -226,7 +229,7 @@ def grid_key(
 def repair_refusal(plan: ModelPlan, layers: tuple[int, ...]) -> str | None:
     """Why `layers` of `plan`'s model cannot be repaired (one line), or None. Every
     supported family has an exact fold (`lorp.repair`); what remains is a run from block
-    0 when the embeddings are tied to the LM head (`lorp.repair.check_repairable`)."""
+    0 when the embeddings are tied to the LM head (`lorp.repair.fit.check_repairable`)."""
     if layers and min(layers) == 0 and plan.tied_embeddings:
         e = contiguous_runs(layers, plan.n_blocks)[0][1]
         return (
@@ -250,7 +253,7 @@ def plan_models(spec: JobSpec) -> list[ModelPlan]:
 
 
 def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
-    from lorp.fingerprint import fingerprint_checkpoint
+    from lorp.models.fingerprint import fingerprint_checkpoint
 
     try:
         mref = parse_model_ref(m.ref)
@@ -388,3 +391,44 @@ def plan_points(
                 elif refused is not None:
                     refused(point, why)
     return points
+
+
+Mode = Literal["memory", "streamed"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether one stage holds the model whole or streams it, and why."""
+
+    stage: Stage
+    mode: Mode
+    need_bytes: int
+    """Peak the chosen mode plans for (weights held plus activations)."""
+    memory_bytes: int
+    """Weights whole plus activations: what the in-memory path would need."""
+    worker_bytes: int
+    batch: int = 1
+    """Windows per forward: the job's batch held whole; streamed, as many as fit (every
+    forward of a streamed model reads every block once, so fewer, larger batches read
+    the files fewer times)."""
+    kept_bytes: int = 0
+    """What the stage may hold besides weights and activations (repair sums)."""
+    copies: int = 1
+    """Whole copies of the model a worker may hold (held whole; see `decide`)."""
+
+    def line(self, label: str) -> str:
+        return (
+            f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
+            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)}, "
+            f"{self.batch} windows per pass)"
+        )
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "need_gib": round(self.need_bytes / GIB, 3),
+            "memory_gib": round(self.memory_bytes / GIB, 3),
+            "worker_gib": round(self.worker_bytes / GIB, 3),
+            "batch": self.batch,
+            "kept_gib": round(self.kept_bytes / GIB, 3),
+        }

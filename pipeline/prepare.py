@@ -1,7 +1,7 @@
 """A model's preparation: its chain of stages up to its grid points. Calibration shards,
 S (cached or captured on Ray, `pipeline.stages.statistics`), the profile (RLS, K,
 clusters), a selection per (method, budget) (loss-guided ones on Ray actors,
-`pipeline.stages.losses`), and the repair sums of every run the repaired points remove.
+`pipeline.stages.loss_evaluators`), and the repair sums of every run the repaired points remove.
 
 It returns plain values (`PreparedModel`) and hands the fleet what is ready on the way
 (`Emit`): the prepared model once S and its profile are there (its records), then points
@@ -26,12 +26,14 @@ from typing import Any, Protocol
 
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
-from lorp.model_profile import Profile
-from lorp.repair_stats import RepairStats
+from lorp.locality.profile import Profile
+from lorp.repair.stats import RepairStats
 from pipeline.plan import GridPoint, ModelPlan, plan_points, repair_selector, similarity_selector
-from pipeline.spec import JobSpec, MethodSpec, Resources
+from pipeline.spec.job import JobSpec
+from pipeline.spec.models import MethodSpec
+from pipeline.spec.resources import Resources
 from pipeline.stages.calibration import CalibrationShards
-from pipeline.stages.losses import LossSelector, repaired_window_losses
+from pipeline.stages.loss_evaluators import LossSelector, repaired_window_losses
 from pipeline.stages.statistics import (
     ModelRepairStats,
     ModelStats,
@@ -219,7 +221,7 @@ class _Preparation:
         residual their maps leave, or (`score: loss`) by the held-out loss of each
         repaired variant, scored on the grid's resources; the sums are kept for the
         repaired points that will need them."""
-        from lorp.repair import window_scores
+        from lorp.methods.window_scores import window_scores
 
         def scores(runs: list[tuple[int, int]], score: str = "residual") -> list[float]:
             assert shards is not None

@@ -33,10 +33,11 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lorp.cost import ModelShape
-from lorp.model_profile import Profile
-from lorp.sources import read_config
+from lorp.locality.profile import Profile
+from lorp.models.loading import read_config
+from lorp.models.shape import ModelShape
 from pipeline.cluster.nodes import first_line
+from pipeline.messages import PointResult
 from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
 from pipeline.records import model_registry, row_updates
 from pipeline.records.catalog import Catalog, slot
@@ -45,7 +46,6 @@ from pipeline.records.protocol import held_out
 from pipeline.records.rows import (
     EventLog,
     ModelFacts,
-    PointResult,
     RowContext,
     RunSummary,
     catalog_row,
@@ -54,7 +54,7 @@ from pipeline.records.rows import (
 )
 from pipeline.records.shared_catalog import SharedCatalog
 from pipeline.records.tracking import Tracker, default_tracking_uri
-from pipeline.spec import JobSpec
+from pipeline.spec.job import JobSpec
 from pipeline.stages.statistics import ModelRepairStats, ModelStats, describe
 from pipeline.stages.tasks import checkpoint, twins
 from pipeline.storage import Storage

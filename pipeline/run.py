@@ -37,7 +37,7 @@ from pipeline.recorder import Recorder
 from pipeline.records import timeline
 from pipeline.records.progress import Progress
 from pipeline.records.rows import RunSummary
-from pipeline.spec import JobSpec
+from pipeline.spec.job import JobSpec
 
 
 def run_job(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lorp import allocate, allocate_detailed, redundancy_scores
-from lorp.allocation import mean_pairwise
+from lorp.locality.allocation import mean_pairwise
 
 
 def build_S(n: int, pairs: dict[tuple[int, int], float], other: float = 0.1) -> np.ndarray:

@@ -132,7 +132,7 @@ def test_capture_with_bos_then_prune(
     `prune --stats`: the checkpoint carries the one provenance layout."""
     from tiny_models import save_tiny_ptb
 
-    from lorp.surgery import PROVENANCE_FILE
+    from lorp.models.surgery import PROVENANCE_FILE
 
     monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
     model = save_tiny_ptb("llama", tmp_path / "llama")

@@ -89,7 +89,7 @@ def failure_line(
     check before `ray.init` runs, so no Ray state is created; the probe's 3 s bound (not
     Ray's retries) is what keeps a failure from hanging."""
     from pipeline.cluster.connect import init_ray
-    from pipeline.spec import parse_spec
+    from pipeline.spec.parse import parse_spec
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("TMPDIR", raising=False)

@@ -1,4 +1,4 @@
-"""The cost columns (`lorp.cost`) against counts worked out by hand on a tiny Llama with 2
+"""The cost columns (`lorp.serving_cost`) against counts worked out by hand on a tiny Llama with 2
 of its 4 blocks removed: d = 64, 2 heads of 32, 1 KV head, MLP 128, vocabulary 512,
 untied embeddings, prefill and decode context 48, float32."""
 
@@ -10,8 +10,9 @@ import pytest
 from tiny_models import COMMON
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lorp.cost import ModelShape, cost_columns, mean_context
-from lorp.surgery import drop_layers
+from lorp.models.shape import ModelShape
+from lorp.models.surgery import drop_layers
+from lorp.serving_cost import cost_columns, mean_context
 from pipeline.evaluation.speed import count_params
 
 CONFIG = AutoConfig.for_model("llama", **(COMMON | {"num_hidden_layers": 4}))

@@ -18,7 +18,7 @@ from tiny_models import save_tiny_ptb
 from dashboards.site import build_site, legacy_tracking
 from pipeline.records.catalog import read_catalog
 from pipeline.run import run_job
-from pipeline.spec import parse_spec
+from pipeline.spec.parse import parse_spec
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"

@@ -13,16 +13,16 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model, word_tokenizer
 
-from lorp.data import (
+from lorp.data.corpora import load_corpus
+from lorp.data.windows import (
     BOS_POLICIES,
     calibration_fingerprint,
     calibration_windows,
     eval_windows,
-    load_corpus,
     prepend_bos,
     resolve_bos,
 )
-from lorp.perplexity import perplexity, window_nll
+from lorp.models.perplexity import perplexity, window_nll
 
 
 def test_ptb_splits() -> None:

@@ -1,4 +1,4 @@
-"""Distilled repair maps (`lorp.distill`): trained maps fold exactly, the held-out KL the
+"""Distilled repair maps (`lorp.repair.distill`): trained maps fold exactly, the held-out KL the
 record keeps is the folded variant's, a distillation that does not help is not kept,
 and the model is left as it was found."""
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
-from lorp.distill import _applied, _Map, distill_fits
-from lorp.repair import fit_followers, fit_runs, fold
-from lorp.repair_stats import capture_repair_stats
-from lorp.surgery import drop_layers
+from lorp.models.surgery import drop_layers
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.distill import _applied, _Map, distill_fits
+from lorp.repair.fit import fit_runs
+from lorp.repair.fold import fold
+from lorp.repair.followers import fit_followers
 
 LAYERS = [2, 3]
 

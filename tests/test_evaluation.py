@@ -13,10 +13,11 @@ from lm_eval.api.model import LM
 from tiny_models import VOCAB, tiny_model, word_tokenizer
 from vllm_score import score_in_subprocess
 
-from lorp.data import eval_windows, load_corpus, tokenize_documents
-from lorp.perplexity import perplexity
-from lorp.sources import load_model
-from lorp.surgery import drop_layers, save_pruned
+from lorp.data.corpora import load_corpus, tokenize_documents
+from lorp.data.windows import eval_windows
+from lorp.models.loading import load_model
+from lorp.models.perplexity import perplexity
+from lorp.models.surgery import drop_layers, save_pruned
 from pipeline.evaluation import speed
 from pipeline.evaluation.speed import (
     count_params,
@@ -289,7 +290,7 @@ def test_window_nll_is_the_float64_log_softmax_nll(family: str, dtype: torch.dty
     """NLL = logsumexp(logits) - the target's logit, summed: within 1e-6 of log_softmax
     in float64 over the model's own logits (float32 or bfloat16), every position but the
     first a target."""
-    from lorp.perplexity import window_nll
+    from lorp.models.perplexity import window_nll
 
     model = tiny_model(family, dtype=dtype)
     windows = torch.randint(3, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
@@ -432,8 +433,8 @@ def test_vllm_and_transformers_agree_on_a_pruned_and_repaired_smollm2(tmp_path: 
     in `down_proj` weights of the same shapes, so nothing but the numbers differs from the
     plain pruned twin (whose perplexity the repair must lower)."""
     pytest.importorskip("vllm")
-    from lorp.data import calibration_windows
-    from lorp.repair import prune_and_repair
+    from lorp.data.windows import calibration_windows
+    from lorp.repair.prune_and_repair import prune_and_repair
 
     # Non-contiguous blocks, the first among them: vLLM must read the renumbered layers.
     layers = [1, 20, 22]

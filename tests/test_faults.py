@@ -55,10 +55,10 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lorp.capture import capture_stats
+    from lorp.locality.capture import capture_stats
     from pipeline.evaluation.backends import TransformersBackend, evaluate
     from pipeline.plan import plan_models
-    from pipeline.spec import load_spec
+    from pipeline.spec.parse import load_spec
     from pipeline.stages.statistics import calibration_shards, capture_task
 
     faulty = write_job(tmp_path, model, "faulty", budgets=[2], methods=[{"name": "lorp"}])

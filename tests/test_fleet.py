@@ -16,7 +16,7 @@ from pipeline.records.rows import read_events
 from pipeline.records.status import format_status, run_status
 from pipeline.records.timeline import spans_of, summarise
 from pipeline.run import run_job
-from pipeline.spec import parse_spec
+from pipeline.spec.parse import parse_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -166,7 +166,7 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     assert f"models:/lorp-tiny/{aliases['dense']}" == dense["model_uri"]
     if not pruned["degraded"]:
         assert f"models:/lorp-tiny/{aliases['best-1']}" == pruned["model_uri"]
-    # the cost columns, on every row (lorp.cost; tests/test_cost.py counts them by hand)
+    # the cost columns, on every row (lorp.serving_cost; tests/test_cost.py counts them by hand)
     for row in (dense, pruned):
         assert row["weight_bytes"] == row["params"] * 4  # float32
     assert dense["predicted_prefill_speedup"] == dense["predicted_decode_speedup"] == 1.0

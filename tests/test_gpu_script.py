@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorp.repair_stats import contiguous_runs
+from lorp.repair.stats import contiguous_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 

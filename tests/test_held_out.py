@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorp.data import load_corpus
+from lorp.data.corpora import load_corpus
 from pipeline.records.protocol import held_out, rank_column
 from pipeline.records.ranking import best
 from pipeline.records.row_updates import judge
@@ -74,7 +74,7 @@ def test_best_ranks_by_the_held_out_ratio() -> None:
 
 
 def _spec(dataset):  # type: ignore[no-untyped-def]
-    from pipeline.spec import parse_spec
+    from pipeline.spec.parse import parse_spec
 
     return parse_spec(
         {"name": "mix", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}],
@@ -83,7 +83,7 @@ def _spec(dataset):  # type: ignore[no-untyped-def]
 
 
 def test_a_calibration_mix_is_parsed_and_bad_parts_named() -> None:
-    from pipeline.spec import SpecError
+    from pipeline.spec.checks import SpecError
 
     cal = _spec([{"name": "ptb", "weight": 3}, {"name": "wiki"}]).calibration
     assert cal.corpora == ["ptb", "wiki"] and cal.parts == [("ptb", 3.0), ("wiki", 1.0)]
@@ -100,7 +100,7 @@ def test_mixed_windows_hold_each_corpus_in_its_share(tmp_path) -> None:  # type:
     are another draw of the same mix."""
     from tiny_models import ptb_tokenizer
 
-    from lorp.data import mixture_counts
+    from lorp.data.windows import mixture_counts
     from pipeline.stages.calibration import heldout_windows, read_shard, write_shards
 
     tok = ptb_tokenizer()
@@ -129,7 +129,8 @@ def test_mixed_windows_hold_each_corpus_in_its_share(tmp_path) -> None:  # type:
 
 
 def test_the_repair_ridge_is_auto_or_a_positive_number() -> None:
-    from pipeline.spec import SpecError, parse_spec
+    from pipeline.spec.checks import SpecError
+    from pipeline.spec.parse import parse_spec
 
     base = {"name": "r", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}]}
     assert parse_spec(base).ridge_value is None  # auto: chosen on held-out windows

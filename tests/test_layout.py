@@ -14,7 +14,7 @@ LAYERS = [
     {"storage"},
     {"spec"},
     {"evaluation", "plan"},
-    {"records", "cluster"},
+    {"records", "cluster", "messages"},
     {"stages"},
     {"prepare", "recorder"},
     {"fleet"},

@@ -147,6 +147,6 @@ def test_no_import_cycle_in_lorp() -> None:
         if m not in state:
             visit(m, [])
     assert (
-        "lorp.cache" in graph["lorp.fingerprint"]
-        and "lorp.sources" not in graph["lorp.fingerprint"]
+        "lorp.cache" in graph["lorp.models.fingerprint"]
+        and "lorp.models.loading" not in graph["lorp.models.fingerprint"]
     )

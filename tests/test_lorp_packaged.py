@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from lorp.packaged import PACKAGED_MODELS, _package_dir
+from lorp.models.packaged import PACKAGED_MODELS, _package_dir
 
 
 def installed(alias: str) -> bool:
@@ -34,8 +34,8 @@ def test_smollm2_ships_the_whole_gguf() -> None:
 def test_gguf_bos_flags_for_the_tokenizer() -> None:
     """transformers' GGUF tokenizer loader drops add_bos_token; the conversion passes it on
     (Gemma's GGUF asks for a BOS, SmolLM2's does not), so `auto` finds Gemma's BOS."""
-    from lorp.packaged import packaged_gguf
-    from lorp.sources import gguf_tokenizer_flags
+    from lorp.models.gguf import gguf_tokenizer_flags
+    from lorp.models.packaged import packaged_gguf
 
     assert gguf_tokenizer_flags(packaged_gguf("gemma3-270m")) == {"add_bos_token": True}
     assert gguf_tokenizer_flags(packaged_gguf("smollm2-135m")) == {"add_bos_token": False}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_states
 
+import lorp.locality.profile as model_profile
 import lorp.methods.lorp_method as lorp_method
-import lorp.model_profile as model_profile
 from lorp import (
     Profile,
     SimilarityStats,

@@ -1,6 +1,6 @@
 """Loss-guided selection: `sleb`, `ppl` and `lorp-loss` against brute force over a hidden
 "true damage" function and over a tiny real model, and the in-memory block drop that
-`lorp.loss.LossEvaluator` scores candidates with."""
+`lorp.methods.removal_loss.LossEvaluator` scores candidates with."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 from tiny_models import FAMILIES, tiny_model
 
 from lorp import allocate, cluster_layers, select_layers
-from lorp.architectures import decoder_blocks
-from lorp.loss import LossEvaluator, calibration_loss
 from lorp.methods import validate_options
-from lorp.surgery import blocks_dropped, drop_layers
+from lorp.methods.removal_loss import LossEvaluator, calibration_loss
+from lorp.models.architectures import decoder_blocks
+from lorp.models.surgery import blocks_dropped, drop_layers
 
 Candidates = list[tuple[int, ...]]
 

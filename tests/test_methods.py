@@ -17,8 +17,8 @@ from lorp import (
     select_layers,
     unregister_method,
 )
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods import Selection
-from lorp.similarity import LayerSimilarity
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from pipeline.records.model_registry import (
 )
 from pipeline.records.tracking import GRID_KEY
 from pipeline.run import run_job
-from pipeline.spec import parse_spec
+from pipeline.spec.parse import parse_spec
 
 pytestmark = [pytest.mark.integration]
 NAME = "lorp-tiny"

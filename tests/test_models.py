@@ -16,10 +16,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lorp import NonFiniteActivationError
-from lorp.architectures import UnsupportedArchitectureError, architecture_of, decoder_stack
-from lorp.capture import capture_stats
-from lorp.fingerprint import fingerprint_checkpoint
-from lorp.surgery import PROVENANCE_FILE, drop_layers, save_pruned
+from lorp.locality.capture import capture_stats
+from lorp.models.architectures import UnsupportedArchitectureError, architecture_of, decoder_stack
+from lorp.models.fingerprint import fingerprint_checkpoint
+from lorp.models.surgery import PROVENANCE_FILE, drop_layers, save_pruned
 
 FAMILY_IDS = list(FAMILIES)
 

@@ -24,13 +24,15 @@ from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
 from pipeline.cluster.model_source import ModelSource
+from pipeline.messages import CaptureTask
 from pipeline.records.catalog import Catalog, read_catalog
 from pipeline.records.rows import EventLog
 from pipeline.run import run_job
-from pipeline.spec import CalibrationSpec, parse_spec
+from pipeline.spec.calibration import CalibrationSpec
+from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard, write_shards
+from pipeline.stages.capture import distributed_capture
 from pipeline.stages.statistics import load_shards
-from pipeline.stages.workers import CaptureTask, distributed_capture
 
 pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +71,7 @@ def test_three_shards_through_ray_equal_one_pass_without_it(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lorp.capture import capture_stats
+    from lorp.locality.capture import capture_stats
 
     tok = AutoTokenizer.from_pretrained(models["llama"])
     single = CalibrationSpec(samples=12, seq_len=48, shards=1)
@@ -181,7 +183,7 @@ def test_cluster_yaml_validates_against_rays_schema() -> None:
 
 
 def test_shipped_job_specs_parse() -> None:
-    from pipeline.spec import load_spec
+    from pipeline.spec.parse import load_spec
 
     for path in sorted((ROOT / "jobs").glob("*.yaml")):
         first = path.read_text().splitlines()[0]

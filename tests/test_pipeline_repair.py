@@ -15,17 +15,22 @@ from mlflow.tracking import MlflowClient
 from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lorp.loss import calibration_loss
-from lorp.repair import RIDGES, fit_followers, fit_runs, fold, follower_blocks
-from lorp.repair_stats import capture_repair_stats, contiguous_runs
-from lorp.surgery import drop_layers
+from lorp.methods.removal_loss import calibration_loss
+from lorp.models.surgery import drop_layers
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.fit import fit_runs
+from lorp.repair.fold import fold
+from lorp.repair.followers import fit_followers, follower_blocks
+from lorp.repair.maps import RIDGES
+from lorp.repair.stats import contiguous_runs
 from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
 from pipeline.plan import GridPoint, ModelPlan, grid_key, plan_points
 from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import EventLog
 from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
-from pipeline.spec import SpecError, parse_spec
+from pipeline.spec.checks import SpecError
+from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import heldout_windows, read_shard
 
 pytestmark = [pytest.mark.integration]

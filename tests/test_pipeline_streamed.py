@@ -17,7 +17,10 @@ from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
-from lorp.sizing import GIB, HEADROOM, Shape, stage_activations, tensor_index, weight_size
+from lorp.models.memory import GIB, stage_activations, weight_size
+from lorp.models.safetensors_index import tensor_index
+from lorp.models.shape import ModelShape
+from pipeline.cluster.decisions import HEADROOM
 from pipeline.cluster.memory import (
     gpu_memory_bytes,
     plan_memory,
@@ -29,7 +32,8 @@ from pipeline.records.catalog import read_catalog
 from pipeline.records.rows import read_events
 from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
-from pipeline.spec import SpecError, parse_spec
+from pipeline.spec.checks import SpecError
+from pipeline.spec.parse import parse_spec
 from pipeline.stages.pools import EvaluatorPool
 from pipeline.stages.tasks import point_task
 
@@ -42,7 +46,7 @@ def between(model: Path, stage: str, batch: int, seq_len: int, kept: int = 0) ->
     """A worker memory (GiB) under the whole model's need and over the streamed one's
     (`kept`: what the stage holds besides, a repaired point's fit)."""
     size = weight_size(tensor_index(model), torch.float32)
-    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     acts = stage_activations(stage, shape, batch, seq_len, 4) + kept  # type: ignore[arg-type]
     streamed = size.resident + 2 * size.largest_unit + acts
     whole = size.total + acts  # one copy (a CPU point holds two where they fit)
@@ -65,7 +69,7 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     )
     parsed = parse_spec(whole)
     cal, ev = parsed.calibration, parsed.evaluation
-    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
     resources = {
         "capture": {"memory_gib": between(model, "capture", cal.batch_size, cal.seq_len + 1)},
@@ -132,7 +136,7 @@ def test_distillation_of_a_model_streamed_in_its_points_is_refused_while_plannin
     job = {"budgets": [2], "methods": [{"name": "shortgpt"}], "repair": ["linear"],
            "repair_distill": 2, "evaluation": EVAL}  # fmt: skip
     parsed = parse_spec(tiny_job(tmp_path, model, **job))
-    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
     ev = parsed.evaluation
     grid = {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1, fit)}
@@ -166,7 +170,7 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
     or more shards than any node's GPUs, is refused while planning."""
     model = save_tiny_ptb("llama", tmp_path / "llama")
     size = weight_size(tensor_index(model), torch.float32)
-    shape = Shape.from_config(json.loads((model / "config.json").read_text()))
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     gpu_gib = 0.6 * size.total / HEADROOM / GIB  # 60% of the weights per GPU
     grid = {"num_gpus": 1, "memory_gib": gpu_gib}
     job = {"save_checkpoints": True, "evaluation": EVAL | {"backend": "vllm"},

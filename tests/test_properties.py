@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorp import allocate, cluster_layers, select_layers
-from lorp.similarity import LayerSimilarity
+from lorp.locality.similarity import LayerSimilarity
 
 
 def literal_paper_allocation(
     S: np.ndarray, labels: list[int], budget: int, stage1: bool = True
 ) -> list[int]:
-    """Sec. 4.3 transcribed with sets and loops, independent of lorp.allocation."""
+    """Sec. 4.3 transcribed with sets and loops, independent of lorp.locality.allocation."""
     n = len(S)
     B = {0, n - 1}
     clusters = {}

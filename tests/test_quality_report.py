@@ -141,7 +141,8 @@ def test_retention_evaluates_each_pick_as_its_row_was_distilled() -> None:
     import dataclasses
     import json
 
-    from pipeline.spec import MethodSpec, load_spec
+    from pipeline.spec.models import MethodSpec
+    from pipeline.spec.parse import load_spec
 
     spec = load_spec(Path(__file__).resolve().parents[1] / "jobs" / "quality.yaml")
     spec = dataclasses.replace(spec, methods=(MethodSpec("streamline", repair_distill=2),

@@ -14,9 +14,11 @@ from cli_runner import lorp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorp import SimilarityStats, rls
-from lorp.data import eval_windows, load_corpus, tokenize_documents
-from lorp.perplexity import perplexity
-from lorp.sources import PACKAGED_MODELS, load_model
+from lorp.data.corpora import load_corpus, tokenize_documents
+from lorp.data.windows import eval_windows
+from lorp.models.loading import load_model
+from lorp.models.packaged import PACKAGED_MODELS
+from lorp.models.perplexity import perplexity
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -10,32 +10,18 @@ import pytest
 import torch
 from tiny_models import FAMILIES, N_BLOCKS, VOCAB, tiny_model
 
-from lorp.architectures import decoder_blocks
-from lorp.loss import calibration_loss
-from lorp.repair import (
-    RIDGES,
-    RepairRefused,
-    applied_by_hooks,
-    check_repairable,
-    fit_followers,
-    fit_full,
-    fit_normed,
-    fit_runs,
-    fold,
-    follower_blocks,
-    full_fits,
-    prune_and_repair,
-    window_losses,
-    window_scores,
-)
-from lorp.repair_stats import (
-    RepairStats,
-    capture_repair_stats,
-    contiguous_runs,
-    repair_passes,
-    rms_unit,
-)
-from lorp.surgery import drop_layers
+from lorp.methods.removal_loss import calibration_loss
+from lorp.methods.window_scores import window_losses, window_scores
+from lorp.models.architectures import decoder_blocks
+from lorp.models.surgery import drop_layers
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.fit import check_repairable, fit_runs
+from lorp.repair.fold import applied_by_hooks, fold
+from lorp.repair.followers import fit_followers, follower_blocks
+from lorp.repair.maps import RIDGES, RepairRefused, fit_full
+from lorp.repair.normed import fit_normed
+from lorp.repair.prune_and_repair import full_fits, prune_and_repair
+from lorp.repair.stats import RepairStats, contiguous_runs, repair_passes, rms_unit
 
 LAYERS = [2, 3, N_BLOCKS - 1]  # a run inside the stack and one ending at block N-1
 RUNS = [(2, 3), (N_BLOCKS - 1, N_BLOCKS - 1)]
@@ -333,7 +319,7 @@ def test_run_from_block_zero_folds_into_untied_embeddings_and_is_refused_when_ti
 def test_prune_and_repair_lowers_calibration_loss() -> None:
     """The whole call on a loaded model and a windows tensor: the repaired model fits the
     calibration tokens' next-token loss better than the unrepaired twin."""
-    from lorp.loss import calibration_loss
+    from lorp.methods.removal_loss import calibration_loss
 
     x = windows(n=16, T=32)
     dense = tiny_model("mistral")
@@ -449,7 +435,7 @@ def test_repaired_checkpoint_is_its_twin_in_shape_and_reloads_with_the_same_logi
 
     from transformers import AutoModelForCausalLM
 
-    from lorp.surgery import save_pruned
+    from lorp.models.surgery import save_pruned
 
     x = windows(n=8, T=24)
     twin, repaired = tiny_model(family), tiny_model(family)

@@ -26,7 +26,7 @@ from pipeline.records.protocol import calibration_id, protocol_id, row_protocol
 from pipeline.records.rows import read_events
 from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.run import run_job
-from pipeline.spec import parse_spec
+from pipeline.spec.parse import parse_spec
 
 pytestmark = [pytest.mark.integration]
 NAME = "lorp-tiny"

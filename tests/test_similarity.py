@@ -11,7 +11,7 @@ import torch
 from conftest import brute_force_S, make_states
 
 from lorp import FORMAT_VERSION, NonFiniteActivationError, SimilarityStats, load_similarity
-from lorp.similarity import LayerSimilarity
+from lorp.locality.similarity import LayerSimilarity
 
 
 def brute_last_token(states: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from lorp.cli import main
-from pipeline.spec import SpecError, parse_spec
+from pipeline.spec.checks import SpecError
+from pipeline.spec.parse import parse_spec
 
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
 GOOD = {
@@ -166,7 +167,7 @@ def test_credentials_are_redacted_from_printed_uris() -> None:
 
 
 def test_safe_defaults_in_shipped_specs() -> None:
-    from pipeline.spec import load_spec
+    from pipeline.spec.parse import load_spec
 
     root = Path(__file__).resolve().parents[1]
     for path in (root / "jobs").glob("*.yaml"):
@@ -179,7 +180,7 @@ def test_how_long_the_speed_pass_times_leaves_grid_keys_alone() -> None:
     changes (`--force-speed` re-times); asking for serving changes the figures, so the key.
     The key of a job without serving is what it was before serving existed."""
     from pipeline.plan import evaluation_key
-    from pipeline.spec import EvaluationSpec, ServingSpec
+    from pipeline.spec.evaluation import EvaluationSpec, ServingSpec
 
     base = evaluation_key(EvaluationSpec(), "vllm")
     assert "serving" not in base and "speed_budget_s" not in base

@@ -14,10 +14,10 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from lorp.surgery import drop_layers
+from lorp.models.surgery import drop_layers
 from pipeline.evaluation import speed
 from pipeline.evaluation.speed import median_interval, rounds_for, timed_speedup, timed_speedups
-from pipeline.stages.workers import _groups
+from pipeline.stages.speed_pass import _groups
 
 
 def scripted(monkeypatch: pytest.MonkeyPatch, times: dict[int, list[float]]) -> list[int]:

@@ -21,8 +21,9 @@ from tiny_models import save_tiny_ptb
 
 from pipeline.records.catalog import Catalog
 from pipeline.records.shared_catalog import SharedCatalog
-from pipeline.spec import SpecError, parse_spec
-from pipeline.stages.workers import capture_workers
+from pipeline.spec.checks import SpecError
+from pipeline.spec.parse import parse_spec
+from pipeline.stages.capture import capture_workers
 from pipeline.storage import MARKER, Storage
 
 BUCKET = "lorp"
@@ -304,10 +305,10 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     from pipeline.recorder import Recorder
     from pipeline.records.progress import Progress
     from pipeline.stages.calibration import heldout_windows
-    from pipeline.stages.losses import loss_task
+    from pipeline.stages.loss_evaluators import loss_task
+    from pipeline.stages.points import run_point
     from pipeline.stages.statistics import calibration_shards, capture_task, load_shards
     from pipeline.stages.tasks import point_task, speed_task
-    from pipeline.stages.workers import run_point
 
     methods = [{"name": "shortgpt"}]  # the loss task is built below, not run: no sleb
     spec = tiny_job(tmp_path, model, "paths", budgets=[1], methods=methods, evaluation=EVALUATION)

@@ -1,8 +1,8 @@
-"""Checkpoints larger than memory (`lorp.sizing`, `lorp.streaming`, `lorp.file_surgery`):
-on every tiny family, a model streamed a module at a time from its files gives the in-memory
-model's S, last-token statistics, repair sums and perplexity, and the pruned (and
-repaired) checkpoint written from the files is the in-memory surgery's, tensor for tensor
-and config key for key. The sizes read from the headers are the loaded model's bytes."""
+"""Checkpoints larger than memory (`lorp.models.memory`, `lorp.models.streaming`,
+`lorp.models.file_surgery`): on every tiny family, a model streamed a module at a time from its
+files gives the in-memory model's S, last-token statistics, repair sums and perplexity, and the
+pruned (and repaired) checkpoint written from the files is the in-memory surgery's, tensor for
+tensor and config key for key. The sizes read from the headers are the loaded model's bytes."""
 
 from __future__ import annotations
 
@@ -16,25 +16,21 @@ from safetensors import safe_open
 from tiny_models import FAMILIES, N_BLOCKS, VOCAB, save_tiny
 from transformers import AutoModelForCausalLM
 
-from lorp.architectures import decoder_blocks
-from lorp.capture import capture_stats
-from lorp.file_surgery import renamed, write_pruned_files
-from lorp.perplexity import perplexity
-from lorp.repair import RepairRefused, fit_runs, fold
-from lorp.repair_stats import capture_repair_stats, contiguous_runs
-from lorp.sizing import (
-    GIB,
-    Shape,
-    TooLargeError,
-    decide,
-    read_header,
-    split_block_key,
-    stage_activations,
-    tensor_index,
-    weight_size,
-)
-from lorp.streaming import build_streamed, streamer_of
-from lorp.surgery import drop_layers, save_pruned
+from lorp.locality.capture import capture_stats
+from lorp.models.architectures import decoder_blocks
+from lorp.models.file_surgery import renamed, write_pruned_files
+from lorp.models.memory import GIB, stage_activations, weight_size
+from lorp.models.perplexity import perplexity
+from lorp.models.safetensors_index import read_header, split_block_key, tensor_index
+from lorp.models.shape import ModelShape
+from lorp.models.streaming import build_streamed, streamer_of
+from lorp.models.surgery import drop_layers, save_pruned
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.fit import fit_runs
+from lorp.repair.fold import file_folds, fold
+from lorp.repair.maps import RepairRefused
+from lorp.repair.stats import contiguous_runs
+from pipeline.cluster.decisions import TooLargeError, decide
 from pipeline.evaluation.speed import count_params
 
 
@@ -166,7 +162,7 @@ def test_sizes_from_headers_are_the_loaded_bytes(checkpoints: dict[str, Path]) -
 def test_decide_memory_streamed_refused(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["llama"]
     size = weight_size(tensor_index(path), torch.float32)
-    shape = Shape.from_config(json.loads((path / "config.json").read_text()))
+    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()))
     kw = {"batch": 2, "seq_len": 32, "itemsize": 4, "label": "tiny"}
     roomy = decide("capture", size, shape, worker_bytes=GIB, **kw)
     assert roomy.mode == "memory" and roomy.need_bytes == roomy.memory_bytes
@@ -230,7 +226,9 @@ def test_file_surgery_equals_in_memory(
     )
     fits = fit_runs(dense, stats)
     provenance = {"pruned": layers}
-    written = write_pruned_files(path, tmp_path / "files", layers, provenance, fits=fits)
+    written = write_pruned_files(
+        path, tmp_path / "files", layers, provenance, changes=file_folds(fits)
+    )
     fold(dense, fits)
     drop_layers(dense, layers)
     saved = save_pruned(dense, None, tmp_path / "memory", provenance)
@@ -257,7 +255,7 @@ def test_file_surgery_refuses_a_fold_into_tied_embeddings(
     stats = capture_repair_stats(dense, [windows(8)], [(0, 1)], progress=False)
     fits = fit_runs(dense, stats)
     with pytest.raises(RepairRefused, match="tied embeddings"):
-        write_pruned_files(path, tmp_path / "x", [0, 1], {}, fits=fits)
+        write_pruned_files(path, tmp_path / "x", [0, 1], {}, changes=file_folds(fits))
     assert not (tmp_path / "x").exists()
 
 
@@ -321,7 +319,7 @@ def test_a_streamed_fold_evaluates_what_its_bf16_checkpoint_holds(
     streamed = build_streamed(bf16)
     fold(streamed, fits)
     drop_layers(streamed, layers)
-    written = write_pruned_files(bf16, tmp_path / "variant", layers, {}, fits=fits)
+    written = write_pruned_files(bf16, tmp_path / "variant", layers, {}, changes=file_folds(fits))
     x = windows()
     assert perplexity(streamed, x) == pytest.approx(perplexity(in_memory(written), x), rel=1e-6)
     # Held whole in fp32, the fold is not rounded: the figures differ, so the test can fail.

@@ -19,9 +19,9 @@ It reads the last-token statistics a `SimilarityStats` captures beside S
 
 from __future__ import annotations
 
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.registry import Selection, best_window, register_method
 from lorp.methods.streamline import window_starts
-from lorp.similarity import LayerSimilarity
 
 
 @register_method("angular", needs_last_token=True)

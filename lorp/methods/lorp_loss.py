@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from lorp.allocation import Variant
-from lorp.locality import DEFAULT_KS, DEFAULT_THRESHOLDS
+from lorp.locality.allocation import Variant
+from lorp.locality.profile import Profile
+from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.lorp_method import check_lorp_options, explain
-from lorp.methods.loss_search import CountedLosses, argmin_block
+from lorp.methods.loss_guided import CountedLosses, argmin_block
 from lorp.methods.registry import Losses, Selection, register_method
-from lorp.model_profile import Profile
-from lorp.similarity import LayerSimilarity
 
 
 def cluster_counts(labels: Sequence[int], pruned: Sequence[int]) -> list[int]:

@@ -20,9 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from lorp.allocation import STAGE1, VARIANTS, Variant, allocate_detailed
-from lorp.clustering import cluster_layers
-from lorp.locality import DEFAULT_KS, DEFAULT_THRESHOLDS, check_k_policy, is_int, rls
+from lorp.locality.allocation import STAGE1, VARIANTS, Variant, allocate_detailed
+from lorp.locality.clustering import cluster_layers
+from lorp.locality.profile import Profile, matrix_hash, rls_or_nan
+from lorp.locality.profile import profile as compute_profile
+from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS, check_k_policy, is_int, rls
+from lorp.locality.similarity import LayerSimilarity
+from lorp.locality.similarity_stats import SimilarityStats
 from lorp.methods.registry import (
     Selection,
     as_similarity,
@@ -32,9 +36,6 @@ from lorp.methods.registry import (
     register_method,
     resolve_budget,
 )
-from lorp.model_profile import Profile, matrix_hash, rls_or_nan
-from lorp.model_profile import profile as compute_profile
-from lorp.similarity import LayerSimilarity, SimilarityStats
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ Details: `scores` (block -> loss without it), `order` (candidates, best first),
 
 from __future__ import annotations
 
-from lorp.allocation import tie_key
-from lorp.methods.loss_search import CountedLosses, candidate_blocks, check_keep
+from lorp.locality.allocation import tie_key
+from lorp.locality.similarity import LayerSimilarity
+from lorp.methods.loss_guided import CountedLosses, candidate_blocks, check_keep
 from lorp.methods.registry import Losses, Selection, register_method
-from lorp.similarity import LayerSimilarity
 
 
 @register_method("ppl", needs_evaluator=True, check=check_keep)

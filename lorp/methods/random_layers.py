@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.registry import Selection, check_seed, register_method
-from lorp.similarity import LayerSimilarity
 
 
 def _check(options: Mapping[str, Any], n_blocks: int | None) -> None:

@@ -9,20 +9,21 @@ beyond the block-input matrix:
 - ``needs_output_state``: the output of the last block (row N of a `SimilarityStats`);
   a bare N x N matrix cannot serve it.
 - ``needs_last_token``: the last-token statistics (`LayerSimilarity.last_token*`), which
-  only a `SimilarityStats` captured by `lorp.capture` (format 2) carries.
+  only a `SimilarityStats` captured by `lorp.locality.capture` (format 2) carries.
 - ``needs_repair``: the method ranks candidate runs of blocks by how well a linear repair
   (`lorp.repair`) closes the gap each would open. It then receives ``repair_scores=``, a
   `RepairScores` callable: ``repair_scores(runs, score) -> values``, each run an
   inclusive (s, e) pair of blocks, lower is better. `score` says which number:
   ``"residual"``, ||Y + X T - H_e||^2 / ||H_e||^2 of the run's fitted map on calibration
-  tokens (`lorp.repair.window_scores`), or ``"loss"``, the held-out calibration loss of
-  the model with the run removed and its map applied (`lorp.repair.window_losses`).
-  One call is one batch: the caller sums every run's statistics in one calibration pass.
+  tokens (`lorp.methods.window_scores.window_scores`), or ``"loss"``, the held-out calibration loss
+  of the model with the run removed and its map applied
+  (`lorp.methods.window_scores.window_losses`). One call is one batch: the caller sums every run's
+  statistics in one calibration pass.
 - ``needs_evaluator``: the method scores candidate pruned models itself (SLEB,
   Shortened-LLaMA's perplexity criterion, loss-guided LoRP). It then receives
   ``losses=``, a `Losses` callable supplied by whoever can build and run models (the
-  pipeline, or `lorp.loss.LossEvaluator` in one process); methods without the flag never
-  see it. The method stays pure: it only hands candidate sets to the callable and reads
+  pipeline, or `lorp.methods.removal_loss.LossEvaluator` in one process); methods without the flag
+  never see it. The method stays pure: it only hands candidate sets to the callable and reads
   back numbers.
 
 `Losses`: ``losses(candidates) -> values``. Each candidate is a sorted tuple of distinct
@@ -47,10 +48,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lorp.locality import is_int, is_real
-from lorp.model_profile import Profile
-from lorp.similarity import LayerSimilarity, SimilarityStats
-from lorp.surgery import kept_layers
+from lorp.locality.profile import Profile
+from lorp.locality.rls import is_int, is_real
+from lorp.locality.similarity import LayerSimilarity
+from lorp.locality.similarity_stats import SimilarityStats
+from lorp.models.surgery import kept_layers
 
 # losses(candidates) -> one mean calibration NLL per candidate set of blocks to drop.
 Losses = Callable[[list[tuple[int, ...]]], list[float]]
@@ -309,7 +311,7 @@ def select_layers(
             raise ValueError(
                 f"method {method!r} ranks runs by their linear repair: pass repair_scores=, "
                 "a callable from (s, e) runs and a score name to their values "
-                "(lorp.repair.window_scores)"
+                "(lorp.methods.window_scores.window_scores)"
             )
         kwargs["repair_scores"] = repair_scores
     if spec.takes_profile and profile is not None:
@@ -338,7 +340,7 @@ def _check_inputs(spec: RegisteredMethod, similarity: LayerSimilarity) -> None:
     if spec.needs_last_token and not similarity.has_last_token:
         raise ValueError(
             f"method {spec.name!r} needs last-token statistics: give it a SimilarityStats "
-            "file (.npz) captured by lorp.capture, not a bare matrix"
+            "file (.npz) captured by lorp.locality.capture, not a bare matrix"
         )
 
 

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.registry import Selection, check_choice, register_method
-from lorp.similarity import LayerSimilarity
 
 CANDIDATES = ("inner", "all")
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorp.methods.loss_search import CountedLosses, argmin_block, candidate_blocks, check_keep
+from lorp.locality.similarity import LayerSimilarity
+from lorp.methods.loss_guided import CountedLosses, argmin_block, candidate_blocks, check_keep
 from lorp.methods.registry import Losses, Selection, register_method
-from lorp.similarity import LayerSimilarity
 
 
 def sleb_order(

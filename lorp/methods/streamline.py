@@ -16,8 +16,8 @@ allows windows that include block N-1 (s + n = N, scored against the output stat
 
 from __future__ import annotations
 
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.registry import Selection, best_window, register_method
-from lorp.similarity import LayerSimilarity
 
 
 def window_starts(n_blocks: int, budget: int, first: int, last_block: bool) -> list[int]:

@@ -5,15 +5,15 @@ Streamline keeps the window whose input and output agree most, then (in its orig
 form) trains a layer to replace it; ReplaceMe (Shopkhoev et al., NeurIPS 2025) picks the
 window by cosine distance and then fits a linear map. Both choose before knowing how well
 the map will do. Here every candidate window [s, s+n) gets its map fitted from one pass
-of repair statistics (`lorp.repair_stats`), and the window kept is the one whose repaired
+of repair statistics (`lorp.repair.stats`), and the window kept is the one whose repaired
 variant does best by `score`:
 
 - `residual` (default): the error the map leaves at the window's end, relative to the
-  dense state there, ||Y + X T - H_e||^2 / ||H_e||^2 (`lorp.repair.window_scores`). No
-  model is run: the statistics decide.
+  dense state there, ||Y + X T - H_e||^2 / ||H_e||^2 (`lorp.methods.window_scores.window_scores`).
+  No model is run: the statistics decide.
 - `loss`: the calibration loss of each repaired variant on the held-out calibration
-  windows (`lorp.repair.window_losses`): one forward pass per candidate. Measured here
-  (README, Linear repair), the residual is dominated by a few outlier tokens (the first
+  windows (`lorp.methods.window_scores.window_losses`): one forward pass per candidate. Measured
+  here (README, Linear repair), the residual is dominated by a few outlier tokens (the first
   position carries ~97% of the state's energy in SmolLM2-135M) and chose windows 6-7%
   worse on held-out news than the loss did.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.registry import (
     RepairScores,
     Selection,
@@ -36,7 +37,6 @@ from lorp.methods.registry import (
     register_method,
 )
 from lorp.methods.streamline import window_starts
-from lorp.similarity import LayerSimilarity
 
 SCORES = ("residual", "loss")
 

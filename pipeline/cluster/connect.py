@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from pipeline.spec import JobSpec
+from pipeline.spec.job import JobSpec
 
 # Joining a named cluster may take this long (env LORP_RAY_CONNECT_TIMEOUT_S overrides):
 # `ray.init(address=...)` on its own retries a dead GCS for many minutes without a word.

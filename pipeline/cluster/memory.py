@@ -1,6 +1,6 @@
 """Per model and stage: hold the model whole in a worker's memory, or stream it.
 
-The sizes come from the checkpoint's safetensors headers (`lorp.sizing`, no weights read)
+The sizes come from the checkpoint's safetensors headers (`lorp.models.memory`, no weights read)
 and the worker's memory from the spec (`resources.<stage>.memory_gib`) or, by default,
 from the cluster: the largest live Ray node's `memory` resource (what Ray lets its tasks
 use there) shared among the stage's workers that run on it at once, or a GPU's memory
@@ -14,19 +14,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lorp.sizing import (
-    HEADROOM,
-    Decision,
-    Shape,
-    TooLargeError,
-    WeightSize,
-    decide,
-    gib,
-    tensor_index,
-    weight_size,
-)
-from lorp.sources import parse_dtype, read_config
-from pipeline.spec import JobSpec, Resources, SpecError
+from lorp.models.loading import parse_dtype, read_config
+from lorp.models.memory import WeightSize, gib, weight_size
+from lorp.models.safetensors_index import tensor_index
+from lorp.models.shape import ModelShape
+from pipeline.cluster.decisions import HEADROOM, TooLargeError, decide
+from pipeline.plan import Decision
+from pipeline.spec.checks import SpecError
+from pipeline.spec.job import JobSpec
+from pipeline.spec.resources import Resources
 
 if TYPE_CHECKING:
     from pipeline.plan import ModelPlan
@@ -125,10 +121,10 @@ FIT_MATRICES = 12
 """d x d float64 matrices a run's fit holds at once: its sums and the held-out ones
 (4), the unrepaired map, the regularised pair and its factor (3), the candidate and the
 chosen map, and a normed fit's rotation, its update and their products
-(`lorp.repair.fit_runs`)."""
+(`lorp.repair.fit.fit_runs`)."""
 
 
-def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: Shape, itemsize: int) -> int:
+def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: ModelShape, itemsize: int) -> int:
     """What a repaired point holds besides its model: one run's (or follower's) fit at a
     time (on the CPU: not counted against a GPU), and a streamed model's fold overrides
     (one `down_proj` per run and per follower, kept while it evaluates, or the
@@ -153,15 +149,15 @@ dense log-probabilities and their exponential, the pruned logits, their log-soft
 its gradient."""
 
 
-def distill_bytes(spec: JobSpec, shape: Shape, maps: int) -> int:
+def distill_bytes(spec: JobSpec, shape: ModelShape, maps: int) -> int:
     """What `repair_distill` adds to a repaired point: one chunk's log-probabilities
-    (`lorp.distill.CHUNK` positions) and every map with Adam's two moments, in float32.
+    (`lorp.repair.distill.CHUNK` positions) and every map with Adam's two moments, in float32.
     The backward's activations are those of the blocks after the first map for one step's
     windows (bounded like a follower's forward), fewer than the evaluation's forward
     holds."""
     if not spec.distills:
         return 0
-    from lorp.distill import CHUNK
+    from lorp.repair.distill import CHUNK
 
     return DISTILL_COPIES * 4 * CHUNK * shape.vocab + maps * 3 * 4 * shape.hidden**2
 
@@ -171,7 +167,11 @@ SHARDS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def tensor_parallel(
-    spec: JobSpec, plan: ModelPlan, size: WeightSize, shape: Shape, node_gpus: int | None = None
+    spec: JobSpec,
+    plan: ModelPlan,
+    size: WeightSize,
+    shape: ModelShape,
+    node_gpus: int | None = None,
 ) -> int:
     """The GPUs one vLLM engine of this model spans. vLLM holds a whole variant (the
     dense model first), its weights split over them: `evaluation.tensor_parallel_size`
@@ -223,7 +223,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     dtype = parse_dtype(plan.spec.dtype)
     itemsize = dtype.itemsize
     size = weight_size(tensor_index(plan.path), dtype)
-    shape = Shape.from_config(read_config(plan.path))
+    shape = ModelShape.from_config(read_config(plan.path))
     tp = 1
     if backend == "vllm" and spec.resources.grid.num_gpus > 0:
         tp = tensor_parallel(spec, plan, size, shape)

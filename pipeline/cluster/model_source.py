@@ -1,5 +1,5 @@
 """A model as Ray tasks and actors receive it: the spec's reference, never the driver's
-directory. Each worker resolves it on its own node (`lorp.sources.materialize`):
+directory. Each worker resolves it on its own node (`lorp.models.loading.materialize`):
 
 - a packaged alias or a .gguf file is converted on that node, into its own cache;
 - a hub id is downloaded at the commit the driver resolved once (`revision`), so a
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorp.sources import Kind, ModelRef, hub_revision, materialize
+from lorp.models.loading import Kind, ModelRef, hub_revision, materialize
 
 if TYPE_CHECKING:
     from pipeline.plan import ModelPlan
@@ -42,7 +42,7 @@ class ModelSource:
     label: str = ""
     """The job's name for the model (timeline spans, log lines); not part of loading."""
     streamed: bool = False
-    """Blocks read from the files one at a time (`lorp.streaming`): the plan found the
+    """Blocks read from the files one at a time (`lorp.models.streaming`): the plan found the
     model too large for this stage's workers to hold whole."""
     pristine: bool = True
     """A CPU grid worker may keep the model it loaded and copy it per point; false where
@@ -90,7 +90,7 @@ def model_dir(source: ModelSource) -> Path:
 def load_checked(source: ModelSource, device: str, head: bool = True) -> Any:
     """`load_model` on this node, refusing weights other than the ones the driver planned
     with. `head=False`: a streamed model without its LM head (capture workers)."""
-    from lorp.sources import load_model
+    from lorp.models.loading import load_model
 
     path = model_dir(source)
     lm = load_model(

@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from pipeline.spec import Resources
+from pipeline.spec.resources import Resources
 
 
 def first_line(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.spec import EvaluationSpec, ServingSpec
+from pipeline.spec.evaluation import EvaluationSpec, ServingSpec
 
 BACKEND_NAMES = ("transformers", "vllm")
 
@@ -48,7 +48,7 @@ class TransformersBackend:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
 
     def perplexity(self, windows: torch.Tensor) -> float:
-        from lorp.perplexity import perplexity
+        from lorp.models.perplexity import perplexity
 
         return perplexity(self.model, windows, batch_size=self.batch_size)
 

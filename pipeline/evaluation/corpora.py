@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorp.data import CORPUS_ALIASES, Corpus, load_corpus
+from lorp.data.corpora import CORPUS_ALIASES, Corpus, load_corpus
 
 
 @dataclass(frozen=True)

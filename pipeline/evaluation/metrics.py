@@ -1,7 +1,7 @@
 """Evaluation corpora: perplexity windows and metric names, shared by every backend.
 
 Perplexity follows the paper: non-overlapping `seq_len` windows of the test split,
-exp(mean NLL) over all predicted tokens (`lorp.perplexity`). With a BOS policy that adds
+exp(mean NLL) over all predicted tokens (`lorp.models.perplexity`). With a BOS policy that adds
 one (`evaluation.bos`, see `lorp.data`), every window is BOS + `seq_len` text tokens, so
 each text token is predicted exactly once. Metric names are the catalog columns:
 `ppl_<corpus>`.
@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from lorp.data import eval_windows, prepend_bos, resolve_bos, tokenize_documents
+from lorp.data.corpora import tokenize_documents
+from lorp.data.windows import eval_windows, prepend_bos, resolve_bos
 from pipeline.evaluation.corpora import HUB_CORPORA, load_any_corpus
-from pipeline.spec import EvaluationSpec
+from pipeline.spec.evaluation import EvaluationSpec
 
 # The split perplexity reads, per corpus name; anything else (ptb, local files): "test".
 EVAL_SPLITS = {"ptb": "test"} | {name: c.eval_split for name, c in HUB_CORPORA.items()}

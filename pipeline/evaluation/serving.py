@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.evaluation.speed import CONFIDENCE, lower_index, publishable
-from pipeline.spec import ServingSpec
+from pipeline.spec.evaluation import ServingSpec
 
 
 def synthetic_prompts(spec: ServingSpec, vocab_size: int, seed: int = 0) -> list[list[int]]:

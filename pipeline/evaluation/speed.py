@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from lorp.streaming import device_of
+from lorp.models.streaming import device_of
 
 
 def speedup_bound(n_blocks: int, removed: int) -> float:
@@ -466,7 +466,7 @@ def peak_memory_fresh(
 def _fresh_processes() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(
-        ["torch", "transformers", "lorp.sources", "pipeline.evaluation.speed"]
+        ["torch", "transformers", "lorp.models.loading", "pipeline.evaluation.speed"]
     )
     return ctx
 
@@ -474,8 +474,8 @@ def _fresh_processes() -> BaseContext:
 def _peak_memory_here(model_path: str, layers: list[int], dtype: str, device: str, n: int) -> float:
     import gc
 
-    from lorp.sources import load_model
-    from lorp.surgery import drop_layers
+    from lorp.models.loading import load_model
+    from lorp.models.surgery import drop_layers
 
     lm = load_model(model_path, dtype=dtype, device=device, with_tokenizer=False)
     if layers:

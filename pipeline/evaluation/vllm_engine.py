@@ -82,7 +82,7 @@ def nll_from_logprobs(logprobs: Sequence[np.ndarray]) -> tuple[float, int]:
 
 def perplexity_vllm(engine: Any, windows: Sequence[Sequence[int]], batch: int = 64) -> float:
     """exp(mean NLL) over non-overlapping windows, from prompt log-probabilities; the same
-    definition as `lorp.perplexity.perplexity`, so both backends agree."""
+    definition as `lorp.models.perplexity.perplexity`, so both backends agree."""
     total, count = 0.0, 0
     for start in range(0, len(windows), batch):
         nll, n = nll_from_logprobs(prompt_logprobs(engine, windows[start : start + batch]))

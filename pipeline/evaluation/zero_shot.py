@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.spec import ZERO_SHOT_TASKS
+from pipeline.spec.evaluation import ZERO_SHOT_TASKS
 
 if TYPE_CHECKING:
     import torch
@@ -158,7 +158,7 @@ def hf_zero_shot(
 def hf_lm(model: Any, tokenizer: Any, batch_size: int) -> Any:
     """`continuation_head_hflm` around `model`, on the device the model computes on (HFLM
     reads its first parameter's: a streamed model's is on the meta device)."""
-    from lorp.streaming import device_of
+    from lorp.models.streaming import device_of
 
     lm = continuation_head_hflm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     lm._device = device_of(model)
@@ -168,7 +168,7 @@ def hf_lm(model: Any, tokenizer: Any, batch_size: int) -> Any:
 def continuation_head_supported(model: Any) -> bool:
     """Whether `model` computes its logits as lorp's families do: the decoder stack, then
     the output embedding, then (Gemma 2/3) the final logit soft-cap, nothing else."""
-    from lorp.architectures import ARCHITECTURES
+    from lorp.models.architectures import ARCHITECTURES
 
     config = getattr(model, "config", None)
     return (
@@ -349,7 +349,7 @@ def _continuation_logits(lm: Any, inps: torch.Tensor, spans: list[tuple[int, int
     then the output embedding (and soft-cap) over the continuation rows alone."""
     import torch
 
-    from lorp.architectures import decoder_stack
+    from lorp.models.architectures import decoder_stack
 
     model = lm.model
     with (

@@ -54,7 +54,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from lorp.atomic import atomic_dir
-from lorp.surgery import PROVENANCE_FILE
+from lorp.models.surgery import PROVENANCE_FILE
 from pipeline.records import ranking
 from pipeline.records.protocol import rank_column
 from pipeline.records.tracking import GRID_KEY, redact

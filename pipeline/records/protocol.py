@@ -42,7 +42,7 @@ def _eval_split(corpus: str) -> str:
 
 def protocol_fields(evaluation: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     """What makes two rows' quality figures comparable (see the module docstring)."""
-    from pipeline.spec import ZERO_SHOT_TASKS
+    from pipeline.spec.evaluation import ZERO_SHOT_TASKS
 
     corpora = list(evaluation.get("perplexity") or ())
     tasks = list(evaluation.get("zero_shot") or ())

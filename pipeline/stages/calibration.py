@@ -20,17 +20,16 @@ import pyarrow.parquet as pq
 import torch
 
 from lorp.atomic import atomic_file
-from lorp.data import (
-    Corpus,
+from lorp.data.corpora import Corpus, tokenize_documents
+from lorp.data.windows import (
     calibration_fingerprint,
     calibration_windows,
     mixed_windows,
     prepend_bos,
     resolve_bos,
-    tokenize_documents,
 )
 from pipeline.evaluation.corpora import load_any_corpus
-from pipeline.spec import CalibrationSpec
+from pipeline.spec.calibration import CalibrationSpec
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from typing import Any, Protocol
 
 import ray
 
-from pipeline.spec import Resources
-from pipeline.stages.workers import PointEvaluator, PointTask, run_point
+from pipeline.messages import PointTask
+from pipeline.spec.resources import Resources
+from pipeline.stages.points import PointEvaluator, run_point
 
 
 class PointPool(Protocol):

@@ -24,19 +24,14 @@ from typing import Any
 import numpy as np
 
 from lorp.cache import cache_root
-from lorp.repair_stats import RepairStats
-from lorp.similarity import SimilarityStats
+from lorp.locality.similarity_stats import SimilarityStats
+from lorp.repair.stats import RepairStats
 from pipeline.cluster.model_source import model_source
+from pipeline.messages import CaptureTask, FollowerWindows, Shard
 from pipeline.plan import ModelPlan, content_key
-from pipeline.spec import JobSpec
+from pipeline.spec.job import JobSpec
 from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
-from pipeline.stages.workers import (
-    CaptureTask,
-    FollowerWindows,
-    Shard,
-    distributed_capture,
-    distributed_repair_capture,
-)
+from pipeline.stages.capture import distributed_capture, distributed_repair_capture
 from pipeline.storage import Storage
 
 
@@ -107,7 +102,7 @@ def repair_statistics(
     cache or computed by capture workers: one model load per worker, as few passes as
     `resources.repair_memory_gib` allows (runs deduplicated across methods and budgets;
     runs from one start share A_s)."""
-    from lorp.repair_stats import FORMAT_VERSION, repair_passes
+    from lorp.repair.stats import FORMAT_VERSION, repair_passes
 
     runs = sorted(set(runs))
     held_windows, held_fp = _held_windows(spec, plan)
@@ -168,7 +163,7 @@ def plan_tokenizer(plan: ModelPlan) -> Any:
 
 
 def _hidden_size(plan: ModelPlan) -> int:
-    from lorp.sources import read_config
+    from lorp.models.loading import read_config
 
     return int(read_config(plan.path)["hidden_size"])  # read_config unnests text_config
 

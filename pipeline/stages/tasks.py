@@ -1,6 +1,6 @@
 """What each stage sends to Ray, built from plain arguments: a grid point's task (with its
 repair), a model's speed task. The fleet (`pipeline.fleet`) submits them; the workers
-(`pipeline.stages.workers`) run them.
+(`pipeline.stages.capture`, `.points`, `.speed_pass`) run them.
 
 Nothing here reads the catalog or MLflow: a task is the spec's settings, the point, the
 job's storage location and, for a repaired point, the object-store references of its
@@ -15,10 +15,12 @@ from typing import Any
 
 from pipeline.cluster.model_source import model_source
 from pipeline.cluster.nodes import whole_node
+from pipeline.messages import PointTask, RepairTask, SpeedTask
 from pipeline.plan import GridPoint, checkpoint_rel
 from pipeline.records.rows import provenance
-from pipeline.spec import EvaluationSpec, JobSpec, Resources
-from pipeline.stages.workers import PointTask, RepairTask, SpeedTask
+from pipeline.spec.evaluation import EvaluationSpec
+from pipeline.spec.job import JobSpec
+from pipeline.spec.resources import Resources
 
 RepairRefs = Mapping[tuple[str, Any], Any]
 """(model label, run) -> ObjectRef of that run's one-run `RepairStats`; (model label,

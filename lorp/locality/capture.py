@@ -1,0 +1,150 @@
+"""Capture `SimilarityStats` from a Hugging Face causal LM with hooks on its blocks.
+
+A forward pre-hook on every block normalises the block's input into a per-batch fp32
+buffer (Eq. 3), and a forward hook on the last block stores its output (before the final
+norm: transformers' `hidden_states[-1]` is after it), then stops the forward. The decoder
+stack is called directly, so the vocabulary projection (`lm_head`, 7-20% of a forward) is
+never computed. One GEMM per batch then adds the buffer's Gram matrix (Eq. 4's sum).
+
+The hooks also keep, per sequence, the state of its last real token at every one of the
+N + 1 states (float64, a few KB), for the last-token statistics of the angular-distance
+method. With a BOS prepended to every window, `skip_prefix=1` keeps its position out of S
+(the BOS state is an attention sink with a norm far above the text's); the last token is
+recorded regardless.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lorp.locality.similarity import normalize_states, token_selection
+from lorp.locality.similarity_stats import SimilarityStats
+from lorp.models.architectures import decoder_blocks, decoder_stack
+from lorp.models.streaming import device_of
+
+log = logging.getLogger(__name__)
+
+Batch = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+class _StopForward(Exception):
+    """Raised by the last block's hook: nothing after it is needed."""
+
+
+def unpack_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids, attention_mask or None) of a token tensor or a dict batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    return batch["input_ids"], batch.get("attention_mask")
+
+
+class _Recorder:
+    """Hook state for one batch: which tokens count, and the buffers they land in."""
+
+    def __init__(self, n_states: int, skip_prefix: int) -> None:
+        self.n_states = n_states
+        self.skip_prefix = skip_prefix
+        self.keep: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None
+        self.last_buf: torch.Tensor | None = None
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Select the tokens of a new batch [B, T] and drop the previous buffers."""
+        self.keep, self.last = token_selection(
+            tuple(input_ids.shape), attention_mask, self.skip_prefix, input_ids.device
+        )
+        self.buf = self.last_buf = None
+
+    def store(self, index: int, hidden: torch.Tensor) -> None:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        last = normalize_states(h[self.last].double())
+        f = normalize_states(h if self.keep is None else h[self.keep])
+        if self.buf is None:
+            self.buf = torch.empty((self.n_states, *f.shape), dtype=f.dtype, device=f.device)
+            self.last_buf = torch.empty(
+                (self.n_states, *last.shape), dtype=last.dtype, device=last.device
+            )
+        self.buf[index] = f
+        self.last_buf[index] = last
+
+
+def capture_stats(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    model_fingerprint: str | None = None,
+    calibration_fingerprint: str | None = None,
+    extra: dict[str, Any] | None = None,
+    progress: bool = True,
+    total: int | None = None,
+    skip_prefix: int = 0,
+) -> SimilarityStats:
+    """Run `batches` (token tensors [B, T], or dicts with input_ids and attention_mask)
+    through the decoder stack of `model` and return the similarity statistics.
+
+    The model's dtype and device are the caller's (fp32 on CPU, bf16 on GPU);
+    normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded;
+    so are the first `skip_prefix` real tokens of each sequence (1 for BOS windows,
+    `lorp.data.windows.prepend_bos`), from S only.
+    """
+    blocks = decoder_blocks(model)
+    stack = decoder_stack(model)
+    n = len(blocks)
+    device = device_of(model)
+    stats = SimilarityStats(
+        n,
+        model_fingerprint=model_fingerprint,
+        calibration_fingerprint=calibration_fingerprint,
+        extra=extra,
+    )
+    rec = _Recorder(n + 1, skip_prefix)
+
+    def pre_hook(index: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            rec.store(index, args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def last_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        rec.store(n, output[0] if isinstance(output, tuple | list) else output)
+        raise _StopForward
+
+    handles = [
+        block.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
+        for i, block in enumerate(blocks)
+    ]
+    handles.append(blocks[n - 1].register_forward_hook(last_hook, with_kwargs=True))
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            # disable=None: a bar on a terminal only, never in logs or before an error line.
+            bar = tqdm(batches, total=total, disable=None if progress else True, desc="capture")
+            for batch in bar:
+                input_ids, attention_mask = unpack_batch(batch)
+                input_ids = input_ids.to(device)
+                if attention_mask is not None:
+                    attention_mask = attention_mask.to(device)
+                rec.start(input_ids, attention_mask)
+                try:
+                    stack(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                except _StopForward:
+                    pass
+                else:
+                    raise RuntimeError("the last block never ran: cannot capture its output")
+                stats.add_normalized(rec.buf, last=rec.last_buf)
+                rec.buf = rec.last_buf = None
+    finally:
+        for handle in handles:
+            handle.remove()
+    log.info(
+        "captured %d tokens over %d blocks in %.1f s", stats.tokens, n, time.perf_counter() - start
+    )
+    return stats

@@ -1,0 +1,205 @@
+"""Calibration loss of a model with candidate block sets removed: the `Losses` callable that
+the loss-guided methods (`sleb`, `ppl`, `lorp-loss`) consume, in one process.
+
+The loss is the mean NLL per predicted token over calibration windows [n, T], the same
+convention as `lorp.models.perplexity` (position 0 of each window is never a target), so
+exp(loss) is that perplexity. `LossEvaluator` scores each candidate on the one loaded
+model: `lorp.models.surgery.blocks_dropped` removes the blocks in memory for the duration of the
+forward passes and restores the model after, so no weights are copied or written. The
+pipeline builds the same callable over several actors to score a batch in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lorp.models.architectures import decoder_blocks, decoder_stack
+from lorp.models.perplexity import window_nll
+from lorp.models.streaming import device_of
+from lorp.models.surgery import blocks_dropped, check_layers, kept_layers
+
+log = logging.getLogger(__name__)
+
+
+def calibration_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean NLL per predicted token of `model` over `windows` [n, T] (token ids)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [n >= 1, T >= 2] token ids, got {tuple(windows.shape)}")
+    device = device_of(model)
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(windows), batch_size):
+            nll, n = window_nll(model, windows[start : start + batch_size].to(device))
+            total += nll
+            count += n
+    return total / count
+
+
+class LossEvaluator:
+    """`losses(candidates) -> list[float]` over one in-memory model (see `Losses`).
+
+    Each candidate is a set of 0-based block indices to drop (empty: the model as it is);
+    its value is `calibration_loss` of the model without them. The model runs in eval mode
+    and is left exactly as it was found. `n_evals` counts the candidates scored.
+
+    Candidates share work: the blocks each one keeps, in depth order, form a trie, and the
+    hidden state at every branch point is computed once per window batch and handed to the
+    next block (a forward pre-hook replaces that block's input). SLEB's step over N blocks
+    then costs about N^2/2 block passes instead of N^2, plus one LM head per candidate. Each
+    block sees exactly the input it would in a full forward, so the losses are those of
+    `calibration_loss` on the pruned model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        windows: torch.Tensor,
+        *,
+        batch_size: int = 8,
+        progress: bool = False,
+    ) -> None:
+        self.model = model
+        self.windows = torch.as_tensor(windows, dtype=torch.long)
+        self.batch_size = int(batch_size)
+        self.progress = progress
+        self.n_evals = 0
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        w = self.windows
+        if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] < 2:
+            raise ValueError(f"windows must be [n >= 1, T >= 2] token ids, got {tuple(w.shape)}")
+
+    @property
+    def n_blocks(self) -> int:
+        return len(decoder_blocks(self.model))
+
+    def __call__(self, candidates: Sequence[Iterable[int]]) -> list[float]:
+        n = self.n_blocks
+        cands = [tuple(c) for c in candidates]
+        # One entry per distinct kept sequence: (2, 1), (1, 2) and repeats are scored once.
+        kept = [tuple(kept_layers(n, check_layers(c, n))) if c else tuple(range(n)) for c in cands]
+        distinct = list(dict.fromkeys(kept))
+        root = _Node()
+        for i, seq in enumerate(distinct):
+            node = root
+            for b in seq[:-1]:
+                node = node.children.setdefault(b, _Node())
+            node.ends.append((i, seq[-1]))
+        nll, count = [0.0] * len(distinct), [0] * len(distinct)
+        device = device_of(self.model)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                starts = range(0, len(self.windows), self.batch_size)
+                for start in tqdm(starts, disable=not self.progress, desc="loss batches"):
+                    batch = self.windows[start : start + self.batch_size].to(device)
+                    for i, (total, m) in self._visit(root, [], batch).items():
+                        nll[i] += total
+                        count[i] += m
+        finally:
+            self.model.train(was_training)
+        self.n_evals += len(cands)
+        loss = {seq: t / m for seq, t, m in zip(distinct, nll, count, strict=True)}
+        out = [loss[seq] for seq in kept]
+        for cand, loss in zip(cands, out, strict=True):
+            log.debug("loss without blocks %s: %.6f", list(cand), loss)
+        return out
+
+    def _visit(
+        self, node: _Node, handed: list[torch.Tensor], batch: torch.Tensor
+    ) -> dict[int, tuple[float, int]]:
+        """(NLL sum, tokens) of every candidate under `node`, whose blocks so far left the
+        state in `handed` (empty: the embeddings). The state comes in a list that this
+        call empties, so only this frame holds it and it is freed before the last subtree:
+        a SLEB trie is a spine N deep, and N live states of [B, T, d] would add up."""
+        state = handed.pop() if handed else None
+        out = {i: self._finish(state, last, batch) for i, last in node.ends}
+        children = sorted(node.children.items(), key=lambda kv: kv[1].size)
+        for j, (block, child) in enumerate(children):
+            chain = [block]
+            while not child.ends and len(child.children) == 1:
+                ((block, child),) = child.children.items()
+                chain.append(block)
+            box = [self._advance(state, chain, batch)]
+            if j == len(children) - 1:
+                state = None  # the last subtree does not need this state kept alive
+            out.update(self._visit(child, box, batch))
+        return out
+
+    def _advance(
+        self, state: torch.Tensor | None, chain: list[int], batch: torch.Tensor
+    ) -> torch.Tensor:
+        """The residual stream after blocks `chain`, entered with `state`."""
+        blocks = decoder_blocks(self.model)
+        inside = set(chain)
+        dropped = [b for b in range(len(blocks)) if b not in inside]
+        captured: list[torch.Tensor] = []
+
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output)
+
+        hooks = []
+        try:
+            hooks.append(blocks[chain[-1]].register_forward_hook(keep))
+            if state is not None:
+                hooks.append(_inject(blocks[chain[0]], state))
+            with blocks_dropped(self.model, dropped):
+                decoder_stack(self.model)(input_ids=batch, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return captured[-1]
+
+    def _finish(
+        self, state: torch.Tensor | None, last: int, batch: torch.Tensor
+    ) -> tuple[float, int]:
+        """NLL of the candidate that runs block `last` on `state`, then the LM head."""
+        blocks = decoder_blocks(self.model)
+        hook = None
+        try:
+            if state is not None:
+                hook = _inject(blocks[last], state)
+            with blocks_dropped(self.model, [b for b in range(len(blocks)) if b != last]):
+                return window_nll(self.model, batch)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+
+class _Node:
+    """A trie node: the blocks kept so far; `ends` are the candidates whose only block
+    left is `last`."""
+
+    __slots__ = ("children", "ends")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.ends: list[tuple[int, int]] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.ends) + sum(c.size for c in self.children.values())
+
+
+def _inject(block: nn.Module, state: torch.Tensor) -> Any:
+    """Make `block` run on `state` instead of the hidden states it is handed."""
+
+    def swap(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(given, torch.Tensor) or given.shape != state.shape:
+            shape = tuple(given.shape) if isinstance(given, torch.Tensor) else None
+            raise RuntimeError(f"block input {shape} is not the {tuple(state.shape)} state")
+        if args:
+            return (state, *args[1:]), kwargs
+        return args, kwargs | {"hidden_states": state}
+
+    return block.register_forward_pre_hook(swap, with_kwargs=True)

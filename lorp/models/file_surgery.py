@@ -1,0 +1,200 @@
+"""Drop blocks (and fold a repair) by rewriting a checkpoint's files, never loading it.
+
+The pruned checkpoint is written shard by shard: each kept tensor's bytes are copied from
+the source file's byte range under its renumbered name (`layers.<i>.` becomes the block's
+new index), except the few tensors a repair's fold changes (block s-1's `down_proj`, a
+post-MLP norm's weight, the embeddings of a run from block 0), which are read, folded
+with the same arithmetic as the in-memory fold (`lorp.repair.fold.folded_*`) and written.
+`config.json` is subset exactly as `lorp.models.surgery.drop_layers` does it. Peak memory is
+one tensor (and a copy buffer), whatever the model's size; the directory appears
+atomically, like `lorp.models.surgery.save_pruned`'s.
+
+With `dtype` set, floating tensors are written in it (the in-memory path writes the
+dtype the model was loaded in); by default every tensor keeps the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorp.atomic import atomic_dir
+from lorp.models.architectures import Architecture, architecture_for
+from lorp.models.safetensors_index import (
+    DTYPE_BYTES,
+    DTYPE_NAMES,
+    TensorEntry,
+    block_of,
+    split_block_key,
+    tensor_index,
+)
+from lorp.models.surgery import PROVENANCE_FILE, _subset_config, check_layers, kept_layers
+
+log = logging.getLogger(__name__)
+
+FileChanges = Callable[
+    [Mapping[str, TensorEntry], Architecture, bool],
+    dict[str, Callable[[torch.Tensor], torch.Tensor]],
+]
+"""Given a source's tensor index, its architecture and whether its embeddings are tied: each
+tensor to rewrite, by source key, with the function that gives it from the source's."""
+
+COPY_CHUNK = 64 * 1024**2
+# What a tokenizer is made of: copied as they are, like `tokenizer.save_pretrained` would.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def renamed(key: str, new_index: Mapping[int, int]) -> str:
+    """`key` with its block index replaced by the block's index in the pruned model."""
+    parts = split_block_key(key)
+    if parts is None:
+        return key
+    head, b, rest = parts
+    return f"{head}{new_index[b]}.{rest}"
+
+
+def write_pruned_files(
+    src: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    layers: Iterable[int],
+    provenance: Mapping[str, Any],
+    *,
+    changes: FileChanges | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write checkpoint `src` without blocks `layers` (with the tensors `changes` names rewritten:
+    a repair's fold, `lorp.repair.fold.file_folds`) to
+    `out_dir`: safetensors shards, config.json, generation config, tokenizer files and
+    `lorp_pruning.json`. Returns `out_dir`."""
+    from transformers import AutoConfig
+
+    src, out = Path(src), Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output directory already exists: {str(out)!r}")
+    config = AutoConfig.from_pretrained(str(src))
+    text = config.get_text_config()
+    arch = architecture_for(text.model_type)
+    n = int(text.num_hidden_layers)
+    kept = kept_layers(n, check_layers(layers, n))
+    index = tensor_index(src)
+    tied = bool(text.tie_word_embeddings) and "lm_head.weight" not in index
+    rewrites = changes(index, arch, tied) if changes is not None else {}
+    new_index = {old: new for new, old in enumerate(kept)}
+    _subset_config(text, kept, n, arch.per_layer_fields, arch.layer_count_fields)
+    if dtype is not None:
+        config.dtype = dtype
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        _write_shards(tmp, index, new_index, rewrites, dtype)
+        config.save_pretrained(tmp)
+        _copy_side_files(src, tmp, config)
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=2, sort_keys=True))
+    log.info("wrote pruned checkpoint %s from %s's files (%d blocks kept)", out, src, len(kept))
+    return out
+
+
+def _write_shards(
+    out: Path,
+    index: Mapping[str, TensorEntry],
+    new_index: Mapping[int, int],
+    changes: Mapping[str, Any],
+    dtype: torch.dtype | None,
+) -> None:
+    """One output shard per source shard, tensors in the source's order."""
+    by_file: dict[Path, list[TensorEntry]] = {}
+    for key, entry in index.items():
+        b = block_of(key)
+        if b is None or b in new_index:
+            by_file.setdefault(entry.file, []).append(entry)
+    files = sorted(by_file)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file in files:
+        name = file.name if len(files) > 1 else "model.safetensors"
+        entries = sorted(by_file[file], key=lambda e: e.start)
+        total += _write_file(out / name, entries, new_index, changes, dtype)
+        weight_map |= {renamed(e.key, new_index): name for e in entries}
+    if len(files) > 1:
+        doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(doc, indent=2))
+
+
+def _write_file(
+    path: Path,
+    entries: list[TensorEntry],
+    new_index: Mapping[int, int],
+    changes: Mapping[str, Any],
+    dtype: torch.dtype | None,
+) -> int:
+    """One safetensors file, written tensor by tensor; returns its data bytes."""
+    from safetensors import safe_open
+
+    def converts(e: TensorEntry) -> bool:
+        floating = e.dtype in ("F64", "F32", "F16", "BF16")
+        return e.key in changes or (
+            dtype is not None and floating and DTYPE_NAMES[dtype] != e.dtype
+        )
+
+    out_dtype = {
+        e.key: DTYPE_NAMES[dtype] if dtype is not None and converts(e) else e.dtype for e in entries
+    }
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        size = e.numel * DTYPE_BYTES[out_dtype[e.key]]
+        name = renamed(e.key, new_index)
+        header[name] = {
+            "dtype": out_dtype[e.key],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    handle = (
+        safe_open(str(entries[0].file), framework="pt") if any(map(converts, entries)) else None
+    )
+    with open(path, "wb") as f, open(entries[0].file, "rb") as source:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for e in entries:
+            if converts(e):
+                t = handle.get_tensor(e.key)
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                if e.key in changes:
+                    t = changes[e.key](t)
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                continue
+            source.seek(e.start)
+            left = e.end - e.start
+            while left:
+                chunk = source.read(min(left, COPY_CHUNK))
+                f.write(chunk)
+                left -= len(chunk)
+    return offset
+
+
+def _copy_side_files(src: Path, out: Path, config: Any) -> None:
+    """Generation config and tokenizer files, copied (or the generation config derived
+    from the model's config, as `save_pretrained` does for a model without one)."""
+    from transformers import GenerationConfig
+
+    generation = src / "generation_config.json"
+    if generation.is_file():
+        shutil.copy2(generation, out / generation.name)
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)

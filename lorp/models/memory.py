@@ -1,0 +1,124 @@
+"""What a checkpoint costs in memory, read from its files before any weight is.
+
+A safetensors file starts with an 8-byte length and a JSON header naming every tensor's
+dtype, shape and byte range (`lorp.models.safetensors_index`), so the exact bytes of each
+block, of the embeddings and of the LM head at the dtype a stage loads them in are known
+from a few kilobytes of each shard. With the job's batch and sequence length that gives
+each stage's need; the pipeline's policy (`pipeline.cluster.decisions`) then holds the
+model whole, streams it a module at a time (`lorp.models.streaming`) or refuses it.
+
+The activation figures are upper bounds of the eager code path (attention scores
+materialised, fp32 logits), not measurements: a stage that fits under them fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lorp.models.safetensors_index import TensorEntry, block_of
+from lorp.models.shape import ModelShape
+
+GIB = 1024**3
+
+Stage = Literal["capture", "repair", "evaluate"]
+
+
+@dataclass(frozen=True)
+class WeightSize:
+    """A checkpoint's weight bytes at one load dtype, by part."""
+
+    blocks: tuple[int, ...]
+    embeddings: int
+    head: int
+    """0 when the LM head is tied to the embeddings (or absent)."""
+    other: int
+    """Final norm and anything else outside the blocks."""
+    vectors: int
+    """Bytes of every tensor under 2 dimensions (norms, biases): what a streamed model
+    keeps resident."""
+    largest_unit: int
+    """The most matrix bytes one module owns (a projection, the embeddings, the head):
+    what a streamed model reads at once (`lorp.models.streaming`)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.embeddings + self.head + self.other
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.blocks, default=0)
+
+    @property
+    def resident(self) -> int:
+        """What a streamed model keeps between forwards: the vectors."""
+        return self.vectors
+
+
+def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightSize:
+    """Bytes per part of the checkpoint `index` (see `tensor_index`) loaded as `dtype`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_block: dict[int, int] = {}
+    per_module: dict[str, int] = {}
+    embeddings = head = other = vectors = 0
+    for key, entry in index.items():
+        nbytes = entry.nbytes_as(itemsize)
+        if len(entry.shape) < 2:
+            vectors += nbytes
+        else:
+            module = key.rpartition(".")[0]
+            per_module[module] = per_module.get(module, 0) + nbytes
+        b = block_of(key)
+        if b is not None:
+            per_block[b] = per_block.get(b, 0) + nbytes
+        elif "embed_tokens" in key:
+            embeddings += nbytes
+        elif key.startswith("lm_head."):
+            head += nbytes
+        else:
+            other += nbytes
+    n = max(per_block, default=-1) + 1
+    missing = [i for i in range(n) if i not in per_block]
+    if missing:
+        raise ValueError(f"checkpoint has no tensors for blocks {missing}")
+    largest = max(per_module.values(), default=0)
+    blocks = tuple(per_block[i] for i in range(n))
+    return WeightSize(blocks, embeddings, head, other, vectors, largest)
+
+
+def block_activations(shape: ModelShape, batch: int, seq_len: int, itemsize: int) -> int:
+    """Upper bound of one block's forward on a [batch, seq_len] batch: the residual in
+    and out, q/k/v/o, the MLP's three intermediate tensors and the attention scores
+    (eager: fp32 [batch, heads, T, T], twice for the softmax)."""
+    t = batch * seq_len
+    qkvo = t * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    return (
+        itemsize * t * (4 * shape.hidden + 3 * shape.intermediate)
+        + itemsize * qkvo
+        + (2 * 4 * batch * shape.heads * seq_len * seq_len)
+    )
+
+
+def stage_activations(
+    stage: Stage, shape: ModelShape, batch: int, seq_len: int, itemsize: int
+) -> int:
+    """Activation bytes of a stage's batch on top of the weights: one block's forward,
+    plus what the stage keeps across blocks. Capture keeps every block's normalised
+    input (fp32 [N + 1, tokens, d], Eq. 3); evaluation keeps the logits (fp32, and the
+    model dtype's copy); the repair's capture keeps two states per run, bounded apart
+    (`repair_memory_gib`)."""
+    work = block_activations(shape, batch, seq_len, itemsize)
+    tokens = batch * seq_len
+    if stage == "capture":
+        return work + 4 * (shape.n_blocks + 1) * tokens * shape.hidden
+    if stage == "evaluate":
+        return work + (4 + itemsize) * tokens * shape.vocab
+    return work + 2 * 4 * tokens * shape.hidden
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB with three significant figures (a tiny test model reads 0.0005)."""
+    return f"{n / GIB:.3g} GiB"

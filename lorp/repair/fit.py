@@ -1,0 +1,172 @@
+"""Fitting every run's map from `RepairStats`: one solve per run, validated where the
+statistics carry held-out sums.
+
+Validated (`fit_runs` with statistics that carry `held` sums, over calibration windows the
+fit never saw): the ridge is chosen per run from `RIDGES` by the residual it leaves on
+the held-out windows (the unconstrained map's, for a `normed` run too: one solve per
+candidate), and the fitted map is kept only where it leaves less there than the
+unrepaired map does. Otherwise the run keeps its unrepaired map (`kept: unrepaired`),
+so a repaired variant is never worse than its unrepaired twin on held-out windows. A
+d x d map fitted on a few thousand tokens of one corpus learns that corpus; a larger
+ridge pulls it towards the unrepaired map, and the held-out windows say how far.
+
+Runs are fitted on dense inputs in one pass (mergeable, what a fleet computes once per
+model), or in depth order, each on the inputs the model repaired so far gives it
+(`prune_and_repair(sequential=True)`): an earlier run's leftover error is then part of
+what the later map corrects.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from lorp.models.architectures import architecture_of, decoder_blocks
+from lorp.models.surgery import check_layers
+from lorp.repair.maps import (
+    DEFAULT_RIDGE,
+    MAX_ROUNDS,
+    RIDGES,
+    RepairRefused,
+    RunFit,
+    fit_full,
+    residual_of,
+    tied_embeddings,
+    unrepaired_map,
+)
+from lorp.repair.normed import fit_normed
+from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs
+
+log = logging.getLogger(__name__)
+
+
+def check_repairable(model: nn.Module, layers: Sequence[int]) -> list[Run]:
+    """The runs of `layers`, or RepairRefused naming why this model cannot fold one."""
+    n = len(decoder_blocks(model))
+    runs = contiguous_runs(check_layers(layers, n), n)
+    if runs[0][0] == 0 and tied_embeddings(model):
+        s, e = runs[0]
+        raise RepairRefused(
+            f"run {s}-{e} starts at block 0 and the model ties its embeddings to the LM head: "
+            "no weight takes the map without changing the logits; keep block 0 or use repair: none"
+        )
+    for s, _ in runs:
+        if s > 0:
+            check_site(model, s - 1)
+    return runs
+
+
+def check_site(model: nn.Module, k: int) -> None:
+    """RepairRefused unless block k has the weights a map folds into."""
+    block = decoder_blocks(model)[k]
+    down = getattr(getattr(block, "mlp", None), "down_proj", None)
+    if not isinstance(down, nn.Linear):
+        raise RepairRefused(f"block {k} has no mlp.down_proj Linear to fold into")
+    post = architecture_of(model).post_mlp_norm
+    if post and not hasattr(block, post):
+        raise RepairRefused(f"block {k} lacks {post}")
+
+
+def fit_runs(
+    model: nn.Module,
+    stats: RepairStats,
+    *,
+    ridge: float | None = DEFAULT_RIDGE,
+    rounds: int = MAX_ROUNDS,
+    ridges: Sequence[float] = RIDGES,
+) -> list[RunFit]:
+    """Fit every run of `stats` (the model is the dense one the stats came from);
+    `rounds` caps the descent of a `normed` fit (each round is one d x d SVD). With
+    held-out sums (`stats.held`) each fit is validated (module docstring): `ridge=None`
+    chooses it among `ridges`, a number fixes it; either way a map that does no better
+    than the unrepaired one on held-out windows is not kept."""
+    if ridge is not None and not ridge > 0:
+        raise ValueError(f"ridge must be > 0 (it makes every solve well posed), got {ridge!r}")
+    if ridge is None and stats.held is None:
+        raise ValueError("choosing the ridge (ridge=None) needs held-out sums (stats.held)")
+    fits = []
+    for run in stats.runs:
+        form = stats.forms[run]
+        A, B = stats.gram[run[0]].double(), stats.cross[run].double()
+        T0 = unrepaired_map(model, run, form).to(A.device)
+        if stats.held is None:
+            fits.append(_fit(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
+            continue
+        fits.append(
+            validated(form, (A, B, stats.energy[run]), held_sums(stats.held, run, A.device),
+                       T0, [ridge] if ridge is not None else list(ridges), run, rounds)
+        )  # fmt: skip
+    return fits
+
+
+def held_sums(held: RepairStats, run: Run, device: torch.device):  # type: ignore[no-untyped-def]
+    """(A, B, energy) of `run` over the held-out windows, float64 on `device`."""
+    A, B = held.gram[run[0]].double().to(device), held.cross[run].double().to(device)
+    return A, B, held.energy[run]
+
+
+def _fit(
+    form: Form, A: torch.Tensor, B: torch.Tensor, energy: float, T0: torch.Tensor,
+    ridge: float, run: Run, rounds: int,
+) -> RunFit:  # fmt: skip
+    if form == "full":
+        return fit_full(A, B, energy, T0, ridge=ridge, run=run)
+    return fit_normed(A, B, energy, T0, ridge=ridge, run=run, rounds=rounds)
+
+
+def validated(
+    form: Form,
+    fit: tuple[torch.Tensor, torch.Tensor, float],
+    held: tuple[torch.Tensor, torch.Tensor, float],
+    T0: torch.Tensor,
+    ridges: Sequence[float],
+    run: Run,
+    rounds: int,
+) -> RunFit:
+    """The run's map with the ridge the held-out windows prefer, or its unrepaired map
+    when even that one leaves more error on them than T0 does."""
+    A, B, energy = fit
+    scores: dict[float, float] = {}
+    chosen, best = ridges[0], None
+    for r in ridges:  # one candidate map held at a time (d x d float64 each)
+        candidate = fit_full(A, B, energy, T0, ridge=r, run=run)
+        scores[r] = residual_of(*held, candidate.matrix)
+        if best is None or (scores[r], -r) < (scores[chosen], -chosen):  # ties: larger ridge
+            chosen, best = r, candidate
+        del candidate
+    assert best is not None
+    if form == "full":
+        out = best
+    else:  # the candidate goes before the normed fit's own matrices come
+        del best
+        out = _fit(form, A, B, energy, T0, chosen, run, rounds)
+    T = out.matrix if out.scale is None else out.matrix * out.scale
+    held_fit, held_t0 = residual_of(*held, T), residual_of(*held, T0)
+    kept = "fit"
+    if not held_fit < held_t0:
+        kept = "unrepaired"
+        d = T0.shape[0]
+        eye = torch.eye(d, dtype=T0.dtype, device=T0.device)
+        matrix, scale = (T0, None) if form == "full" else (eye, torch.diagonal(T0).clone())
+        unrepaired = residual_of(A, B, energy, T0)
+        out = replace(out, matrix=matrix, scale=scale, residual=unrepaired)
+    return replace(
+        out,
+        relative_ridge=chosen,
+        held_residual=min(held_fit, held_t0),  # the kept map's
+        held_unrepaired=held_t0,
+        kept=kept,
+        validation=scores,
+    )
+
+
+# -- folding -------------------------------------------------------------------------------
+
+
+# The fold's arithmetic, one function per tensor it changes: the in-memory fold above and
+# the fold on a checkpoint's files (`lorp.models.file_surgery`) share it, so both write the same
+# values for the same fit (float64, cast back to the tensor's dtype).

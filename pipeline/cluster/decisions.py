@@ -1,0 +1,91 @@
+"""The pipeline's memory policy, per model and stage: hold the model whole in a worker's
+memory (the fastest way, when it fits with `HEADROOM` to spare), stream it a module at a
+time (`lorp.models.streaming`), or refuse it in one line when even the largest module's
+matrices do not fit. The sizes it weighs come from `lorp.models.memory`.
+"""
+
+from __future__ import annotations
+
+from lorp.models.memory import Stage, WeightSize, gib, stage_activations
+from lorp.models.shape import ModelShape
+from pipeline.plan import Decision
+
+# Share of a worker's memory a stage may plan to use: the rest is the process itself
+# (Python, torch, the tokenizer) and the allocator's slack.
+HEADROOM = 0.8
+
+
+class TooLargeError(ValueError):
+    """Even one module's matrices at a time do not fit the largest worker."""
+
+
+def decide(
+    stage: Stage,
+    size: WeightSize,
+    shape: ModelShape,
+    *,
+    worker_bytes: int,
+    batch: int,
+    seq_len: int,
+    itemsize: int,
+    label: str = "model",
+    max_batch: int | None = None,
+    kept_bytes: tuple[int, int] = (0, 0),
+    copies: int = 1,
+) -> Decision:
+    """In memory when the whole model and the stage's activations fit `HEADROOM` of the
+    worker; else streamed, when the resident vectors, the largest module twice and the
+    activations fit, with as many windows per forward as fit (up to `max_batch`); else
+    `TooLargeError` naming the model, the need and the worker.
+
+    `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
+    least what it must (a capture worker's repair sums: more runs per pass, or one run's
+    sums and more passes). The decision's `kept_bytes` is what it gets. `copies`: how
+    many copies of the whole model the in-memory path would like to hold (a CPU grid
+    worker keeps the model it loaded and works on a copy); held whole with fewer where
+    only those fit (the decision's `copies`)."""
+    most, least = kept_bytes
+    acts = stage_activations(stage, shape, batch, seq_len, itemsize)
+    budget = int(worker_bytes * HEADROOM)
+    for n in range(copies, 0, -1):  # the copies asked for, else fewer, else streamed
+        whole = n * size.total + acts
+        if whole + most <= budget:
+            return Decision(
+                stage, "memory", whole + most, whole + most, worker_bytes, batch, most, n
+            )
+    # The largest module's matrices twice: the ones in use and, while they are read, the
+    # file's copy before its conversion to the load dtype (or a fold's override).
+    weights = size.resident + 2 * size.largest_unit
+    if weights + acts + least <= budget:
+        room = budget - weights
+        bounds = (batch, max_batch or batch)
+        batch, acts, kept = _streamed(stage, shape, bounds, seq_len, itemsize, room, kept_bytes)
+        need = weights + acts + kept
+        return Decision(stage, "streamed", need, whole + most, worker_bytes, batch, kept)
+    raise TooLargeError(
+        f"model {label!r} cannot run its {stage} even streamed a module at a time: it needs "
+        f"{gib(weights + acts + least)} (resident {gib(size.resident)}, largest module's "
+        f"matrices {gib(size.largest_unit)} twice, activations {gib(acts)}"
+        f"{f', repair sums {gib(least)}' if least else ''}) and the largest worker has "
+        f"{gib(worker_bytes)} ({HEADROOM:.0%} usable)"
+    )
+
+
+def _streamed(
+    stage: Stage,
+    shape: ModelShape,
+    batches: tuple[int, int],
+    seq_len: int,
+    itemsize: int,
+    room: int,
+    kept_bytes: tuple[int, int],
+) -> tuple[int, int, int]:
+    """(windows per forward, their activations, what is kept) of a streamed stage with
+    `room` bytes beside the weights. Activations grow linearly with the batch: the largest
+    that fits beside the least kept, up to the most (a worker's shard; more would only be
+    padding), since every batch reads the files once; then as much kept as is left."""
+    (batch, max_batch), (most, least) = batches, kept_bytes
+    per_window = stage_activations(stage, shape, 1, seq_len, itemsize)
+    larger = int(max(batch, min(max_batch, (room - least) // max(per_window, 1))))
+    acts = stage_activations(stage, shape, larger, seq_len, itemsize)
+    return larger, acts, min(most, room - acts)

@@ -1,0 +1,172 @@
+"""`JobSpec`, a whole job: YAML files in `jobs/` parsed (`pipeline.spec.parse`) into validated,
+frozen dataclasses, one module per section.
+
+Every field has a docstring; unknown keys, wrong types and bad values fail before any work
+with a one-line ValueError naming the field path (`calibration.samples`) and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.spec.calibration import CalibrationSpec
+from pipeline.spec.checks import SpecError, check_storage, is_number, positive, unique
+from pipeline.spec.evaluation import EvaluationSpec
+from pipeline.spec.models import MethodSpec, ModelSpec
+from pipeline.spec.resources import RaySpec, ResourcesSpec
+from pipeline.spec.tracking import TrackingSpec
+
+REPAIRS = ("none", "linear")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    """Job name: the MLflow experiment, the catalog's `job` column."""
+    models: tuple[ModelSpec, ...]
+    """Checkpoints to prune."""
+    budgets: tuple[int | float, ...]
+    """Blocks to remove: counts (7) or fractions of N (0.25)."""
+    methods: tuple[MethodSpec, ...]
+    """Selection methods and their options."""
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    """Calibration data for S."""
+    output_dir: str = "runs/job"
+    """Run directory: catalog.parquet, mlflow.db, checkpoints/, events.jsonl."""
+    storage: str | None = None
+    """Where the results live for every node: a local or shared directory, or a URI that
+    pyarrow.fs opens (file://, s3://bucket/prefix, gs://, hdfs://; query parameters set
+    the filesystem's options, e.g. ?endpoint_override=host:9000&scheme=http; credentials
+    come from the environment). Checkpoints (uploaded by the node that made them), the
+    catalog, events, MLflow artifacts and, unless cache_dir is set, the cached S files go
+    there; output_dir is the driver's working copy, synced after every point, and a rerun
+    resumes from the catalog in storage. Default: output_dir itself."""
+    catalog: str | None = None
+    """The organisation's shared catalog: a local or shared directory, or a URI as for
+    storage (s3://bucket/catalog). Every row this job records is also published there
+    (as parts, safe when many jobs write at once; a rerun replaces this job's rows only),
+    and the registry's aliases rank over every job's rows in it. Default: none, the
+    job's own catalog only."""
+    save_checkpoints: bool = True
+    """Write each pruned checkpoint (safetensors) under <storage>/checkpoints."""
+    cache_dir: str | None = None
+    """Where merged S files are cached by content key (default: <storage>/stats when
+    storage is set, else $LORP_CACHE/stats)."""
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    """Ray resource requests."""
+    ray: RaySpec = field(default_factory=RaySpec)
+    """Which Ray to run on."""
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    """MLflow settings."""
+    evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
+    """What to measure on every pruned checkpoint."""
+    repair: tuple[str, ...] = REPAIRS
+    """A grid dimension: `none` keeps each pruned variant as it is; `linear` also makes
+    its repaired twin (`lorp.repair`: one least-squares map per run of removed blocks,
+    fitted from calibration statistics and folded into block s-1's weights; same
+    architecture and parameter count). Both by default."""
+    repair_rounds: int = 100
+    """Rounds of a `normed` repair fit at most (each one d x d SVD; `lorp.repair`'s
+    default, 100). Fewer trade fit quality for time (the demo's budget)."""
+    repair_ridge: float | str = "auto"
+    """The repair's relative ridge: auto (each run's chosen among `lorp.repair.maps.RIDGES` by
+    the residual it leaves on the held-out calibration windows) or a number > 0. Either
+    way a run's map is kept only where it beats the unrepaired map on those windows."""
+    repair_followers: int = 1
+    """Kept blocks after each cut that take a map of their own too (`lorp.repair`'s
+    followers: fitted on the repaired model's states towards the dense model's, validated
+    like the runs' maps). Each costs the repaired point a dense and a repaired forward of
+    the calibration windows; 0 fits the runs' maps only. Measured on SmolLM2-135M at 8 of
+    30 blocks: one took held-out news from 2.32x to 2.20x dense (README, Linear repair)."""
+    repair_distill: int = 0
+    """Epochs of distillation of each repaired point's maps, the runs' and the followers'
+    (`lorp.repair.distill`): trained together towards the dense model's next-token distribution
+    on the calibration windows, the best epoch on the held-out windows kept (the
+    least-squares maps where none beats them). Each epoch costs the point a dense
+    forward and a pruned forward and backward of the calibration windows. 0: least
+    squares only. Not for a model streamed in its grid points (larger than its worker)."""
+    repair_distill_lr: float = 1e-4
+    """Adam's learning rate for `repair_distill`."""
+
+    def distill_epochs(self, method: MethodSpec | None) -> int:
+        """Epochs of distillation of `method`'s repaired twins: its own, else the job's."""
+        own = method.repair_distill if method is not None else None
+        return self.repair_distill if own is None else own
+
+    @property
+    def distills(self) -> bool:
+        """Whether any repaired point of the job is distilled."""
+        return "linear" in self.repair and any(self.distill_epochs(m) for m in self.methods)
+
+    @property
+    def ridge_value(self) -> float | None:
+        """`repair_ridge` as `lorp.repair.fit.fit_runs` takes it (None: auto)."""
+        return None if self.repair_ridge == "auto" else float(self.repair_ridge)
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise SpecError(f"name: letters, digits, '-', '_' and '.' only, got {self.name!r}")
+        if not self.models:
+            raise SpecError("models: at least one model is needed")
+        if not self.budgets:
+            raise SpecError("budgets: at least one budget is needed")
+        if not self.methods:
+            raise SpecError("methods: at least one method is needed")
+        for i, b in enumerate(self.budgets):
+            if isinstance(b, bool) or not isinstance(b, int | float):
+                raise SpecError(f"budgets[{i}]: a block count or a fraction of N, got {b!r}")
+            if isinstance(b, int) and b < 1:
+                raise SpecError(f"budgets[{i}]: a block count must be >= 1, got {b}")
+            if isinstance(b, float) and not 0.0 < b < 1.0:
+                raise SpecError(f"budgets[{i}]: a fraction must be in (0, 1), got {b}")
+        if self.storage is not None:
+            check_storage(self.storage)
+        if self.catalog is not None:
+            check_storage(self.catalog, "catalog")
+        unique("models", [m.label for m in self.models])
+        unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
+        unique("budgets", list(self.budgets))
+        if not self.repair:
+            raise SpecError("repair: at least one of none, linear is needed")
+        for i, r in enumerate(self.repair):
+            if r not in REPAIRS:
+                raise SpecError(f"repair[{i}]: must be one of {', '.join(REPAIRS)}, got {r!r}")
+        unique("repair", list(self.repair))
+        positive("repair_rounds", self.repair_rounds)
+        positive("repair_followers", self.repair_followers, minimum=0)
+        positive("repair_distill", self.repair_distill, minimum=0)
+        lr = self.repair_distill_lr
+        if not (is_number(lr) and 0 < float(lr) < 1):
+            raise SpecError(f"repair_distill_lr: must be a number in (0, 1), got {lr!r}")
+        ridge = self.repair_ridge
+        if ridge != "auto" and not (is_number(ridge) and float(ridge) > 0):
+            raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
+        for i, m in enumerate(self.methods):
+            if "+" in m.key:
+                raise SpecError(
+                    f"methods[{i}].label: {m.key!r} has a '+', which names repaired variants"
+                )
+        self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """vLLM scores saved checkpoints, with at most its evaluator's GPUs as shards."""
+        ev = self.evaluation
+        if ev.enabled and ev.backend == "vllm" and not self.save_checkpoints:
+            raise SpecError(
+                "evaluation.backend: vllm scores saved checkpoints; set save_checkpoints: true"
+            )
+        tp, gpus = ev.tensor_parallel_size, self.resources.grid.num_gpus
+        vllm = ev.backend == "vllm" or (ev.backend == "auto" and self.save_checkpoints)
+        if isinstance(tp, int) and ev.enabled and vllm and 0 < gpus < tp:
+            raise SpecError(
+                f"evaluation.tensor_parallel_size: {tp} needs as many GPUs per vLLM evaluator, "
+                f"and resources.grid.num_gpus is {gpus:g}"
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir)
+
+
+# -- YAML -> dataclasses -----------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""The fleet and its methods: `models:` (a checkpoint and its per-model options) and
+`methods:` (a registered selection method and its options).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorp.methods import validate_options
+from lorp.models.loading import DTYPES
+from pipeline.spec.checks import SpecError, positive
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    ref: str
+    """HF directory, hub id (org/name), .gguf file, or packaged alias (smollm2-135m, ...)."""
+    dtype: str = "float32"
+    """Capture and evaluation dtype: float32 (CPU), bfloat16 (GPU), float16."""
+    trust_remote_code: bool = False
+    """Run the checkpoint's own Python code. Off unless this model entry turns it on."""
+    allow_pickle: bool = False
+    """Load pickled .bin weights. Off: only safetensors and GGUF load."""
+    name: str | None = None
+    """Display name in the catalog (default: the reference)."""
+
+    def __post_init__(self) -> None:
+        if not self.ref.strip():
+            raise SpecError("ref: must be a non-empty string")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.ref
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    """A registered method: lorp, lorp-stage2, shortgpt, streamline, angular, random."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The method's options (e.g. lorp: variant, k, thresholds, ks, seed)."""
+    label: str | None = None
+    """Name in the catalog; needed when one method appears twice with other options."""
+    repair_distill: int | None = None
+    """Epochs of distillation of this method's repaired twins (the job's `repair_distill`
+    when not given): distillation costs minutes per point, so a job can spend it on the
+    methods whose repaired variants it ranks first."""
+
+    def __post_init__(self) -> None:
+        from lorp.methods import get_method
+
+        if self.repair_distill is not None:
+            positive("repair_distill", self.repair_distill, minimum=0)
+
+        try:
+            get_method(self.name)
+        except ValueError as exc:
+            raise SpecError(f"name: {exc}") from None
+        try:  # names and values; values that depend on N are checked again at planning
+            validate_options(self.name, self.options)
+        except ValueError as exc:
+            raise SpecError(f"options: {exc}") from None
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name

@@ -1,0 +1,22 @@
+"""`tracking:`: where MLflow records runs and the Model Registry, and what is registered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrackingSpec:
+    mlflow_uri: str | None = None
+    """MLflow tracking URI; default: sqlite in the run directory. MLFLOW_TRACKING_URI wins."""
+    experiment: str | None = None
+    """MLflow experiment name (default: the job name)."""
+    register: bool = True
+    """Register every saved checkpoint in the MLflow Model Registry when the job ends: one
+    registered model per base model (`lorp-<model>`), a version per variant pointing at its
+    checkpoint directory (nothing copied), aliases `best-<budget>-<protocol>`,
+    `best-<budget>` and `dense`, recomputed over every job's versions of the model."""
+    reference: bool = False
+    """Make this job's evaluation protocol the reference of its models: the one their
+    `best-<budget>` aliases rank in (default: the protocol of the first job that
+    registered the model)."""

@@ -1,0 +1,335 @@
+"""Loss-guided selection on the fleet: the `Losses` callable that `sleb`, `ppl` and
+`lorp-loss` consume, served by Ray actors, and a cache of their selections.
+
+Each `LossWorker` actor loads the dense model once and scores candidate block sets on the
+held-out calibration windows (`lorp.methods.removal_loss.LossEvaluator`: blocks dropped in memory,
+no checkpoint written). `RayLosses` splits each batch of candidates over the actors, so the
+candidates of one greedy step run in parallel, and records every batch with the time span
+each actor spent on its share (`events.jsonl`, event `losses`). The held-out windows are
+cut from the calibration split with `seed + 1` and never enter S; the test split is never
+used for selection.
+
+A loss-guided selection costs minutes, so it is cached by content key (S, the held-out
+windows, method, options, budget): a rerun or a resumed job selects instantly. Below that,
+every candidate's loss is remembered per model and held-out set (`LossMemo`, persisted in
+storage after each batch): selections of one model ask for many of the same candidate sets
+(SLEB at 8 blocks repeats SLEB at 4 step for step; `ppl` scores SLEB's first step), and a
+job killed mid-selection resumes without re-scoring what it had. A remembered loss is the
+number the same worker code computed for the same weights, windows, dtype and device.
+Methods still count the evaluations they asked for (`n_evals`, their cost on their own);
+`select_s` is the wall time this run spent, which the memo can shorten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+
+from lorp import Selection
+from lorp.methods.registry import jsonable
+from pipeline.cluster.model_source import load_checked, model_source
+from pipeline.messages import LossTask
+from pipeline.records import timeline
+from pipeline.spec.job import JobSpec
+from pipeline.storage import Storage
+
+
+def loss_task(spec: JobSpec, plan: Any, windows: np.ndarray) -> LossTask:
+    """What every loss worker of `plan`'s model receives."""
+    batch = plan.batch("evaluate", spec.evaluation.batch_size)
+    return LossTask(model_source(plan), windows, batch, spec.resources.grid)
+
+
+@ray.remote
+class LossWorker:
+    """One loaded dense model; scores shares of candidate batches."""
+
+    def __init__(self, task: LossTask, submitted: float | None = None) -> None:
+        start = timeline.actor_start(submitted)
+        import torch
+
+        from lorp.methods.removal_loss import LossEvaluator
+
+        torch.set_num_threads(max(1, int(task.resources.num_cpus)))
+        device = "cuda" if task.resources.num_gpus > 0 else "cpu"
+        self.label = task.model.label
+        lm = load_checked(task.model, device)
+        windows = torch.from_numpy(task.windows.astype(np.int64))
+        self.evaluator = LossEvaluator(lm.model, windows, batch_size=task.batch_size)
+        timeline.report("load", start, time.time(), model=self.label, of="losses")
+
+    def ready(self) -> bool:
+        """Answers once the model is loaded: the worker can take candidates."""
+        return True
+
+    def score(
+        self, candidates: list[tuple[int, ...]], selection: str = "", step: int = 0
+    ) -> tuple[list[float], dict[str, Any]]:
+        start = time.time()
+        losses = self.evaluator(candidates)
+        end = time.time()
+        labels = {"model": self.label, "selection": selection, "step": step, "n": len(candidates)}
+        timeline.report("losses", start, end, **labels)
+        span = {"pid": os.getpid(), "start": start, "end": end, "n": len(candidates)}
+        return losses, span
+
+
+class LossMemo:
+    """Candidate block set -> loss, for one model and held-out set, kept in storage."""
+
+    def __init__(self, store: Storage, key: str, fresh: bool = False) -> None:
+        """`fresh` (a forced run) starts empty and overwrites what was kept."""
+        self.store, self.name = store, f"{key}.json"
+        data = None if fresh else store.read_bytes(self.name)
+        pairs = json.loads(data) if data is not None else []
+        self.losses: dict[tuple[int, ...], float] = {tuple(c): float(v) for c, v in pairs}
+
+    def missing(self, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        return [c for c in dict.fromkeys(candidates) if c not in self.losses]
+
+    def add(self, candidates: list[tuple[int, ...]], losses: list[float]) -> None:
+        self.losses.update(zip(candidates, losses, strict=True))
+        pairs = sorted([list(c), v] for c, v in self.losses.items())
+        self.store.write_bytes(self.name, json.dumps(pairs).encode())
+
+
+class RayLosses:
+    """`losses(candidates) -> list[float]` over `n` actors; scores only the candidates
+    the memo does not hold, and counts what it scored (`n_evals`)."""
+
+    def __init__(
+        self,
+        task: LossTask,
+        n: int,
+        record: Callable[..., None],
+        memo: LossMemo,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
+        """`record(candidates=, evaluated=, spans=)` records each batch."""
+        res = task.resources
+        self.actors = [
+            LossWorker.options(
+                num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2, max_task_retries=2
+            ).remote(task, time.time())
+            for _ in range(max(1, n))
+        ]
+        self.starting = {actor.ready.remote(): actor for actor in self.actors}
+        self.created = time.monotonic()
+        self.started: list[Any] = []
+        self.record, self.memo, self.n_evals = record, memo, 0
+        self.note = note  # one progress line per scored batch: a SLEB step can take an hour
+        self.name, self.steps = "losses", 0  # the selection being made; its requests so far
+
+    def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
+        from pipeline.records.progress import duration
+
+        todo = self.memo.missing(candidates)
+        spans: list[dict[str, Any]] = []
+        self.steps += 1
+        start = time.perf_counter()
+        if todo:
+            actors = self._started()
+            shares = [todo[i :: len(actors)] for i in range(len(actors))]
+            refs = [
+                a.score.remote(s, self.name, self.steps)
+                for a, s in zip(actors, shares, strict=True)
+                if s
+            ]
+            results = ray.get(refs)
+            out: list[float] = [0.0] * len(todo)
+            for i, (losses, _) in enumerate(results):
+                out[i :: len(actors)] = losses
+            self.memo.add(todo, out)
+            spans = [s for _, s in results]
+        self.n_evals += len(todo)
+        self.record(candidates=len(candidates), evaluated=len(todo), spans=spans)
+        if todo and self.note is not None:
+            served = len(set(candidates)) - len(todo)
+            memo = f", {served} from memo" if served else ""
+            self.note(
+                f"  {self.name} step {self.steps}: {len(todo)} candidates scored in "
+                f"{duration(time.perf_counter() - start)} on {len(spans)} actor"
+                f"{'s' if len(spans) > 1 else ''}{memo}"
+            )
+        return [self.memo.losses[c] for c in candidates]
+
+    def _started(self) -> list[Any]:
+        """The actors that have loaded their model (waiting for the first when none has):
+        a share never waits on an actor still queued for a slot, which other models'
+        work may hold for as long as this selection runs."""
+        if self.starting:
+            grace = 0.0
+            if not self.started:  # the first to load; the others get as long again (<= 30 s)
+                ray.wait(list(self.starting), num_returns=1)
+                grace = min(30.0, max(5.0, time.monotonic() - self.created))
+            n = len(self.starting)
+            ready, _ = ray.wait(list(self.starting), num_returns=n, timeout=grace)
+            for ref in ready:
+                actor = self.starting.pop(ref)
+                ray.get(ref)  # an actor that cannot load the model fails the selection here
+                self.started.append(actor)
+        return self.started
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class SelectionCache:
+    """Selections of loss-guided methods as JSON files, by content key."""
+
+    def __init__(self, store: Storage) -> None:
+        self.store = store
+
+    def get(self, key: str) -> tuple[Selection, float] | None:
+        data = self.store.read_bytes(f"{key}.json")
+        if data is None:
+            return None
+        d = json.loads(data)
+        sel = Selection(
+            layers=tuple(d["pruned"]),
+            method=d["method"],
+            budget=d["budget"],
+            n_blocks=d["n_blocks"],
+            options=d["options"],
+            details=d["details"],
+        )
+        return sel, float(d.get("select_s", 0.0))
+
+    def put(self, key: str, selection: Selection, seconds: float) -> None:
+        record = selection.to_dict() | {"select_s": seconds}
+        self.store.write_bytes(f"{key}.json", json.dumps(jsonable(record), sort_keys=True).encode())
+
+
+class LossSelector:
+    """Selections of loss-guided methods for one model: cached, else computed on
+    `RayLosses` actors that start on first use and stop with `close()`."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        force: bool,
+        plan: Any,
+        stats: Any,
+        stats_key: str,
+        profile: Any,
+        record: Callable[..., None],
+        note: Callable[[str], None],
+    ) -> None:
+        """`record(candidates=, evaluated=, spans=)` records each scored batch; `note`
+        says a log line; `force` re-selects and re-scores what the caches hold."""
+        from pipeline.stages.statistics import stats_store
+
+        self.spec, self.force, self.plan, self.stats = spec, force, plan, stats
+        self.profile, self.stats_key = profile, stats_key
+        self.record, self.note = record, note
+        self.cache = SelectionCache(stats_store(spec).sub("selections"))
+        self.heldout: tuple[np.ndarray, str] | None = None
+        self.losses: RayLosses | None = None
+
+    def __call__(self, method: Any, budget: int) -> tuple[Selection, float]:
+        from lorp.methods import select_layers, validate_options
+        from pipeline.plan import content_key
+        from pipeline.records.progress import duration
+
+        windows, fp = self._heldout()
+        options = validate_options(method.name, method.options)
+        key = content_key(self.stats_key, fp, method.name, options, budget)
+        hit = None if self.force else self.cache.get(key)
+        if hit is not None:
+            return hit
+        name = f"{self.plan.label} {method.key}-b{budget}"
+        start = time.perf_counter()  # actor start-up and the memo's read count too
+        losses = self._losses(windows, fp)
+        losses.name, losses.steps = name, 0
+        sel = select_layers(
+            self.stats, budget, method.name, profile=self.profile, losses=losses, **method.options
+        )
+        seconds = time.perf_counter() - start
+        self.cache.put(key, sel, seconds)
+        n = sel.details.get("n_evals", 0)
+        self.note(f"selected {name}: {n} evaluations in {duration(seconds)}")
+        return sel, seconds
+
+    def _heldout(self) -> tuple[np.ndarray, str]:
+        if self.heldout is None:
+            from pipeline.stages.calibration import heldout_windows
+            from pipeline.stages.statistics import plan_tokenizer
+
+            self.heldout = heldout_windows(plan_tokenizer(self.plan), self.spec.calibration)
+        return self.heldout
+
+    def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:
+        if self.losses is None:
+            from pipeline.plan import content_key
+            from pipeline.stages.statistics import stats_store
+
+            spec = self.spec
+            task = loss_task(spec, self.plan, windows)
+            res = task.resources
+            device = "cuda" if res.num_gpus > 0 else "cpu"
+            key = content_key(
+                self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
+            )
+            memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.force)
+            n = spec.resources.loss_workers or spec.resources.max_concurrent_points
+            self.losses = RayLosses(task, n, self.record, memo, self.note)
+        return self.losses
+
+    def close(self) -> None:
+        if self.losses is not None:
+            self.losses.close()
+            self.losses = None
+
+
+@ray.remote
+def _repaired_losses(
+    task: LossTask, stats: Any, runs: list[tuple[int, int]], ridge: float | None
+) -> list[float]:
+    """`lorp.methods.window_scores.window_losses` on one worker: the dense model loaded once, each
+    run removed and its map applied in turn, scored on the held-out windows."""
+    import torch
+
+    from lorp.methods.window_scores import window_losses
+
+    torch.set_num_threads(max(1, int(task.resources.num_cpus)))
+    device = "cuda" if task.resources.num_gpus > 0 else "cpu"
+    lm = load_checked(task.model, device)
+    windows = torch.from_numpy(task.windows.astype(np.int64))
+    got = window_losses(
+        lm.model, stats, windows, ridge=ridge, batch_size=task.batch_size, runs=runs
+    )
+    return [got[r] for r in runs]
+
+
+def repaired_window_losses(
+    spec: JobSpec, plan: Any, stats: Any, stats_key: str, runs: list[tuple[int, int]], force: bool
+) -> tuple[dict[tuple[int, int], float], int]:
+    """Run -> the held-out calibration loss of `plan`'s model with that run removed and
+    its fitted map applied (the `window` method's `score: loss`), and how many were
+    scored now: one task on the grid's resources scores the runs its memo does not hold
+    (kept in storage by the repair sums' key, the held-out windows and the ridge)."""
+    from pipeline.plan import content_key
+    from pipeline.stages.calibration import heldout_windows
+    from pipeline.stages.statistics import plan_tokenizer, stats_store
+
+    windows, fp = heldout_windows(plan_tokenizer(plan), spec.calibration)
+    task = loss_task(spec, plan, windows)
+    res = task.resources
+    device = "cuda" if res.num_gpus > 0 else "cpu"
+    key = content_key(
+        plan.fingerprint, fp, "repaired", stats_key, spec.repair_ridge, spec.repair_rounds,
+        plan.spec.dtype, task.batch_size, device,
+    )  # fmt: skip
+    memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=force)
+    todo = memo.missing([(int(s), int(e)) for s, e in runs])
+    if todo:  # only the runs to score travel: at large d each run's sums are d x d
+        call = _repaired_losses.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=2)
+        memo.add(todo, ray.get(call.remote(task, stats.subset(todo), todo, spec.ridge_value)))
+    return {(int(s), int(e)): memo.losses[(s, e)] for s, e in runs}, len(todo)

@@ -1,0 +1,260 @@
+"""Grid points on Ray workers: fit and fold the repair, drop the blocks, save the
+checkpoint, evaluate (`run_point` as a task, `PointEvaluator` as the vLLM actor).
+
+A grid point writes its checkpoint from the node that made it: straight into a filesystem
+storage (atomic rename), else into node-local scratch, uploaded with its completion
+marker, then evaluated from that local copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pipeline.cluster.faults import maybe_fail
+from pipeline.cluster.model_source import load_checked
+from pipeline.messages import FollowerWindows, PointResult, PointTask
+from pipeline.records.timeline import span
+from pipeline.spec.evaluation import EvaluationSpec
+from pipeline.stages.worker_setup import device_for, pin_threads
+from pipeline.storage import Storage, scratch_dir
+
+log = logging.getLogger(__name__)
+
+
+# -- capture -----------------------------------------------------------------------------
+
+
+# -- grid points -------------------------------------------------------------------------
+
+
+def execute_point(task: PointTask) -> PointResult:
+    """Fit and fold the repair (if any), drop the blocks, save the checkpoint, evaluate;
+    `layers=()` is the dense model."""
+    pin_threads(task.resources.num_cpus)
+    try:
+        mode = "streamed" if task.model.streamed else "memory"
+        with span("point", model=task.model.label, point=task.name, unit=task.grid_key, mode=mode):
+            return _execute_point(task)
+    finally:
+        # The worker process outlives the point: a model kept alive by a reference cycle
+        # (transformers' modules, a streamer's hooks) would hold its weights until the
+        # collector next ran, and a large model's next point would load beside it.
+        gc.collect()
+
+
+def _execute_point(task: PointTask) -> PointResult:
+    from lorp.models.surgery import drop_layers
+    from pipeline.evaluation.speed import count_params
+
+    start = time.perf_counter()
+    lm = _point_model(task)
+    params_dense = count_params(lm.model)
+    fits = _repair(task, lm.model) if task.repair else []
+    kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
+    params = count_params(lm.model)
+    records = [f.record() for f in fits]
+    provenance = task.provenance
+    if task.repair:
+        provenance = {**provenance, "repair": {**(provenance.get("repair") or {}), "runs": records}}
+    with scratch_dir() as scratch:
+        saved = _save_checkpoint(task, lm, scratch, provenance, fits)
+        metrics = _evaluate(task, lm, saved or lm.path)
+    seconds = time.perf_counter() - start
+    serving = metrics.pop("serving", None) or {}
+    info = _zero_shot_info(task.evaluation, metrics)
+    return PointResult(
+        task.grid_key,
+        kept,
+        int(params),
+        int(params_dense),
+        metrics,
+        seconds,
+        info,
+        records,
+        serving,
+    )
+
+
+_PRISTINE: dict[tuple[str, str, str], Any] = {}
+"""The last dense model this worker process loaded for a grid point (CPU only)."""
+
+
+def _point_model(task: PointTask) -> Any:
+    """The point's dense model: a private copy of the one this worker loaded last when it
+    is the same model (a copy costs a fraction of a load: Gemma 3 270M 0.6 s, not 6 s);
+    on GPUs and for vLLM points, a fresh load (no second copy held in GPU memory); also
+    where the plan found room for one copy only, or streams the model."""
+    import copy
+    import dataclasses
+
+    device = device_for(task.resources)
+    if device != "cpu" or task.backend == "vllm" or task.model.streamed or not task.model.pristine:
+        return load_checked(task.model, device)
+    key = (task.model.ref, task.model.fingerprint, task.model.dtype)
+    if key not in _PRISTINE:
+        _PRISTINE.clear()  # one model per process: a worker serves one model at a time
+        _PRISTINE[key] = load_checked(task.model, device)
+    pristine = _PRISTINE[key]
+    return dataclasses.replace(pristine, model=copy.deepcopy(pristine.model))
+
+
+def _repair(task: PointTask, model: Any) -> list[Any]:
+    """Fit every run's map from its statistics and fold it into the dense model, here,
+    where the checkpoint is made (the fits need the model's own norm weights)."""
+    from lorp.repair.fit import check_repairable, fit_runs
+    from lorp.repair.fold import fold
+
+    rt = task.repair
+    assert rt is not None
+    check_repairable(model, task.layers)  # RepairRefused: the point fails with its reason
+    fits = []
+    for run, ref in zip(rt.runs, rt.stats, strict=True):
+        stats = ray.get(ref)
+        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
+            raise ValueError(
+                f"repair statistics of run {run[0]}-{run[1]} belong to another model or run "
+                f"({stats.model_fingerprint}, {stats.runs})"
+            )
+        fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
+    if rt.followers:
+        fits += _followers(task, model, fits)
+    if rt.distill:
+        fits = _distill(task, model, fits)
+    fold(model, fits)  # a streamed model's too: its files get the fold when written
+    return fits
+
+
+def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
+    """The point's follower maps, fitted on the model's calibration windows with its runs'
+    maps applied by hooks (nothing copied: a streamed model too)."""
+    import torch
+
+    from lorp.repair.followers import fit_followers
+
+    rt = task.repair
+    assert rt is not None and rt.windows is not None
+    fw: FollowerWindows = ray.get(rt.windows)
+    return fit_followers(
+        model, fits, task.layers, torch.from_numpy(fw.windows).long(),
+        torch.from_numpy(fw.held).long(), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
+        batch_size=fw.batch_size, skip_prefix=fw.skip_prefix,
+    )  # fmt: skip
+
+
+def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
+    """The point's maps distilled together on the model's calibration windows, validated
+    on its held-out windows (`lorp.repair.distill`); one log line per epoch."""
+    import torch
+
+    from lorp.repair.distill import DEFAULT_BATCH, distill_fits
+
+    rt = task.repair
+    assert rt is not None and rt.windows is not None
+    fw: FollowerWindows = ray.get(rt.windows)
+    return distill_fits(
+        model, fits, task.layers, torch.from_numpy(fw.windows).long(),
+        torch.from_numpy(fw.held).long(), epochs=rt.distill, lr=rt.distill_lr,
+        batch_size=min(fw.batch_size, DEFAULT_BATCH),
+        say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
+    )  # fmt: skip
+
+
+def _save_checkpoint(
+    task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any], fits: list[Any]
+) -> Path | None:
+    """The saved checkpoint's local directory: in a filesystem storage itself (written
+    atomically), else in this node's scratch, uploaded (marker last) before evaluation.
+    A streamed model's variant is written from the dense model's files, the fold applied
+    there (`lorp.models.file_surgery`): the model in this process has no weights to save."""
+    if not (task.checkpoint and task.layers):
+        return None
+    maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
+    storage = Storage(task.storage)
+    local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
+    if task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
+        from lorp.models.file_surgery import write_pruned_files
+        from lorp.repair.fold import file_folds
+
+        write_pruned_files(
+            lm.path, local, task.layers, provenance, changes=file_folds(fits), overwrite=True
+        )
+    else:
+        from lorp.models.surgery import save_pruned
+
+        save_pruned(lm.model, lm.tokenizer, local, provenance, overwrite=True)
+    if storage.remote:
+        storage.put_dir(local, task.checkpoint)
+    return local
+
+
+def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:
+    """The point's figures: from the model in memory (transformers), or from `model_dir`,
+    the local checkpoint (or the dense model's directory on this node) for vLLM (with
+    its serving rounds under `serving` when the spec asks for them)."""
+    from pipeline.evaluation.backends import (
+        TransformersBackend,
+        VLLMBackend,
+        evaluate,
+        open_backend,
+    )
+
+    ev = task.evaluation
+    if task.backend == "none":
+        return {}
+    if task.backend == "transformers":
+        with open_backend(TransformersBackend(lm.model, lm.tokenizer, ev.batch_size)) as be:
+            return evaluate(be, lm.tokenizer, ev)
+    tokenizer = lm.tokenizer
+    lm.model = None  # the transformers copy goes before the engine comes
+    from pipeline.evaluation.vllm_engine import free_memory
+
+    free_memory()
+    max_len = ev.seq_len + 8
+    if ev.serving is not None:
+        max_len = max(max_len, ev.serving.prompt_len + ev.serving.output_len + 8)
+    engine = VLLMBackend(
+        str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size,
+        task.model.trust_remote_code,
+    )  # fmt: skip
+    with open_backend(engine) as be:
+        return evaluate(be, tokenizer, ev)
+
+
+def _zero_shot_info(ev: EvaluationSpec, metrics: dict[str, float]) -> dict[str, dict[str, Any]]:
+    from pipeline.evaluation.zero_shot import task_split
+
+    return {
+        t: {"split": task_split(t), "n": int(metrics[f"n_{t}"])}
+        for t in ev.zero_shot
+        if f"n_{t}" in metrics
+    }
+
+
+@ray.remote(max_retries=2)
+def run_point(task: PointTask) -> PointResult:
+    """A grid point as a Ray task (the transformers backend)."""
+    return execute_point(task)
+
+
+@ray.remote
+class PointEvaluator:
+    """One per GPU, reused across checkpoints: runs whole grid points whose evaluation
+    starts a vLLM engine, so one actor owns its GPU end to end and no second task ever
+    waits for that GPU; the process (and its imports) outlives each engine."""
+
+    def __init__(self) -> None:
+        from pipeline.evaluation.vllm_engine import prepare_vllm
+
+        prepare_vllm()
+
+    def run(self, task: PointTask) -> PointResult:
+        return execute_point(task)
+
+
+# -- the speed pass ----------------------------------------------------------------------
