@@ -129,7 +129,7 @@ def run_job(root: Path, spec: dict[str, Any]) -> tuple[float, list[dict[str, Any
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"lorp run {path} failed:\n{out.stderr[-4000:]}")
-    from pipeline.records.rows import read_events
+    from pipeline.records.events import read_events
 
     return seconds, read_events(Path(spec["output_dir"]) / "events.jsonl")
 

@@ -165,8 +165,8 @@ def repair_benchmarks(model: Any, batches: list[torch.Tensor], repeats: int) -> 
 MEMORY_CHILD = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from lorp.sources import load_model
-from lorp.capture import capture_stats
+from lorp.models.loading import load_model
+from lorp.locality.capture import capture_stats
 from benchmarks.run import calibration_tokens, batches_of
 torch.set_num_threads(2)
 lm = load_model("smollm2-135m")

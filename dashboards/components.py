@@ -1,7 +1,8 @@
 """The pieces both page kinds are built from: cells, badges, intervals, the jobs table.
 
 Rendering only: every number, interval, flag and link arrives computed in the dicts that
-`views.py` returns; these functions turn them into elements (`markup.el`, escaped).
+`overview_view.py` and `model_view.py` return; these functions turn them into elements
+(`markup.el`, escaped).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from dashboards.assets import CSS, SCRIPT
+from dashboards.intervals import MIN_COMPARABLE_ITEMS, SMALL, UNKNOWN
 from dashboards.markup import Markup, document, el, frag
 from dashboards.shapes import View
-from dashboards.views import MIN_COMPARABLE_ITEMS, SMALL, UNKNOWN
 
 SMALL_MARK = "\u2020"  # dagger: fewer than 100 items
 UNKNOWN_MARK = "\u2021"  # double dagger: item count unknown

@@ -35,9 +35,9 @@ from dashboards.figures import (
     layer_map_svg,
     tradeoff_svg,
 )
+from dashboards.intervals import MIN_COMPARABLE_ITEMS
 from dashboards.markup import Markup, el, frag
 from dashboards.shapes import View
-from dashboards.views import MIN_COMPARABLE_ITEMS
 
 
 def header(mv: View) -> Markup:
@@ -338,7 +338,7 @@ def runs(mv: View) -> Markup:
 
 
 def model_page(mv: View, S: np.ndarray | None, profiles: Mapping[str, np.ndarray]) -> str:
-    """The whole page of one model from `views.model_view` and its S."""
+    """The whole page of one model from `model_view.model_view` and its S."""
     t = mv["tables"]
     return page(
         mv["model"],

@@ -116,7 +116,7 @@ def nav_bar(nav: Sequence[tuple[str, str]]) -> Markup | None:
 def overview_page(
     ov: View, profiles: Mapping[str, np.ndarray], nav: Sequence[tuple[str, str]] = ()
 ) -> str:
-    """The whole fleet page from `views.overview` and every model's S; `nav` links the
+    """The whole fleet page from `overview_view.overview` and every model's S; `nav` links the
     site's other pages (text, href)."""
     metric = ov["metric"] or "metric"
     filters = [

@@ -6,4 +6,4 @@ from collections.abc import Mapping
 from typing import Any
 
 Row = Mapping[str, Any]  # one catalog row, as `pipeline.records.catalog.read_catalog` returns it
-View = dict[str, Any]  # what `views` hands to the pages: plain values, lists and dicts
+View = dict[str, Any]  # what the `*_view` modules hand to the pages: plain values, lists and dicts

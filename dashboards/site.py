@@ -9,10 +9,10 @@ against the N/(N-k) bound, and the quality/cost trade-off; and the job's timelin
 Gantt chart of every span per worker slot, with the utilisation figures) from the run
 directory's events.jsonl. Everything is inline: no network at view time.
 
-This module only orchestrates: `views` and `timeline_view` shape the data, `overview`,
-`model_page` and `timeline_page` render it, and this writes the files. It is also the
-only place that reads files (each model's S, once; the events) or asks an MLflow store
-(older catalogs only).
+This module only orchestrates: `overview_view`, `model_view` and `timeline_view` shape
+the data, `overview`, `model_page` and `timeline_page` render it, and this writes the
+files. It is also the only place that reads files (each model's S, once; the events) or
+asks an MLflow store (older catalogs only).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dashboards import views
+from dashboards.catalog_rows import group_by_model, group_pages, page_names
 from dashboards.links import job_tracking
 from dashboards.model_page import model_page
+from dashboards.model_view import model_view
 from dashboards.overview import overview_page
+from dashboards.overview_view import overview
 from dashboards.shapes import Row
 from dashboards.timeline_page import PAGE as TIMELINE
 from dashboards.timeline_page import timeline_page
@@ -85,18 +87,18 @@ def build_site(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     has_events = write_timeline(events_file, out / TIMELINE)
-    by_model = views.group_by_model(rows)
+    by_model = group_by_model(rows)
     S_of = {m: load_S(rs[0]) for m, rs in by_model.items()}
     profiles = {m: S for m, S in S_of.items() if S is not None}
     tracking = job_tracking(rows, fallback_tracking)
-    by_page = views.group_pages(rows)
+    by_page = group_pages(rows)
     for (model, protocol), page_rows in by_page.items():
-        view = views.model_view(model, page_rows, S_of[model], tracking, mlflow_ui)
+        view = model_view(model, page_rows, S_of[model], tracking, mlflow_ui)
         page = model_page(view, S_of[model], profiles)
-        (out / views.page_names(by_page)[(model, protocol)]).write_text(page)
+        (out / page_names(by_page)[(model, protocol)]).write_text(page)
     index = out / "index.html"
     nav = [("job timeline", TIMELINE)] if has_events else []
-    ov = views.overview(by_page, tracking, mlflow_ui)
+    ov = overview(by_page, tracking, mlflow_ui)
     index.write_text(overview_page(ov, profiles, nav=nav))
     return index
 
@@ -104,7 +106,7 @@ def build_site(
 def write_timeline(events_file: str | os.PathLike[str] | None, path: Path) -> bool:
     """The timeline page from the run's events (or the line saying there is none; no page
     when no run directory was named); whether the file had any event."""
-    from pipeline.records.rows import read_events
+    from pipeline.records.events import read_events
 
     if events_file is None:
         return False

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dashboards.shapes import View
-from dashboards.views import finite
+from pipeline.records.ranking import finite
 from pipeline.records.timeline import Utilisation, attempt, spans_of, summarise
 
 DRIVER = "driver"

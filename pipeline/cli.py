@@ -245,7 +245,7 @@ def add_pull(sub: argparse._SubParsersAction) -> None:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from pipeline.records.model_registry import pull as pull_version
+    from pipeline.records.registry_loading import pull as pull_version
 
     out, mv = pull_version(
         args.uri, args.out, tracking_uri=args.tracking_uri, overwrite=args.overwrite

@@ -312,7 +312,14 @@ class Fleet:
                 self._close_model(chain)
 
     def _start_speed(self, chain: ModelChain, points: list[GridPoint]) -> None:
-        task = speed_task(self.spec, self.storage, points)
+        spec = self.spec
+        task = speed_task(
+            spec.evaluation,
+            spec.resources,
+            self.storage,
+            points,
+            save_checkpoints=spec.save_checkpoints,
+        )
         res = task.resources
         ref = run_speed.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)
         self.speeds[ref] = chain

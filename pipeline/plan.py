@@ -26,6 +26,7 @@ from lorp.models.memory import GIB, Stage, gib
 from lorp.repair.maps import MAX_ROUNDS
 from lorp.repair.stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair.stats import contiguous_runs
+from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
@@ -263,7 +264,7 @@ def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
     except ValueError as exc:
         raise SpecError(f"models[{i}].ref: {exc}") from None
     n = int(config["num_hidden_layers"])
-    _check_context(spec, m, config.get("max_position_embeddings"))
+    _check_context(spec.calibration, spec.evaluation, m, config.get("max_position_embeddings"))
     budgets = []
     for j, b in enumerate(spec.budgets):
         try:
@@ -289,15 +290,17 @@ def _tied_embeddings(path: Path, m: ModelSpec) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def _check_context(spec: JobSpec, m: ModelSpec, max_pos: int | None) -> None:
+def _check_context(
+    cal: CalibrationSpec, ev: EvaluationSpec, m: ModelSpec, max_pos: int | None
+) -> None:
     """Windows (plus a BOS token where the policy may add one) must fit the context."""
     if max_pos is None:
         return
     for field, seq_len, bos in (
-        ("calibration.seq_len", spec.calibration.seq_len, spec.calibration.bos),
-        ("evaluation.seq_len", spec.evaluation.seq_len, spec.evaluation.bos),
+        ("calibration.seq_len", cal.seq_len, cal.bos),
+        ("evaluation.seq_len", ev.seq_len, ev.bos),
     ):
-        if field.startswith("evaluation") and not spec.evaluation.enabled:
+        if field.startswith("evaluation") and not ev.enabled:
             continue
         need = seq_len + (bos != "never")
         if need > max_pos:

@@ -299,7 +299,9 @@ class _Preparation:
             self.job.records.repair_captured(label, rs, missing, variants)
         if self.spec.repair_followers or self.spec.distills:
             assert shards is not None
-            refs[(label, FOLLOWERS)] = ray.put(follower_windows(self.spec, self.plan, shards))
+            refs[(label, FOLLOWERS)] = ray.put(
+                follower_windows(self.spec.evaluation, self.spec.calibration, self.plan, shards)
+            )
         return refs
 
 

@@ -34,23 +34,23 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lorp.locality.profile import Profile
-from lorp.models.loading import read_config
-from lorp.models.shape import ModelShape
 from pipeline.cluster.nodes import first_line
 from pipeline.messages import PointResult
 from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
-from pipeline.records import model_registry, row_updates
+from pipeline.records import model_registry, registry_aliases, row_updates
 from pipeline.records.catalog import Catalog, slot
+from pipeline.records.events import EventLog
 from pipeline.records.progress import Progress
-from pipeline.records.protocol import held_out
 from pipeline.records.rows import (
-    EventLog,
     ModelFacts,
     RowContext,
     RunSummary,
     catalog_row,
     headline,
+    model_facts,
+    point_metrics,
     point_params,
+    point_tags,
 )
 from pipeline.records.shared_catalog import SharedCatalog
 from pipeline.records.tracking import Tracker, default_tracking_uri
@@ -253,10 +253,8 @@ class Recorder:
         self.summary.cached += ms.source == "cache"
         parent = self.tracker.model_run(self.spec.name, model_key, plan.label)
         seconds = ms.seconds if ms.source == "computed" else None
-        self.tracker.record_model(parent, self.spec, plan, ms.stats, profile, seconds)
-        labels = list(profile.labels) if profile.labels is not None else None
-        shape = ModelShape.from_config(read_config(plan.path))
-        self.facts[plan.label] = ModelFacts(profile.rls, profile.k, labels, ms.location, shape)
+        self.tracker.record_model(parent, self.spec.calibration, plan, ms.stats, profile, seconds)
+        self.facts[plan.label] = model_facts(profile, ms.location, plan.path)
         self.parents[plan.label] = parent
 
     def skipped(self, points: list[GridPoint]) -> None:
@@ -284,10 +282,7 @@ class Recorder:
     def _speed_skipped(self, points: list[GridPoint]) -> None:
         """A model no worker holds whole has no speed pass: its forwards read every block
         from disk, so a timing would measure the disk. Said in every row it concerns."""
-        reason = (
-            "not timed: the model is streamed a module at a time (too large for one worker), "
-            "and a streamed forward times the disk, not the model"
-        )
+        reason = row_updates.STREAMED_UNTIMED
         for p in points:
             self._update(p.key, {"speed_skipped": reason}, tags={"speed_skipped": reason})
         self.progress.note(f"speed {points[0].model.label}: skipped, {reason}")
@@ -297,11 +292,7 @@ class Recorder:
         for key, values in figures.items():
             self._update(key, dict(values), metrics=dict(values))
         self.events("speed", model=label, variants=len(figures))
-        resolved = [v["speedup"] for v in figures.values() if row_updates.finite(v.get("speedup"))]
-        unresolved = len(figures) - len(resolved)
-        top = f"top speed-up {max(resolved):.2f}x" if resolved else "no speed-up resolved"
-        more = f"; {unresolved} not resolved" if unresolved else ""
-        self.progress.note(f"speed {label}: {len(figures)} variants timed ({top}{more})")
+        self.progress.note(f"speed {label}: {row_updates.speed_summary(figures)}")
 
     def speed_failed(self, label: str, exc: BaseException) -> None:
         """Speed is a figure, not the variant: recorded, the model goes on."""
@@ -341,23 +332,14 @@ class Recorder:
 
     def point_done(self, point: GridPoint, result: PointResult, backend: str) -> None:
         run_id = self.run_ids[point.key]
-        rel = checkpoint(self.spec, point)
+        rel = checkpoint(self.spec.save_checkpoints, point)
         ckpt = self.storage.uri(rel) if rel else None
         ctx = RowContext(
             self.tracker.display_uri, self.tracker.experiment_id, run_id, ckpt, backend,
             self.storage.uri(),
         )  # fmt: skip
         row = catalog_row(self.spec, point, self.facts[point.model.label], result, ctx)
-        metrics = {
-            **result.metrics,
-            "params": result.params,
-            "seconds": result.seconds,
-            "n_evals": point.n_evals,
-            "select_s": point.select_s,
-        }
-        tags = {"checkpoint": ckpt or "", "eval_backend": backend}
-        if row.get("memory_plan"):  # held whole or streamed, per stage
-            tags["memory_plan"] = row["memory_plan"]
+        metrics, tags = point_metrics(point, result), point_tags(row, ckpt, backend)
         self.tracker.log(run_id, metrics=metrics, tags=tags)
         self.tracker.log_evaluation_inputs(run_id, self.spec.evaluation, result.zero_shot)
         self.catalog.put(row)  # the run holds the figures, then the row: module docstring
@@ -432,13 +414,9 @@ class Recorder:
     def _warn_unjudged(self) -> None:
         """One line when every perplexity corpus is a calibration corpus: the gate then
         judges variants on the kind of text they were fitted on."""
-        ev = self.spec.evaluation
-        fitted = self.spec.calibration.corpora
-        if ev.enabled and ev.perplexity and not held_out(list(ev.perplexity), fitted):
-            self.progress.note(
-                f"evaluation.perplexity: {', '.join(ev.perplexity)} is all calibration text; "
-                "variants are judged on what they were fitted on (add a held-out corpus: lee)"
-            )
+        warning = row_updates.unjudged(self.spec.evaluation, self.spec.calibration.corpora)
+        if warning is not None:
+            self.progress.note(warning)
 
     def _quality_gate(self, points: list[GridPoint]) -> None:
         """Every row's judgement on held-out text (`row_updates.quality_gate`): its
@@ -448,11 +426,7 @@ class Recorder:
         rows = self.catalog.by_key()
         for v in row_updates.quality_gate(rows, points, self.spec.evaluation, calibration):
             if v.changed(rows[v.key]):
-                tags = {"degraded": str(v.degraded).lower(), "judged_on": v.judged_on}
-                if v.fits_calibration_only is not None:
-                    tags["fits_calibration_only"] = str(v.fits_calibration_only).lower()
-                metrics = {"ppl_ratio": v.ratio, **v.ratios}
-                self._update(v.key, v.values(), metrics=metrics, tags=tags)
+                self._update(v.key, v.values(), metrics=v.metrics(), tags=v.tags())
             if v.degraded:
                 self.summary.degraded.append(f"{names[v.key]}: {v.judged_on} x{v.ratio:,.1f}")
 
@@ -480,7 +454,7 @@ class Recorder:
             for key, uri in reg.uris.items():
                 if rows[key].get("model_uri") != uri:
                     self._update(key, {"model_uri": uri})
-            aliases, moves = model_registry.move_aliases(
+            aliases, moves = registry_aliases.move_aliases(
                 self.tracker.client, reg.name, self.spec.name, self._shared_rows
             )
         except MlflowException as exc:

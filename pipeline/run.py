@@ -54,7 +54,7 @@ def run_job(
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
     recorder = Recorder(spec, force, progress or Progress(bar=False), force_speed=force_speed)
     done = recorder.open()
-    init_ray(spec)
+    init_ray(spec.ray)
     plans = [plan_memory(spec, p, backend) for p in plans]  # needs the cluster's memory
     for p in plans:
         recorder.memory_planned(p)

@@ -1,9 +1,15 @@
-"""Shared fixtures: random residual-stream-like states with real depth structure."""
+"""Shared fixtures (helpers live in `tests/helpers/`, never imported from here) and the
+order the suite's files run in."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
+
+from tests.helpers.ray_cluster import CPUS, local_ray
+from tests.helpers.states import make_states
 
 # `make test` shares whole files among two processes (pytest-xdist, `--dist loadfile`,
 # files handed out in collection order). The files that take minutes (real Ray jobs, two
@@ -32,37 +38,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
-def make_states(
-    n_states: int, tokens: int, d: int, seed: int = 0, drift: float = 0.35
-) -> np.ndarray:
-    """[L, T, d] states shaped like a residual stream: each layer adds a small update to the
-    previous one, so neighbours are similar and similarity decays with depth."""
-    rng = np.random.default_rng(seed)
-    h = rng.normal(size=(tokens, d)) + 1.0
-    out = np.empty((n_states, tokens, d))
-    for layer in range(n_states):
-        out[layer] = h
-        h = h + drift * rng.normal(size=(tokens, d)) * (1.0 + (layer % 5 == 0))
-    return out
-
-
-def brute_force_S(
-    states: np.ndarray, mask: np.ndarray | None = None, eps: float = 1e-8
-) -> np.ndarray:
-    """Eq. 3-4 written out token by token, pair by pair: no Gram trick."""
-    n_states, tokens, _ = states.shape
-    keep = [t for t in range(tokens) if mask is None or mask[t]]
-    S = np.zeros((n_states, n_states))
-    for i in range(n_states):
-        for j in range(n_states):
-            total = 0.0
-            for t in keep:
-                a, b = states[i, t], states[j, t]
-                total += float(np.dot(a / (np.linalg.norm(a) + eps), b / (np.linalg.norm(b) + eps)))
-            S[i, j] = total / len(keep)
-    return S
-
-
 @pytest.fixture
 def states() -> np.ndarray:
+    """[9, 40, 32] states with real depth structure."""
     return make_states(n_states=9, tokens=40, d=32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray for the test module, with the module's `RAY_CPUS` (default `CPUS`)."""
+    with local_ray(num_cpus=getattr(request.module, "RAY_CPUS", CPUS)):
+        yield

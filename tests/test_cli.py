@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_runner import lorp as run
-from conftest import make_states
 
 from lorp import SimilarityStats, select_layers
 from lorp.cli import main
+from tests.helpers.cli_runner import lorp as run
+from tests.helpers.states import make_states
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +130,8 @@ def test_capture_with_bos_then_prune(
 ) -> None:
     """`capture --bos always` on a tiny PTB model (its tokenizer adds no BOS itself), then
     `prune --stats`: the checkpoint carries the one provenance layout."""
-    from tiny_models import save_tiny_ptb
-
     from lorp.models.surgery import PROVENANCE_FILE
+    from tests.helpers.tiny_models import save_tiny_ptb
 
     monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
     model = save_tiny_ptb("llama", tmp_path / "llama")

@@ -20,12 +20,14 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from local_servers import free_port, wait_for_port
-from processes import kill_started_by
+
+from tests.helpers.local_servers import free_port, wait_for_port
+from tests.helpers.paths import REPO
+from tests.helpers.processes import kill_started_by
 
 pytestmark = [pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 # Ray 2.60 turns token auth on when ~/.ray/auth_token exists (and writes one for a new
 # local Ray): off here, so the tests neither depend on nor touch the home directory.
 AUTH_OFF = {"RAY_AUTH_MODE": "disabled"}
@@ -35,14 +37,14 @@ DRIVER = """
 import sys
 import ray
 from pipeline.cluster.connect import init_ray
-from pipeline.spec import parse_spec
+from pipeline.spec.parse import parse_spec
 
 data = {"name": "connect", "models": [{"ref": "unused"}], "budgets": [1],
         "methods": [{"name": "lorp"}], "ray": {"num_cpus": 1}}
 if sys.argv[1]:
     data["ray"]["address"] = sys.argv[1]
 try:
-    init_ray(parse_spec(data))
+    init_ray(parse_spec(data).ray)
 except ValueError as exc:
     print(f"ValueError: {exc}")
     sys.exit(3)
@@ -102,7 +104,7 @@ def failure_line(
     if address:
         data["ray"]["address"] = address
     with pytest.raises(ValueError) as err:
-        init_ray(parse_spec(data))
+        init_ray(parse_spec(data).ray)
     line = f"ValueError: {err.value}"
     assert "\n" not in line
     return line
@@ -202,8 +204,8 @@ def test_a_stop_while_waiting_for_a_worker_node_exits_143_with_one_line(
     """`lorp run` on a cluster whose head offers 0 CPUs and no worker node has joined: its
     capture waits, the driver says so itself (and `lorp status` does), and a SIGTERM
     then exits 143 with the one stop line (it died of a segmentation fault, rc 139)."""
-    from job_specs import tiny_job, write_job
-    from tiny_models import save_tiny_ptb
+    from tests.helpers.job_specs import tiny_job, write_job
+    from tests.helpers.tiny_models import save_tiny_ptb
 
     port, log = free_port(), tmp_path / "head.log"
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}

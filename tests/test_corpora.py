@@ -13,8 +13,9 @@ import pytest
 
 from pipeline.evaluation.corpora import HUB_CORPORA, hub_corpus, load_any_corpus
 from pipeline.evaluation.metrics import EVAL_SPLITS, metric_name
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 @pytest.mark.parametrize("name", ["c4", "allenai/c4"])

@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 
 import pytest
-from tiny_models import COMMON
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lorp.models.shape import ModelShape
 from lorp.models.surgery import drop_layers
 from lorp.serving_cost import cost_columns, mean_context
 from pipeline.evaluation.speed import count_params
+from tests.helpers.tiny_models import COMMON
 
 CONFIG = AutoConfig.for_model("llama", **(COMMON | {"num_hidden_layers": 4}))
 

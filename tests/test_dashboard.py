@@ -12,16 +12,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-import ray
-from tiny_models import save_tiny_ptb
 
 from dashboards.site import build_site, legacy_tracking
 from pipeline.records.catalog import read_catalog
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
+from tests.helpers.paths import REPO
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ARTIFACTS = REPO / "test-artifacts"
 pytestmark = [pytest.mark.integration]
 
 
@@ -51,11 +52,8 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
         "save_checkpoints": False,
         "repair": ["none"],
     }
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
+    with local_ray():
         run_job(parse_spec(spec))
-    finally:
-        ray.shutdown()
     return read_catalog(root / "run" / "catalog.parquet"), root
 
 
@@ -183,7 +181,7 @@ def check_model_page(page) -> None:  # type: ignore[no-untyped-def]
 def check_timeline_page(page, events_file: Path) -> None:  # type: ignore[no-untyped-def]
     """The job's Gantt chart: one bar per span of the latest attempt, the utilisation
     figure `summarise` gives, the driver's row last."""
-    from pipeline.records.rows import read_events
+    from pipeline.records.events import read_events
     from pipeline.records.timeline import attempt, spans_of, summarise
 
     events = read_events(events_file)
@@ -254,9 +252,8 @@ def front_points(rows: list[dict], protocol: str) -> set[tuple[float, float]]:
 def test_a_shared_catalog_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """`lorp dashboard <shared catalog>`: one overview line per model and protocol, a
     protocol filter, one page per protocol with its Pareto front."""
-    from cli_runner import lorp
-
     from pipeline.records.shared_catalog import open_catalog
+    from tests.helpers.cli_runner import lorp
 
     playwright = pytest.importorskip("playwright.sync_api")
     location, a, b = shared_catalog(catalog, tmp_path)

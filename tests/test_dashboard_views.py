@@ -11,14 +11,26 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_states
 
-from dashboards import views
+from dashboards.catalog_rows import group_pages, is_degraded, judged_metric
+from dashboards.intervals import SMALL, UNKNOWN, accuracy_interval, average_interval
 from dashboards.links import job_tracking, mlflow_command, run_url, tracking_view
 from dashboards.markup import Markup, el
+from dashboards.model_view import (
+    cluster_labels,
+    memory_view,
+    metric_tables,
+    model_view,
+    repair_pairs,
+    tradeoff_lines,
+)
+from dashboards.overview_view import best_per_budget, overview
 from dashboards.site import build_site, legacy_tracking
+from dashboards.speed import speed_bound, speed_view
+from tests.helpers.paths import REPO
+from tests.helpers.states import make_states
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+DASHBOARDS = REPO / "dashboards"
 UI = "http://127.0.0.1:5000"
 
 
@@ -49,43 +61,43 @@ def row(model: str = "m", method: str = "lorp", budget: int = 1, **extra: Any) -
 
 def test_accuracy_interval_numbers() -> None:
     # p = 0.40 over 50 items: SE = 100 sqrt(0.4 * 0.6 / 50) = 6.9282, half = 1.96 SE.
-    small = views.accuracy_interval(40.0, 50.0)
+    small = accuracy_interval(40.0, 50.0)
     assert small["half"] == pytest.approx(13.579278, abs=1e-6)
     assert (small["lo"], small["hi"]) == pytest.approx((26.420722, 53.579278), abs=1e-6)
-    assert small["flag"] == views.SMALL  # under 100 items: not comparable to the paper
+    assert small["flag"] == SMALL  # under 100 items: not comparable to the paper
     # p = 0.62 over 3270 items (BoolQ's validation split).
-    large = views.accuracy_interval(62.0, 3270.0)
+    large = accuracy_interval(62.0, 3270.0)
     assert large["half"] == pytest.approx(1.663680, abs=1e-6)
     assert large["flag"] is None
     # Exactly 100 items is comparable; p = 0.5 gives half = 1.96 * 5 = 9.8.
-    assert views.accuracy_interval(50.0, 100.0)["half"] == pytest.approx(9.8)
-    assert views.accuracy_interval(50.0, 100.0)["flag"] is None
+    assert accuracy_interval(50.0, 100.0)["half"] == pytest.approx(9.8)
+    assert accuracy_interval(50.0, 100.0)["flag"] is None
     # Item count absent or NaN: value kept, no interval, flagged unknown.
     for n in (None, math.nan):
-        unknown = views.accuracy_interval(55.0, n)
+        unknown = accuracy_interval(55.0, n)
         assert unknown["value"] == 55.0 and unknown["half"] is None
-        assert unknown["flag"] == views.UNKNOWN
+        assert unknown["flag"] == UNKNOWN
     # Interval clipped to [0, 100] at the extremes.
-    assert views.accuracy_interval(98.0, 20.0)["hi"] == 100.0
+    assert accuracy_interval(98.0, 20.0)["hi"] == 100.0
 
 
 def test_average_interval_combines_task_errors() -> None:
     r = row(acc_arc_easy=40.0, n_arc_easy=50.0, acc_boolq=62.0, n_boolq=3270.0, acc_avg=51.0)
-    avg = views.average_interval(r, ["arc_easy", "boolq"])
+    avg = average_interval(r, ["arc_easy", "boolq"])
     # 1.96 * sqrt(6.9282^2 + 0.84882^2) / 2
     assert avg["half"] == pytest.approx(6.840406, abs=1e-6)
-    assert avg["flag"] == views.SMALL and avg["n"] == 3320.0
+    assert avg["flag"] == SMALL and avg["n"] == 3320.0
     r.pop("n_boolq")
-    assert views.average_interval(r, ["arc_easy", "boolq"])["flag"] == views.UNKNOWN
-    assert views.average_interval(r, ["arc_easy", "boolq"])["half"] is None
+    assert average_interval(r, ["arc_easy", "boolq"])["flag"] == UNKNOWN
+    assert average_interval(r, ["arc_easy", "boolq"])["half"] is None
 
 
 def test_metric_tables_carry_intervals_for_every_task() -> None:
     rows = [row(method="dense", budget=0, acc_copa=60.0), row(acc_copa=55.0, n_copa=100.0)]
-    t = views.metric_tables(rows, {}, UI)
+    t = metric_tables(rows, {}, UI)
     assert t["acc_cols"] == ["copa"]
     dense, lorp = (r["acc"][0] for r in t["rows"])
-    assert dense["flag"] == views.UNKNOWN and dense["half"] is None
+    assert dense["flag"] == UNKNOWN and dense["half"] is None
     assert lorp["half"] == pytest.approx(1.96 * 100 * math.sqrt(0.55 * 0.45 / 100))
 
 
@@ -101,12 +113,12 @@ def test_best_per_budget_skips_degraded_rows() -> None:
         row(method="lorp", budget=2, ppl_ptb=30.0, degraded=True),
         row(method="shortgpt", budget=2, ppl_ptb=40.0, degraded=True),
     ]
-    b1 = views.best_per_budget(rows, "ppl_ptb", 1)
+    b1 = best_per_budget(rows, "ppl_ptb", 1)
     assert (b1["status"], b1["label"], b1["value"], b1["skipped"]) == ("ok", "lorp", 11.0, 1)
-    b2 = views.best_per_budget(rows, "ppl_ptb", 2)
+    b2 = best_per_budget(rows, "ppl_ptb", 2)
     assert b2["status"] == "all-degraded" and b2["label"] is None and b2["skipped"] == 2
-    assert views.best_per_budget(rows, "ppl_ptb", 3)["status"] == "none"
-    ov = views.overview(views.group_pages(rows), job_tracking(rows), UI)
+    assert best_per_budget(rows, "ppl_ptb", 3)["status"] == "none"
+    ov = overview(group_pages(rows), job_tracking(rows), UI)
     assert [b["status"] for b in ov["rows"][0]["best"]] == ["ok", "all-degraded"]
     assert ov["n_degraded"] == 3
 
@@ -124,10 +136,10 @@ def test_held_out_judgement_ranks_and_marks_what_fits_only_calibration_text() ->
         row(method="shortgpt", budget=1, ppl_ptb=13.0, ppl_lee=30.0, ratio_ptb=1.3,
             ratio_lee=1.5, ppl_ratio=1.5, fits_calibration_only=False, **judged),
     ]  # fmt: skip
-    ov = views.overview(views.group_pages(rows), job_tracking(rows), UI)
+    ov = overview(group_pages(rows), job_tracking(rows), UI)
     line = ov["rows"][0]
     assert line["metric"] == "ppl_ratio" and line["best"][0]["label"] == "shortgpt"
-    t = views.metric_tables(rows, {}, UI)
+    t = metric_tables(rows, {}, UI)
     assert t["ratio_cols"] == ["ratio_lee", "ratio_ptb"] and t["judged_on"] == ["lee"]
     html = str(perplexity_table(t))
     assert html.count("fits calibration only</span>") == 1
@@ -136,22 +148,22 @@ def test_held_out_judgement_ranks_and_marks_what_fits_only_calibration_text() ->
 
 def test_missing_degraded_column_means_not_degraded() -> None:
     rows = [row(budget=1, ppl_ptb=11.0), row(method="x", budget=1, ppl_ptb=9.0, degraded=None)]
-    assert not any(views.is_degraded(r) for r in rows)
-    assert views.best_per_budget(rows, "ppl_ptb", 1)["label"] == "x"
+    assert not any(is_degraded(r) for r in rows)
+    assert best_per_budget(rows, "ppl_ptb", 1)["label"] == "x"
 
 
 # -- speed -------------------------------------------------------------------------------
 
 
 def test_speed_bound_and_flag() -> None:
-    assert views.speed_bound(8, 2) == pytest.approx(8 / 6)
-    assert views.speed_bound(6, 0) == 1.0
-    ok = views.speed_view(row(n_blocks=6, budget=1, speedup=1.25, speedup_std=0.02))
+    assert speed_bound(8, 2) == pytest.approx(8 / 6)
+    assert speed_bound(6, 0) == 1.0
+    ok = speed_view(row(n_blocks=6, budget=1, speedup=1.25, speedup_std=0.02))
     assert ok["bound"] == pytest.approx(1.2) and not ok["exceeds"]  # 4% above: noise
     assert ok["std"] == 0.02
-    over = views.speed_view(row(n_blocks=6, budget=1, speedup=1.27))
+    over = speed_view(row(n_blocks=6, budget=1, speedup=1.27))
     assert over["exceeds"] and over["std"] is None  # 5.8% above the bound: flagged
-    assert not views.speed_view(row(n_blocks=6, budget=1))["exceeds"]  # no speed measured
+    assert not speed_view(row(n_blocks=6, budget=1))["exceeds"]  # no speed measured
 
 
 def test_unresolved_speed_is_shown_as_such_and_never_ranked_or_plotted() -> None:
@@ -162,38 +174,34 @@ def test_unresolved_speed_is_shown_as_such_and_never_ranked_or_plotted() -> None
     # The estimator's row: speed-up NaN, the measured ratio (above 1.05 x 6/5) kept.
     over = row("m", "shortgpt", 1, n_blocks=6, speedup=nan, speedup_measured=1.4,
                speedup_std=0.02, speed_resolved=0.0, latency_ms=7.0, ppl_ptb=12.0)  # fmt: skip
-    sv = views.speed_view(over)
+    sv = speed_view(over)
     assert (sv["resolved"], sv["speedup"], sv["std"], sv["exceeds"]) == (False, None, None, False)
     assert sv["measured"] == 1.4 and sv["measured_exceeds"]
     # A settled-looking speed-up on a row marked unresolved is not shown either.
     stale = row("m", "lorp", 1, n_blocks=6, speedup=1.1, speed_resolved=0.0, latency_ms=9.0)
-    assert views.speed_view(stale)["speedup"] is None
+    assert speed_view(stale)["speedup"] is None
     # No `speed_resolved` column, but a measured ratio and no speed-up: unresolved too.
-    bare = views.speed_view(row(n_blocks=6, speedup=nan, speedup_measured=1.1))
+    bare = speed_view(row(n_blocks=6, speedup=nan, speedup_measured=1.1))
     assert not bare["resolved"] and not bare["measured_exceeds"]
     # A resolved row, and an old catalog's row (no new columns): a speed-up, as before.
     ok = row("m", "lorp", 2, n_blocks=6, speedup=1.3, speedup_std=0.01, speedup_measured=1.3,
              speed_resolved=1.0, latency_ms=8.0, ppl_ptb=15.0)  # fmt: skip
-    assert views.speed_view(ok)["speedup"] == 1.3
-    old = views.speed_view(row(n_blocks=6, speedup=1.25))
+    assert speed_view(ok)["speedup"] == 1.3
+    old = speed_view(row(n_blocks=6, speedup=1.25))
     assert old["resolved"] and old["speedup"] == 1.25 and old["measured"] is None
 
     cell = str(speed_tds(sv)[0])
     assert "not resolved" in cell and "(1.40 measured)" in cell and 'data-v=""' in cell
     assert "above N/(N-k)" in cell and "\u00b1" not in cell and "above bound" not in cell
     assert "did not settle" in str(speed_tds(bare)[0])
-    assert "not resolved" not in str(speed_tds(views.speed_view(ok))[0])
+    assert "not resolved" not in str(speed_tds(speed_view(ok))[0])
     # All rows unresolved: the column is still drawn, every cell saying so.
-    only = views.metric_tables([over], {}, UI)
+    only = metric_tables([over], {}, UI)
     assert only["speed"] and str(speed_table(only)).count("not resolved</span>") == 1
     # The latency plot leaves unresolved timings out; the parameter plot keeps them.
     points = [over, stale, ok]
-    assert views.tradeoff_lines(points, "ppl_ptb", "latency_ms") == {
-        "lorp": [(8.0, 15.0, None, False)]
-    }
-    assert (
-        len(views.tradeoff_lines([dict(r, params=1.0) for r in points], "ppl_ptb", "params")) == 2
-    )
+    assert tradeoff_lines(points, "ppl_ptb", "latency_ms") == {"lorp": [(8.0, 15.0, None, False)]}
+    assert len(tradeoff_lines([dict(r, params=1.0) for r in points], "ppl_ptb", "params")) == 2
 
 
 # -- clusters ----------------------------------------------------------------------------
@@ -205,13 +213,13 @@ def test_labels_from_the_column_else_from_S() -> None:
     S = _stats(8).matrix()
     stored = [0, 0, 0, 1, 1, 1, 1, 1]  # not what clustering S at K = 3 gives
     rows = [row(labels=stored), row(method="shortgpt", labels=stored)]
-    assert views.cluster_labels(rows, S) == stored
-    assert views.cluster_labels(rows, None) == stored  # no S needed
+    assert cluster_labels(rows, S) == stored
+    assert cluster_labels(rows, None) == stored  # no S needed
     recomputed = cluster_layers(S, 3).tolist()
     assert recomputed != stored
-    assert views.cluster_labels([row(labels=None)], S) == recomputed
-    assert views.cluster_labels([row()], S) == recomputed  # column missing (old catalog)
-    assert views.cluster_labels([row(labels=None, k=None)], S) is None  # RLS undefined
+    assert cluster_labels([row(labels=None)], S) == recomputed
+    assert cluster_labels([row()], S) == recomputed  # column missing (old catalog)
+    assert cluster_labels([row(labels=None, k=None)], S) is None  # RLS undefined
 
 
 # -- MLflow links ------------------------------------------------------------------------
@@ -367,13 +375,13 @@ def test_repaired_variants_sit_beside_their_twins(tmp_path: Path) -> None:
         r = row("m", label.split("+")[0], budget, ppl_ptb=ppl, degraded=bad, repair=fix, **extra)
         rows.append(r | {"method_label": label, "grid_key": f"{label}-{budget}"})
     rows[4]["repair_kept"] = "1/1 runs, 1/1 followers; distilled, epoch 2 of 2"
-    pairs = views.repair_pairs(rows[1:], "ppl_ptb")
+    pairs = repair_pairs(rows[1:], "ppl_ptb")
     assert [(p["label"], p["budget"]) for p in pairs] == [("lorp", 2), ("shortgpt", 2)]
     lorp, short = pairs
     assert (lorp["pruned"], lorp["repaired"], lorp["gain"]) == (80.0, 20.0, 4.0)
     assert (lorp["pruned_degraded"], lorp["repaired_degraded"]) == (True, False)
     assert short["gain"] == pytest.approx(1.28) and short["residual"] == 0.25
-    assert views.repair_pairs([r for r in rows if "+" not in r["method_label"]], "ppl_ptb") == []
+    assert repair_pairs([r for r in rows if "+" not in r["method_label"]], "ppl_ptb") == []
 
     build_site(rows, tmp_path / "site")
     page = (tmp_path / "site" / "model-m.html").read_text()
@@ -393,11 +401,11 @@ def test_the_repair_table_judges_on_the_held_out_corpus(tmp_path: Path) -> None:
     ]:
         r = row("m", "window", 2, ppl_ptb=ptb, ppl_wiki=wiki, repair=fix, judged_on="wiki")
         rows.append(r | {"method_label": label, "grid_key": f"{label}-2"})
-    assert views.judged_metric(rows) == "ppl_wiki"
-    [pair] = views.model_view("m", rows, None, {}, "")["repairs"]
+    assert judged_metric(rows) == "ppl_wiki"
+    [pair] = model_view("m", rows, None, {}, "")["repairs"]
     assert (pair["pruned"], pair["repaired"], pair["gain"]) == (80.0, 25.0, 3.2)
     calib = [r | {"judged_on": "ptb (calibration text)"} for r in rows]
-    assert views.judged_metric(calib) == "ppl_ptb"
+    assert judged_metric(calib) == "ppl_ptb"
     build_site(rows, tmp_path / "site")
     page = (tmp_path / "site" / "model-m.html").read_text()
     assert "Perplexity on wiki; gain" in page and "Dense: 20.00." in page
@@ -421,7 +429,7 @@ def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path:
         row("small", "dense", 0, ppl_ptb=10.0),
         row("small", "lorp", 2, ppl_ptb=12.0),
     ]
-    m = views.memory_view(rows[:2])
+    m = memory_view(rows[:2])
     assert m is not None and m["speed_skipped"] == reason
     assert [s["text"] for s in m["stages"]] == [
         "capture streamed (8 windows per pass, plans 6.37 GiB of a worker's 7.96 GiB; "
@@ -429,7 +437,7 @@ def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path:
         "evaluate memory (2 windows per pass, plans 1.5 GiB of a worker's 7.96 GiB; "
         "held whole it needs 1.5 GiB)",
     ]
-    assert views.memory_view(rows[2:]) is None
+    assert memory_view(rows[2:]) is None
     build_site(rows, tmp_path / "site")
     big = (tmp_path / "site" / "model-big.html").read_text()
     assert big.count('class="memory-plan"') == 1

@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tiny_models import VOCAB, tiny_model, word_tokenizer
 
 from lorp.data.corpora import load_corpus
 from lorp.data.windows import (
@@ -23,6 +22,7 @@ from lorp.data.windows import (
     resolve_bos,
 )
 from lorp.models.perplexity import perplexity, window_nll
+from tests.helpers.tiny_models import VOCAB, tiny_model, word_tokenizer
 
 
 def test_ptb_splits() -> None:

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from tiny_models import VOCAB, tiny_model
 
 from lorp.models.surgery import drop_layers
 from lorp.repair.capture import capture_repair_stats
@@ -16,13 +15,10 @@ from lorp.repair.distill import _applied, _Map, distill_fits
 from lorp.repair.fit import fit_runs
 from lorp.repair.fold import fold
 from lorp.repair.followers import fit_followers
+from tests.helpers.tiny_models import tiny_model
+from tests.helpers.windows import token_windows
 
 LAYERS = [2, 3]
-
-
-def windows(seed: int, n: int, T: int = 24) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n, T), generator=g)
 
 
 def kl(dense: torch.nn.Module, variant: torch.nn.Module, x: torch.Tensor) -> float:
@@ -47,7 +43,7 @@ def test_distilled_maps_fold_exactly_and_lower_the_held_out_kl(family: str) -> N
     least-squares maps', and the dense model is untouched."""
     model = tiny_model(family)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    x, held = windows(0, 16), windows(1, 8)
+    x, held = token_windows(16, seed=0), token_windows(8, seed=1)
     fits = least_squares(model, x, held)
     out = distill_fits(model, fits, LAYERS, x, held, epochs=3, lr=3e-3, autocast=False)
 
@@ -79,7 +75,7 @@ def test_a_distillation_that_does_not_help_keeps_the_least_squares_maps() -> Non
     """A learning rate that throws the maps away: no epoch beats the start on the held-out
     windows, so the fits come back as given, with the record saying so."""
     model = tiny_model("llama")
-    x, held = windows(0, 16), windows(1, 8)
+    x, held = token_windows(16, seed=0), token_windows(8, seed=1)
     fits = least_squares(model, x, held)
     out = distill_fits(model, fits, LAYERS, x, held, epochs=2, lr=10.0, autocast=False)
     record = out[0].distilled
@@ -96,7 +92,7 @@ def test_the_maps_apply_as_the_fold_does_before_training() -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    x, held = windows(0, 16), windows(1, 8)
+    x, held = token_windows(16, seed=0), token_windows(8, seed=1)
     fits = least_squares(model, x, held)
     maps = [_Map(f) for f in fits]
     with torch.no_grad(), _applied(model, maps, LAYERS):
@@ -110,6 +106,6 @@ def test_the_maps_apply_as_the_fold_does_before_training() -> None:
 
 def test_bad_settings_are_refused() -> None:
     model = tiny_model("llama")
-    x = windows(0, 4)
+    x = token_windows(4, seed=0)
     with pytest.raises(ValueError, match="epochs must be >= 0 and lr > 0, got 1, 0"):
         distill_fits(model, [], LAYERS, x, x, epochs=1, lr=0)

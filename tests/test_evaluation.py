@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 from lm_eval.api.model import LM
-from tiny_models import VOCAB, tiny_model, word_tokenizer
-from vllm_score import score_in_subprocess
 
 from lorp.data.corpora import load_corpus, tokenize_documents
 from lorp.data.windows import eval_windows
@@ -29,6 +27,8 @@ from pipeline.evaluation.speed import (
     speedup_bound,
     timed_speedup,
 )
+from tests.helpers.tiny_models import VOCAB, tiny_model, word_tokenizer
+from tests.helpers.vllm_score import score_in_subprocess
 
 # -- zero-shot: the shipped task YAMLs, scored by an oracle that knows the answers ---------
 

@@ -14,17 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from job_specs import tiny_job
-from job_specs import write_job as write_spec
 from mlflow.tracking import MlflowClient
-from processes import kill_started_by
-from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
 from pipeline.cluster.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
 from pipeline.records.catalog import read_catalog
-from pipeline.records.rows import read_events
+from pipeline.records.events import read_events
 from pipeline.stages.calibration import read_shard
+from tests.helpers.job_specs import tiny_job, write_job
+from tests.helpers.processes import kill_started_by
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
@@ -35,10 +34,11 @@ def model(tmp_path_factory) -> Path:
     return save_tiny_ptb("llama", tmp_path_factory.mktemp("m") / "llama")
 
 
-def write_job(tmp_path: Path, model: Path, name: str, **extra) -> Path:  # type: ignore[no-untyped-def]
+def perplexity_job(tmp_path: Path, model: Path, name: str, **extra) -> Path:  # type: ignore[no-untyped-def]
+    """A tiny job judged on PTB perplexity, written as YAML."""
     evaluation = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
     spec = tiny_job(tmp_path, model, name, evaluation=evaluation, ray={"num_cpus": 2})
-    return write_spec(tmp_path, spec | extra)
+    return write_job(tmp_path, spec | extra)
 
 
 def stats_of(run_dir: Path) -> SimilarityStats:
@@ -61,7 +61,7 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
     from pipeline.spec.parse import load_spec
     from pipeline.stages.statistics import calibration_shards, capture_task
 
-    faulty = write_job(tmp_path, model, "faulty", budgets=[2], methods=[{"name": "lorp"}])
+    faulty = perplexity_job(tmp_path, model, "faulty", budgets=[2], methods=[{"name": "lorp"}])
     marker = tmp_path / "died-once"
     faults = {FAULT_SHARD_ENV: "shard-0001.parquet", FAULT_POINT_ENV: "lorp-b2"}
     env = dict(os.environ, **faults, **{FAULT_MARKER_ENV: str(marker)})
@@ -74,8 +74,8 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
 
     spec = load_spec(faulty)
     (plan,) = plan_models(spec)
-    shards = calibration_shards(spec, plan, tmp_path / "faulty")  # the run's own files
-    task = capture_task(spec, plan, shards)
+    shards = calibration_shards(spec.calibration, plan, tmp_path / "faulty")  # the run's own files
+    task = capture_task(spec.resources.capture, spec.calibration, plan, shards)
     dense = AutoModelForCausalLM.from_pretrained(model).eval()
     windows = torch.cat([read_shard(p) for p in shards.paths])
     size = spec.calibration.batch_size
@@ -111,7 +111,7 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
     a = save_tiny_ptb("llama", root / "a", n_blocks=8)
     b = save_tiny_ptb("qwen3", root / "b", n_blocks=8)
     methods = [{"name": m} for m in ("lorp", "shortgpt", "streamline", "angular")]
-    job = write_job(
+    job = perplexity_job(
         tmp_path, a, "killed",
         models=[{"ref": str(a), "name": "a"}, {"ref": str(b), "name": "b"}],
         budgets=[1, 3],
@@ -175,7 +175,7 @@ def test_unwritable_output_directory(model: Path, tmp_path: Path) -> None:
     exit 2, before any work. chmod would not do: CI runs as root, which ignores modes."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file")
-    job = write_job(tmp_path, model, "blocked", output_dir=str(blocker / "run"))
+    job = perplexity_job(tmp_path, model, "blocked", output_dir=str(blocker / "run"))
     out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Not a directory" in out.stderr, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1
@@ -186,12 +186,12 @@ def test_sigterm_mid_grid_stops_cleanly_beside_a_second_job(model: Path, tmp_pat
     """A scheduler's SIGTERM mid-grid: the driver ends its points in flight as KILLED, says
     in one line what was done and that a rerun resumes, exits 143; a second job on the
     same machine (its own local Ray) finishes untouched; the rerun lands every point once."""
-    job = write_job(
+    job = perplexity_job(
         tmp_path, model, "stopped", budgets=[1, 2, 3],
         methods=[{"name": m} for m in ("lorp", "shortgpt", "streamline", "angular")],
         resources={"max_concurrent_points": 2},
     )  # fmt: skip
-    beside = write_job(tmp_path, model, "beside", budgets=[1, 2], methods=[{"name": "lorp"}])
+    beside = perplexity_job(tmp_path, model, "beside", budgets=[1, 2], methods=[{"name": "lorp"}])
     run_dir, points = tmp_path / "stopped", 1 + 3 * 4
     logs = {name: (tmp_path / f"{name}.err").open("w+") for name in ("stopped", "beside")}
     proc, other = (

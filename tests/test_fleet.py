@@ -8,24 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
-from job_specs import tiny_job
-from tiny_models import save_tiny_ptb
 
-from pipeline.records.rows import read_events
+from pipeline.records.events import read_events
 from pipeline.records.status import format_status, run_status
 from pipeline.records.timeline import spans_of, summarise
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.tiny_models import save_tiny_ptb
+
+RAY_CPUS = 4
+"""The fleet's points and a capture worker side by side."""
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def local_ray():  # type: ignore[no-untyped-def]
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +51,7 @@ def overlap(a: list[dict], b: list[dict]) -> bool:  # type: ignore[type-arg]
 
 
 def test_two_models_stages_overlap_and_one_at_a_time_does_not(
-    local_ray, models: dict[str, Path], tmp_path: Path
+    ray_cluster, models: dict[str, Path], tmp_path: Path
 ) -> None:
     together = parse_spec(fleet_job(tmp_path, models, "together"))
     summary = run_job(together)
@@ -123,7 +118,7 @@ def broken_method(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
-    local_ray, models: dict[str, Path], tmp_path: Path, broken_method: str
+    ray_cluster, models: dict[str, Path], tmp_path: Path, broken_method: str
 ) -> None:
     """The model's preparation fails (a selection raises) after its first points ended:
     the failure is recorded, and the points it had handed over are recorded, gated and

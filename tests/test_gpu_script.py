@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from lorp.repair.stats import contiguous_runs
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def load_script():  # type: ignore[no-untyped-def]

@@ -98,10 +98,9 @@ def test_mixed_windows_hold_each_corpus_in_its_share(tmp_path) -> None:  # type:
     """Shards of a mix: 10 windows, 3:2 -> 6 from one corpus and 4 from the other, every
     window cut from its corpus's tokens, the same on a second call; the held-out windows
     are another draw of the same mix."""
-    from tiny_models import ptb_tokenizer
-
     from lorp.data.windows import mixture_counts
     from pipeline.stages.calibration import heldout_windows, read_shard, write_shards
+    from tests.helpers.tiny_models import ptb_tokenizer
 
     tok = ptb_tokenizer()
     (tmp_path / "a.txt").write_text(" ".join(["the cat sat on the mat"] * 40))

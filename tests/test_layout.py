@@ -1,5 +1,6 @@
-"""The code's shape, read from its source: what may import what in `pipeline/`, how long a
-function may be, and which module writes the job's records (README, Layout)."""
+"""The code's shape, read from its source: what may import what in `lorp/` and `pipeline/`,
+how long a function and a module may be, which module writes the job's records, and where
+each module's tests live (docs: Architecture)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [
+from tests.helpers.paths import REPO
+
+ROOT = REPO
+PIPELINE_LAYERS = [
     {"storage"},
     {"spec"},
     {"evaluation", "plan"},
@@ -21,9 +24,32 @@ LAYERS = [
     {"run"},
     {"cli"},
 ]
-"""Bottom to top: a module imports only modules of its own layer and those below."""
-WRITERS = {"Tracker", "Catalog", "EventLog", "register_model"}
-"""What writes a job's records: catalog parts, MLflow runs, events, registry versions."""
+"""`pipeline/`, bottom to top: a module imports only modules of its own layer and below."""
+LORP_LAYERS = [
+    {"version", "cache", "atomic"},
+    {"models", "data"},
+    {"locality"},
+    {"repair"},
+    {"methods"},
+    {"provenance", "serving_cost"},
+    {"cli", ""},
+]
+"""`lorp/`, bottom to top: checkpoints and text below the paper's core (`locality`), the core
+below the repair, the repair below the selection methods (`window` ranks by it), and the
+command line (and the package's public API, "") on top."""
+WRITERS = {"Tracker", "Catalog", "EventLog", "register_model", "move_aliases"}
+"""What writes a job's records: catalog parts, MLflow runs, events, registry versions and
+aliases."""
+WRITER_MODULES = {
+    "pipeline.records.tracking",
+    "pipeline.records.catalog",
+    "pipeline.records.events",
+    "pipeline.records.model_registry",
+    "pipeline.records.registry_aliases",
+}
+"""The modules that define them: importing one whole (`import ... as c`, `from ... import
+catalog`) counts as a use; importing a reader from one (`read_events`) does not."""
+MAX_MODULE_LINES = 500
 
 
 def module_name(path: Path) -> str:
@@ -31,48 +57,107 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def layer(module: str) -> int | None:
-    """The layer of a `pipeline` module; None outside `pipeline`."""
+def _layer(module: str, package: str, layers: list[set[str]]) -> int | None:
     parts = module.split(".")
-    if parts[0] != "pipeline" or len(parts) < 2:
+    if parts[0] != package:
         return None
-    found = [i for i, names in enumerate(LAYERS) if parts[1] in names]
-    assert found, f"{module}: in no layer of the layout (README, Layout)"
+    name = parts[1] if len(parts) > 1 else ""
+    found = [i for i, names in enumerate(layers) if name in names]
+    assert found, f"{module}: in no layer of the layout (docs: Architecture)"
     return found[0]
 
 
-def imports(tree: ast.AST) -> Iterator[tuple[str, list[str], int]]:
-    """(module, names, line) of every absolute import, in functions and TYPE_CHECKING too."""
+def layer(module: str) -> int | None:
+    """The layer of a `pipeline` or `lorp` module (each package has its own); None
+    outside them and for `pipeline`'s own __init__ (a docstring)."""
+    if module == "pipeline":
+        return None
+    if module.startswith("pipeline"):
+        return _layer(module, "pipeline", PIPELINE_LAYERS)
+    return _layer(module, "lorp", LORP_LAYERS)
+
+
+def imports(
+    tree: ast.AST, module: str, is_package: bool = False
+) -> Iterator[tuple[str, list[str], int]]:
+    """(module, names, line) of every import, in functions and TYPE_CHECKING too; a
+    relative import is resolved against `module` (a package's `__init__` is its own
+    package), so `from .records.catalog import Catalog` is `pipeline.records.catalog`."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, [], node.lineno
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module, [a.name for a in node.names], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            yield target, names, node.lineno
+            for name in names:  # `from pipeline.records import catalog`: the module itself
+                yield f"{target}.{name}", [], node.lineno
+
+
+def source_imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
+    return imports(ast.parse(path.read_text()), module_name(path), path.name == "__init__.py")
 
 
 def sources(folder: str) -> list[Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
 
-def test_no_module_in_pipeline_imports_one_above_it() -> None:
+def upward_imports(path: Path, found: Iterator[tuple[str, list[str], int]]) -> list[str]:
+    me = layer(module_name(path))
+    if me is None:
+        return []
     wrong = []
-    for path in sources("pipeline"):
-        me = layer(module_name(path))
-        if me is None:
-            continue  # the package's own __init__: a docstring
-        for target, _, line in imports(ast.parse(path.read_text())):
-            other = layer(target)
-            if other is not None and other > me:
-                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    for target, _, line in found:
+        if target.split(".")[0] != module_name(path).split(".")[0]:
+            continue  # each package's layers are its own; lorp never imports pipeline
+        other = layer(target)
+        if other is not None and other > me:
+            wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    return wrong
+
+
+@pytest.mark.parametrize("folder", ["pipeline", "lorp"])
+def test_no_module_imports_one_above_it(folder: str) -> None:
+    wrong = [w for path in sources(folder) for w in upward_imports(path, source_imports(path))]
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_cycle_among_pipeline_modules() -> None:
+def test_the_layer_check_sees_relative_and_aliased_imports() -> None:
+    """Fed imports that once slipped through: each is caught, in both packages."""
+    caught = {
+        "pipeline/storage.py": "from .records.catalog import Catalog",
+        "pipeline/spec/job.py": "import pipeline.records.catalog as c",
+        "pipeline/plan.py": "from ..pipeline import fleet",
+        "lorp/models/surgery.py": "from ..repair import fold",
+        "lorp/locality/rls.py": "from lorp.methods import registry",
+        "lorp/data/windows.py": "import lorp.locality.similarity as s",
+    }
+    for rel, line in caught.items():
+        path = ROOT / rel
+        found = imports(ast.parse(line), module_name(path))
+        assert upward_imports(path, found), f"{rel}: {line!r} was not caught"
+    ok = imports(ast.parse("from .shape import ModelShape"), "lorp.models.memory")
+    assert not upward_imports(ROOT / "lorp/models/memory.py", ok)
+
+
+def _graph(folder: str) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for path in sources("pipeline"):
-        targets = {t for t, _, _ in imports(ast.parse(path.read_text()))}
-        graph[module_name(path)] = {t for t in targets if t.startswith("pipeline.")}
+    for path in sources(folder):
+        targets = {t for t, _, _ in source_imports(path)}
+        me = module_name(path)  # a package importing its own modules is no cycle
+        graph[me] = {t for t in targets if t.startswith(f"{folder}.") and t != me}
+    return graph
+
+
+@pytest.mark.parametrize("folder", ["pipeline", "lorp"])
+def test_no_import_cycle(folder: str) -> None:
+    graph = _graph(folder)
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:
@@ -103,15 +188,55 @@ def test_no_function_over_its_folders_length(folder: str, limit: int) -> None:
     assert not long, "\n".join(long)
 
 
+@pytest.mark.parametrize("folder", ["lorp", "pipeline", "dashboards"])
+def test_no_module_over_500_lines(folder: str) -> None:
+    """Split by meaning where a module grows past this, each part named for its concern."""
+    long = [
+        f"{p.relative_to(ROOT)} {n}"
+        for p in sources(folder)
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "\n".join(long)
+
+
+def test_lorp_keeps_its_top_level_small() -> None:
+    """Subpackages named for what they hold; at most 8 modules beside them."""
+    top = sorted(p.name for p in (ROOT / "lorp").glob("*.py"))
+    assert len(top) <= 8, top
+
+
+def writer_users(found: Iterator[tuple[str, list[str], int]]) -> bool:
+    for target, names, _ in found:
+        if WRITERS & set(names) or (not names and target in WRITER_MODULES):
+            return True
+    return False
+
+
 def test_records_are_written_from_the_recorder_only() -> None:
     """The classes and functions that write catalog parts, MLflow runs, events and
-    registry versions are used by the recorder and nowhere else in the driver."""
-    users = set()
-    for path in sources("pipeline"):
-        for _, names, _ in imports(ast.parse(path.read_text())):
-            if WRITERS & set(names) or "model_registry" in names:
-                users.add(module_name(path))
+    registry versions are used by the recorder and nowhere else in the driver (the
+    modules that define them aside)."""
+    users = {
+        module_name(path)
+        for path in sources("pipeline")
+        if module_name(path) not in WRITER_MODULES and writer_users(source_imports(path))
+    }
     assert users == {"pipeline.recorder"}, users
+
+
+def test_the_writer_check_sees_module_imports() -> None:
+    for line in (
+        "import pipeline.records.catalog as c",
+        "from pipeline.records import model_registry",
+        "from .records.tracking import Tracker",
+        "from .records import events",
+    ):
+        assert writer_users(imports(ast.parse(line), "pipeline.fleet")), line
+    for line in (
+        "from .records.rows import row",
+        "from pipeline.records.events import read_events",
+    ):
+        assert not writer_users(imports(ast.parse(line), "pipeline.fleet")), line
 
 
 def test_the_lorp_package_imports_no_fleet_library() -> None:
@@ -119,7 +244,7 @@ def test_the_lorp_package_imports_no_fleet_library() -> None:
     wrong = [
         f"{path.relative_to(ROOT)}:{line} imports {target}"
         for path in sources("lorp")
-        for target, _, line in imports(ast.parse(path.read_text()))
+        for target, _, line in source_imports(path)
         if target.split(".")[0] in banned
     ]
     assert not wrong, "\n".join(wrong)

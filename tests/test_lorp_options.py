@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_states
 
 from lorp import SimilarityStats, register_method, select_layers, unregister_method
 from lorp.methods import Selection, validate_options
+from tests.helpers.states import make_states
 
 BAD = [
     (

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from conftest import make_states
 
 import lorp.locality.profile as model_profile
 import lorp.methods.lorp_method as lorp_method
@@ -22,6 +21,7 @@ from lorp import (
     rls,
     select_layers,
 )
+from tests.helpers.states import make_states
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model
 
 from lorp import allocate, cluster_layers, select_layers
 from lorp.methods import validate_options
 from lorp.methods.removal_loss import LossEvaluator, calibration_loss
 from lorp.models.architectures import decoder_blocks
 from lorp.models.surgery import blocks_dropped, drop_layers
+from tests.helpers.tiny_models import FAMILIES, tiny_model
+from tests.helpers.windows import token_windows
 
 Candidates = list[tuple[int, ...]]
 
@@ -220,7 +221,7 @@ def test_bad_losses_answers() -> None:
 @pytest.fixture(scope="module")
 def windows() -> torch.Tensor:
     # Longer than the tiny models' sliding window (16), so sliding layers matter.
-    return torch.randint(3, 512, (3, 40), generator=torch.Generator().manual_seed(0))
+    return token_windows(3, 40, vocab=512)
 
 
 def snapshot(model: torch.nn.Module) -> tuple:

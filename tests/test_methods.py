@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from conftest import make_states
 
 from lorp import (
     SimilarityStats,
@@ -19,6 +18,7 @@ from lorp import (
 )
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods import Selection
+from tests.helpers.states import make_states
 
 
 @pytest.fixture(scope="module")

@@ -9,27 +9,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
-from job_specs import tiny_job
 from mlflow.tracking import MlflowClient
-from tiny_models import save_tiny_ptb
 
 from dashboards.links import job_tracking, model_version_url
-from dashboards.views import variant_view
+from dashboards.model_view import variant_view
 from lorp import SimilarityStats
 from pipeline.records.catalog import read_catalog
-from pipeline.records.model_registry import (
-    load_variant,
-    move_aliases,
-    parse_models_uri,
-    pull,
-    registered_name,
-    tag_value,
-)
+from pipeline.records.model_registry import registered_name, tag_value
+from pipeline.records.registry_aliases import move_aliases
+from pipeline.records.registry_loading import load_variant, parse_models_uri, pull
 from pipeline.records.tracking import GRID_KEY
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration]
 NAME = "lorp-tiny"
@@ -48,13 +43,11 @@ def store(tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """One job (1 model, budgets 1 and 2, lorp + shortgpt, perplexity) on a local Ray."""
     root = tmp_path_factory.mktemp("registry")
     model = save_tiny_ptb("llama", root / "model")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    with pytest.MonkeyPatch.context() as mp:
+    with local_ray(), pytest.MonkeyPatch.context() as mp:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         spec = spec_for(root, model, "reg")
         summary = run_job(spec)
         yield {"root": root, "model": model, "spec": spec, "summary": summary}
-    ray.shutdown()
 
 
 def client_of(summary: Any) -> MlflowClient:
@@ -210,7 +203,7 @@ def test_a_version_loads_back_as_its_checkpoint(store, tmp_path: Path) -> None: 
 
 
 def test_lorp_pull_writes_the_checkpoint_directory(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from cli_runner import lorp
+    from tests.helpers.cli_runner import lorp
 
     summary = store["summary"]
     rows = {r["model_uri"]: r for r in read_catalog(summary.catalog)}

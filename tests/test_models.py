@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import brute_force_S
-from tiny_models import FAMILIES, N_BLOCKS, VOCAB, save_tiny, tiny_config, tiny_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -20,6 +18,8 @@ from lorp.locality.capture import capture_stats
 from lorp.models.architectures import UnsupportedArchitectureError, architecture_of, decoder_stack
 from lorp.models.fingerprint import fingerprint_checkpoint
 from lorp.models.surgery import PROVENANCE_FILE, drop_layers, save_pruned
+from tests.helpers.states import brute_force_S, brute_last_token, last_positions
+from tests.helpers.tiny_models import FAMILIES, N_BLOCKS, VOCAB, save_tiny, tiny_config, tiny_model
 
 FAMILY_IDS = list(FAMILIES)
 
@@ -62,28 +62,16 @@ def test_capture_equals_brute_force(family: str) -> None:
     assert np.ptp(expected[np.triu_indices(N_BLOCKS + 1, 1)]) > 0.05
 
 
-def brute_last_token(states: np.ndarray, last: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Means over sequences of cos(h_i, h_j) and of arccos(cos)/pi at each sequence's last
-    real token, pair by pair; states [L, B, T, d]."""
-    L = states.shape[0]
-    cos, ang = np.zeros((L, L)), np.zeros((L, L))
-    for b, t in enumerate(last):
-        for i in range(L):
-            for j in range(L):
-                u, v = states[i, b, t], states[j, b, t]
-                c = np.dot(u, v) / (np.linalg.norm(u) * np.linalg.norm(v))
-                cos[i, j] += c
-                ang[i, j] += np.arccos(np.clip(c, -1, 1)) / np.pi if i != j else 0.0
-    return cos / len(last), ang / len(last)
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_last_token_gram_equals_brute_force(family: str) -> None:
     """Right padding on the second sequence: its last real token is position 16, not 23."""
     model = tiny_model(family)
     batches = [batch(0), batch(1)]
     stats = capture_stats(model, batches, progress=False)
-    parts = [brute_last_token(independent_states(model, b), [23, 16]) for b in batches]
+    parts = [
+        brute_last_token(independent_states(model, b), last_positions([23, 16], 24))
+        for b in batches
+    ]
     cos, ang = ((parts[0][i] + parts[1][i]) / 2 for i in (0, 1))
     assert stats.sequences == 4
     np.testing.assert_allclose(stats.last_gram / 4, cos, rtol=0, atol=1e-6)
@@ -106,7 +94,10 @@ def test_capture_skips_the_bos_position_from_S_only() -> None:
     np.testing.assert_allclose(stats.matrix(include_output=True), expected, rtol=1e-5, atol=1e-5)
     assert stats.tokens == 24 + 17
     np.testing.assert_allclose(
-        stats.last_token_matrix(), brute_last_token(states, [24, 17])[0], rtol=0, atol=1e-6
+        stats.last_token_matrix(),
+        brute_last_token(states, last_positions([24, 17], states.shape[2]))[0],
+        rtol=0,
+        atol=1e-6,
     )
 
 
@@ -226,7 +217,7 @@ def test_fingerprint_is_content_not_path(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def _lorp_capture(model_dir: Path, data: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    from cli_runner import lorp
+    from tests.helpers.cli_runner import lorp
 
     args = ["capture", str(model_dir), "--data", data, "--samples", "2",
             "--seq-len", "16", "--out", "s.npz"]  # fmt: skip
@@ -235,7 +226,7 @@ def _lorp_capture(model_dir: Path, data: str, cwd: Path) -> subprocess.Completed
 
 def test_cli_bad_models_and_corpora(tmp_path: Path) -> None:
     """Through the CLI: one line, exit 2, no stats file written."""
-    from tiny_models import save_tiny_ptb
+    from tests.helpers.tiny_models import save_tiny_ptb
 
     gpt2 = tmp_path / "gpt2"
     AutoModelForCausalLM.from_config(

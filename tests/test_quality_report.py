@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers.paths import REPO
+
+sys.path.insert(0, str(REPO))
 
 from benchmarks.quality import (  # noqa: E402
     findings,
@@ -144,7 +145,7 @@ def test_retention_evaluates_each_pick_as_its_row_was_distilled() -> None:
     from pipeline.spec.models import MethodSpec
     from pipeline.spec.parse import load_spec
 
-    spec = load_spec(Path(__file__).resolve().parents[1] / "jobs" / "quality.yaml")
+    spec = load_spec(REPO / "jobs" / "quality.yaml")
     spec = dataclasses.replace(spec, methods=(MethodSpec("streamline", repair_distill=2),
                                               MethodSpec("window", repair_distill=2)))  # fmt: skip
     fits = [{"run": [1, 2], "kept": "distilled", "distilled": {"epochs": 3, "lr": 5e-5}}]

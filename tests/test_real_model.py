@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_runner import lorp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorp import SimilarityStats, rls
@@ -19,6 +18,7 @@ from lorp.data.windows import eval_windows
 from lorp.models.loading import load_model
 from lorp.models.packaged import PACKAGED_MODELS
 from lorp.models.perplexity import perplexity
+from tests.helpers.cli_runner import lorp
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, N_BLOCKS, VOCAB, tiny_model
 
 from lorp.methods.removal_loss import calibration_loss
 from lorp.methods.window_scores import window_losses, window_scores
@@ -22,14 +21,11 @@ from lorp.repair.maps import RIDGES, RepairRefused, fit_full
 from lorp.repair.normed import fit_normed
 from lorp.repair.prune_and_repair import full_fits, prune_and_repair
 from lorp.repair.stats import RepairStats, contiguous_runs, repair_passes, rms_unit
+from tests.helpers.tiny_models import FAMILIES, N_BLOCKS, tiny_model
+from tests.helpers.windows import token_windows
 
 LAYERS = [2, 3, N_BLOCKS - 1]  # a run inside the stack and one ending at block N-1
 RUNS = [(2, 3), (N_BLOCKS - 1, N_BLOCKS - 1)]
-
-
-def windows(seed: int = 0, n: int = 8, T: int = 24) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n, T), generator=g)
 
 
 def batches(x: torch.Tensor, size: int = 4) -> list[torch.Tensor]:
@@ -50,7 +46,7 @@ def test_contiguous_runs() -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fold_equals_the_map_applied_by_hooks(family: str) -> None:
     dense = tiny_model(family)
-    x = windows()
+    x = token_windows()
     stats = capture_repair_stats(dense, batches(x), RUNS, progress=False)
     fits = fit_runs(dense, stats)
     assert [f.form for f in fits] == ["normed" if family in NORMED else "full"] * 2
@@ -62,7 +58,7 @@ def test_fold_equals_the_map_applied_by_hooks(family: str) -> None:
     drop_layers(folded, LAYERS)
     pruned = copy.deepcopy(dense)
     kept = drop_layers(pruned, LAYERS)
-    probe = windows(seed=1, n=2)
+    probe = token_windows(seed=1, n=2)
     with applied_by_hooks(pruned, fits, kept):
         hooked = logits(pruned, probe)
     assert sum(p.numel() for p in folded.parameters()) == sum(
@@ -78,7 +74,7 @@ NORMED = {"gemma2", "gemma3_text", "olmo2", "olmo3"}
 
 def test_sharded_statistics_equal_one_pass() -> None:
     dense = tiny_model("qwen3")
-    x = windows(n=12)
+    x = token_windows(n=12)
     mask = torch.ones_like(x)
     mask[0, -5:] = 0  # padding counts nowhere
     whole = capture_repair_stats(
@@ -110,7 +106,7 @@ def test_sums_equal_brute_force_from_hidden_states() -> None:
     """A_s, B_se and c_se against the definitions, from transformers' own hidden states
     (block inputs) and a direct call of block s-1's MLP: an independent computation."""
     model = tiny_model("llama")
-    x = windows(n=4)
+    x = token_windows(n=4)
     stats = capture_repair_stats(model, [x], [(2, 3)], progress=False)
     with torch.no_grad():
         out = model(input_ids=x, output_hidden_states=True, use_cache=False)
@@ -134,7 +130,7 @@ def test_window_scores_are_the_repaired_states_relative_error(family: str) -> No
     map applied at block s-1 by a hook, against the score from the sums alone (no model:
     Gemma's T0 comes from the norm scale the statistics kept)."""
     model = tiny_model(family)
-    x = windows(n=6)
+    x = token_windows(n=6)
     runs = [(1, 2), (2, 3), (3, 4)]
     stats = capture_repair_stats(model, [x], runs, progress=False)
     scores = window_scores(stats)
@@ -157,7 +153,7 @@ def test_with_held_out_sums_windows_are_scored_on_the_held_out_windows() -> None
     """The score is the relative error the validated map leaves on windows it was not
     fitted on, measured here by running those windows with the map applied by a hook."""
     model = tiny_model("llama")
-    x, held = windows(n=6), windows(n=4, seed=9)
+    x, held = token_windows(n=6), token_windows(n=4, seed=9)
     runs = [(1, 2), (2, 3), (3, 4)]
     stats = capture_repair_stats(model, [x], runs, progress=False)
     stats.held = capture_repair_stats(model, [held], runs, progress=False)
@@ -182,7 +178,7 @@ def test_window_losses_are_the_folded_variants_calibration_losses(family: str) -
     """Each run's loss is that of the checkpoint a repaired point writes: the validated
     map folded, the run's blocks dropped; the model scored is left as it was."""
     model = tiny_model(family)
-    x, held = windows(n=6), windows(n=4, seed=9)
+    x, held = token_windows(n=6), token_windows(n=4, seed=9)
     runs = [(1, 2), (2, 3), (3, 4)]
     stats = capture_repair_stats(model, [x], runs, progress=False)
     stats.held = capture_repair_stats(model, [held], runs, progress=False)
@@ -233,7 +229,7 @@ def test_a_follower_takes_the_state_after_its_block_towards_the_dense_models(fam
     folded checkpoint's own states say, computed independently: the error of the state
     entering block 5 against the dense model's, with the follower and without."""
     model = tiny_model(family)
-    layers, x, held = [2, 3], windows(n=24), windows(n=8, seed=9)
+    layers, x, held = [2, 3], token_windows(n=24), token_windows(n=8, seed=9)
     stats = capture_repair_stats(model, [x], [(2, 3)], progress=False)
     stats.held = capture_repair_stats(model, [held], [(2, 3)], progress=False)
     fits = fit_runs(model, stats, ridge=None)
@@ -269,7 +265,7 @@ def test_save_load_round_trip_keeps_fingerprints(tmp_path) -> None:  # type: ign
     model = tiny_model("olmo2")
     stats = capture_repair_stats(
         model,
-        batches(windows()),
+        batches(token_windows()),
         RUNS,
         model_fingerprint="m1",
         calibration_fingerprint="c1",
@@ -289,7 +285,7 @@ def test_save_load_round_trip_keeps_fingerprints(tmp_path) -> None:  # type: ign
     for r in stats.runs:
         assert torch.equal(back.cross[r], stats.cross[r])
     other = capture_repair_stats(
-        model, batches(windows()), RUNS, model_fingerprint="m2", progress=False
+        model, batches(token_windows()), RUNS, model_fingerprint="m2", progress=False
     )
     with pytest.raises(ValueError, match="different model"):
         stats.merge(other)
@@ -300,7 +296,7 @@ def test_save_load_round_trip_keeps_fingerprints(tmp_path) -> None:  # type: ign
 
 def test_run_from_block_zero_folds_into_untied_embeddings_and_is_refused_when_tied() -> None:
     dense = tiny_model("llama")
-    x = windows()
+    x = token_windows()
     stats = capture_repair_stats(dense, batches(x), [(0, 1)], progress=False)
     fits = fit_runs(dense, stats)
     folded = copy.deepcopy(dense)
@@ -321,7 +317,7 @@ def test_prune_and_repair_lowers_calibration_loss() -> None:
     calibration tokens' next-token loss better than the unrepaired twin."""
     from lorp.methods.removal_loss import calibration_loss
 
-    x = windows(n=16, T=32)
+    x = token_windows(n=16, T=32)
     dense = tiny_model("mistral")
     pruned = copy.deepcopy(dense)
     drop_layers(pruned, [1, 2, 3])
@@ -352,14 +348,14 @@ def test_normed_fit_descends_to_near_the_full_map_on_an_exactly_orthogonal_targe
 
 def test_full_fits_on_a_normed_family_are_an_upper_bound_applied_by_hooks() -> None:
     dense = tiny_model("gemma2")
-    stats = capture_repair_stats(dense, batches(windows()), RUNS, progress=False)
+    stats = capture_repair_stats(dense, batches(token_windows()), RUNS, progress=False)
     exact, free = fit_runs(dense, stats), full_fits(dense, stats)
     for a, b in zip(exact, free, strict=True):
         assert b.residual <= a.residual + 1e-9  # fewer constraints fit at least as well
     pruned = copy.deepcopy(dense)
     kept = drop_layers(pruned, LAYERS)
     with applied_by_hooks(pruned, free, kept):
-        assert torch.isfinite(logits(pruned, windows(seed=2, n=2))).all()
+        assert torch.isfinite(logits(pruned, token_windows(seed=2, n=2))).all()
 
 
 def test_repair_passes_bound_memory_and_keep_starts_together() -> None:
@@ -378,7 +374,7 @@ def test_repair_passes_bound_memory_and_keep_starts_together() -> None:
 
 def test_ridge_must_be_positive() -> None:
     dense = tiny_model("llama")
-    stats = capture_repair_stats(dense, batches(windows()), RUNS, progress=False)
+    stats = capture_repair_stats(dense, batches(token_windows()), RUNS, progress=False)
     with pytest.raises(ValueError, match="ridge must be > 0"):
         fit_runs(dense, stats, ridge=0.0)
 
@@ -388,7 +384,7 @@ def test_sequential_fit_reads_the_inputs_of_the_model_repaired_so_far() -> None:
     the dense model as reference, equal those of a model with the first run really pruned
     (its block indices shifted), with targets taken from the dense model by hand."""
     dense = tiny_model("qwen2")
-    x = windows()
+    x = token_windows()
     first = fit_runs(dense, capture_repair_stats(dense, [x], [(1, 1)], progress=False))
     work = copy.deepcopy(dense)
     fold(work, first)
@@ -416,7 +412,7 @@ def test_sequential_fit_reads_the_inputs_of_the_model_repaired_so_far() -> None:
 
 
 def test_sequential_and_one_pass_repairs_agree_on_a_single_run() -> None:
-    x = windows(n=8, T=24)
+    x = token_windows(n=8, T=24)
     a, b = tiny_model("llama"), tiny_model("llama")
     fa = prune_and_repair(a, x, [2, 3], sequential=True)
     fb = prune_and_repair(b, x, [2, 3], sequential=False)
@@ -437,7 +433,7 @@ def test_repaired_checkpoint_is_its_twin_in_shape_and_reloads_with_the_same_logi
 
     from lorp.models.surgery import save_pruned
 
-    x = windows(n=8, T=24)
+    x = token_windows(n=8, T=24)
     twin, repaired = tiny_model(family), tiny_model(family)
     drop_layers(twin, layers)
     fits = prune_and_repair(repaired, x, layers)
@@ -448,7 +444,7 @@ def test_repaired_checkpoint_is_its_twin_in_shape_and_reloads_with_the_same_logi
     )
     back = AutoModelForCausalLM.from_pretrained(b).eval()
     assert sum(p.numel() for p in back.parameters()) == sum(p.numel() for p in twin.parameters())
-    probe = windows(seed=3, n=2)
+    probe = token_windows(seed=3, n=2)
     torch.testing.assert_close(logits(back, probe), logits(repaired, probe))
     assert (logits(back, probe) - logits(twin, probe)).abs().max() > 1e-2
 
@@ -507,7 +503,7 @@ def test_normed_fit_reads_the_quadratic_once_per_try_and_keeps_its_iterates(
     T0 = torch.eye(d, dtype=torch.float64)
     Q_ref, g_ref, svds_ref, rounds_ref = _reference_normed_fit(A, B, T0, 1e-3, rounds)
 
-    import lorp.repair as repair
+    import lorp.repair.normed as repair
 
     calls = {"svd": 0, "diag": 0}
     svd, diag = torch.linalg.svd, repair._diag_quad

@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
-from cli_runner import lorp
-from job_specs import tiny_job, write_job
-from local_servers import free_port, wait_for_port
 from mlflow.tracking import MlflowClient
-from tiny_models import save_tiny_ptb
 
+from pipeline.records.events import read_events
 from pipeline.records.protocol import calibration_id, protocol_id, row_protocol
-from pipeline.records.rows import read_events
 from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
+from tests.helpers.cli_runner import lorp
+from tests.helpers.job_specs import tiny_job, write_job
+from tests.helpers.local_servers import free_port, wait_for_port
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration]
 NAME = "lorp-tiny"
@@ -81,27 +81,26 @@ def fleet(server: str, tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-u
         "b": raw_job(root, model, "team-b", 32, ["shortgpt", "angular"]),
     }
     specs = {k: parse_spec(v) for k, v in raw.items()}
-    context = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    env = os.environ | {
-        "MLFLOW_TRACKING_URI": server,
-        "RAY_ADDRESS": context.address_info["gcs_address"],
-    }
-    lorp_bin = str(Path(sys.executable).parent / "lorp")
-    procs = {
-        k: subprocess.Popen(
-            [lorp_bin, "run", str(write_job(root, raw[k])), "-q"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for k in specs
-    }
-    outputs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}
-    codes = {k: p.returncode for k, p in procs.items()}
-    yield {"root": root, "model": model, "specs": specs, "outputs": outputs, "codes": codes,
-           "server": server}  # fmt: skip
-    ray.shutdown()
+    with local_ray() as context:  # the two jobs join it through RAY_ADDRESS
+        env = os.environ | {
+            "MLFLOW_TRACKING_URI": server,
+            "RAY_ADDRESS": context.address_info["gcs_address"],
+        }
+        lorp_bin = str(Path(sys.executable).parent / "lorp")
+        procs = {
+            k: subprocess.Popen(
+                [lorp_bin, "run", str(write_job(root, raw[k])), "-q"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            for k in specs
+        }
+        outputs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}
+        codes = {k: p.returncode for k, p in procs.items()}
+        yield {"root": root, "model": model, "specs": specs, "outputs": outputs, "codes": codes,
+               "server": server}  # fmt: skip
 
 
 def aliases(server: str) -> dict[str, str]:

@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
 import pytest
 import torch
-from conftest import brute_force_S, make_states
 
 from lorp import FORMAT_VERSION, NonFiniteActivationError, SimilarityStats, load_similarity
 from lorp.locality.similarity import LayerSimilarity
-
-
-def brute_last_token(states: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean over sequences of the cosine and of arccos(cos)/pi between every pair of
-    states at each sequence's last real token; states [L, B, T, d], mask [B, T]."""
-    L, B = states.shape[:2]
-    cos, ang, n = np.zeros((L, L)), np.zeros((L, L)), 0
-    for b in range(B):
-        real = np.flatnonzero(mask[b])
-        if real.size == 0:
-            continue
-        n += 1
-        for i in range(L):
-            for j in range(L):
-                u, v = states[i, b, real[-1]], states[j, b, real[-1]]
-                c = float(np.dot(u, v) / (np.linalg.norm(u) * np.linalg.norm(v)))
-                cos[i, j] += c
-                ang[i, j] += math.acos(min(1.0, max(-1.0, c))) / math.pi
-    return cos / n, ang / n
+from tests.helpers.states import brute_force_S, brute_last_token, make_states
 
 
 def test_matches_brute_force_float64(states: np.ndarray) -> None:

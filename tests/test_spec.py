@@ -13,6 +13,7 @@ import yaml
 from lorp.cli import main
 from pipeline.spec.checks import SpecError
 from pipeline.spec.parse import parse_spec
+from tests.helpers.paths import REPO
 
 LORP = shutil.which("lorp") or str(Path(sys.executable).parent / "lorp")
 GOOD = {
@@ -169,7 +170,7 @@ def test_credentials_are_redacted_from_printed_uris() -> None:
 def test_safe_defaults_in_shipped_specs() -> None:
     from pipeline.spec.parse import load_spec
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     for path in (root / "jobs").glob("*.yaml"):
         spec = load_spec(path)
         assert not any(m.trust_remote_code or m.allow_pickle for m in spec.models), path

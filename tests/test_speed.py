@@ -12,12 +12,12 @@ import statistics
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from lorp.models.surgery import drop_layers
 from pipeline.evaluation import speed
 from pipeline.evaluation.speed import median_interval, rounds_for, timed_speedup, timed_speedups
 from pipeline.stages.speed_pass import _groups
+from tests.helpers.tiny_models import tiny_model
 
 
 def scripted(monkeypatch: pytest.MonkeyPatch, times: dict[int, list[float]]) -> list[int]:
@@ -184,10 +184,9 @@ def test_groups_fit_the_memory_budget() -> None:
 def test_groups_share_the_models_time_budget(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Variants that do not fit memory together are timed in groups; each group gets the
     budget left divided by the groups left, so the first cannot spend the last's time."""
-    from tiny_models import save_tiny_ptb
-
     from pipeline.cluster.model_source import ModelSource
     from pipeline.stages import workers
+    from tests.helpers.tiny_models import save_tiny_ptb
 
     where = save_tiny_ptb("llama", tmp_path / "tiny")
     budgets: list[float] = []

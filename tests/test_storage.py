@@ -15,9 +15,6 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
-from job_specs import tiny_job
-from local_servers import free_port, wait_for_port
-from tiny_models import save_tiny_ptb
 
 from pipeline.records.catalog import Catalog
 from pipeline.records.shared_catalog import SharedCatalog
@@ -25,6 +22,10 @@ from pipeline.spec.checks import SpecError
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.capture import capture_workers
 from pipeline.storage import MARKER, Storage
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.local_servers import free_port, wait_for_port
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
 
 BUCKET = "lorp"
 EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
@@ -262,11 +263,9 @@ def test_capture_workers_come_from_the_spec() -> None:
 @pytest.fixture(scope="module")
 def ray_s3(s3: str):  # type: ignore[no-untyped-def]
     """A local Ray started after the S3 environment is set, so its workers have it."""
-    import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield s3
-    ray.shutdown()
+    with local_ray():
+        yield s3
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +316,7 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     recorder = Recorder(spec, False, Progress(bar=False))
     preparer = Preparer(spec, False, recorder.open(), recorder, recorder.progress.note)
     points = preparer.prepare(plan, "transformers", lambda kind, what: None).points  # on Ray
-    shards = load_shards(calibration_shards(spec, plan, spec.run_dir))
+    shards = load_shards(calibration_shards(spec.calibration, plan, spec.run_dir))
     tok = AutoTokenizer.from_pretrained(plan.path)
     where = recorder.storage.location
 
@@ -325,11 +324,20 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
         return point_task(spec, where, point, "transformers", {})
 
     calls = [
-        capture_task(spec, plan, calibration_shards(spec, plan, spec.run_dir)),
+        capture_task(
+            spec.resources.capture,
+            spec.calibration,
+            plan,
+            calibration_shards(spec.calibration, plan, spec.run_dir),
+        ),
         *shards,
-        loss_task(spec, plan, heldout_windows(tok, spec.calibration)[0]),
+        loss_task(
+            spec.evaluation, spec.resources.grid, plan, heldout_windows(tok, spec.calibration)[0]
+        ),
         *[task(p) for p in points],
-        speed_task(spec, where, points),
+        speed_task(
+            spec.evaluation, spec.resources, where, points, save_checkpoints=spec.save_checkpoints
+        ),
     ]
     assert all(isinstance(s.windows, np.ndarray) for s in shards)
     forbidden = [spec.run_dir, cache_root(), Path.home() / ".cache"]

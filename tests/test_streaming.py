@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_models import FAMILIES, N_BLOCKS, VOCAB, save_tiny
 from transformers import AutoModelForCausalLM
 
 from lorp.locality.capture import capture_stats
@@ -32,11 +31,8 @@ from lorp.repair.maps import RepairRefused
 from lorp.repair.stats import contiguous_runs
 from pipeline.cluster.decisions import TooLargeError, decide
 from pipeline.evaluation.speed import count_params
-
-
-def windows(n: int = 4, T: int = 24) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(3, VOCAB, (n, T), generator=g)
+from tests.helpers.tiny_models import FAMILIES, N_BLOCKS, VOCAB, save_tiny
+from tests.helpers.windows import token_windows
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +53,7 @@ def stat_arrays(stats: object) -> dict[str, torch.Tensor]:
 def test_streamed_equals_in_memory(family: str, checkpoints: dict[str, Path]) -> None:
     path = checkpoints[family]
     dense, streamed = in_memory(path), build_streamed(path)
-    x = windows()
+    x = token_windows(4)
     # S and the last-token statistics, two batches, BOS position skipped as the jobs do.
     a = capture_stats(dense, [x[:2], x[2:]], progress=False, skip_prefix=1)
     # A capture worker's model: the decoder stack only, the LM head never read.
@@ -89,9 +85,8 @@ def test_streamed_zero_shot_loglikelihoods_equal_in_memory(
 ) -> None:
     """The transformers backend's zero-shot scoring (lm-eval's HFLM, continuation head) on
     a streamed model gives the in-memory log-likelihoods; Gemma 3 ties its head."""
-    from tiny_models import word_tokenizer
-
     from pipeline.evaluation.zero_shot import hf_lm
+    from tests.helpers.tiny_models import word_tokenizer
 
     tokenizer = word_tokenizer(["a"], add_bos=False)
     g = torch.Generator().manual_seed(1)
@@ -123,7 +118,7 @@ def test_streaming_holds_one_matrix(checkpoints: dict[str, Path]) -> None:
 
     for u in streamer.units.values():
         u.module.register_forward_pre_hook(count)
-    perplexity(streamed, windows(), batch_size=4)
+    perplexity(streamed, token_windows(4), batch_size=4)
     assert held == [1] * len(streamer.units)
     assert streamer.reads == len(streamer.units)
     assert all(p.is_meta for p in streamed.parameters() if p.dim() >= 2)
@@ -140,7 +135,7 @@ def test_a_skipped_block_changes_the_figures(checkpoints: dict[str, Path]) -> No
     for name in ("gate_proj", "up_proj", "down_proj"):
         source = streamer.units[id(getattr(blocks[2].mlp, name))]
         streamer.units[id(getattr(blocks[3].mlp, name))].tensors = list(source.tensors)
-    x = windows()
+    x = token_windows(4)
     assert perplexity(streamed, x) != pytest.approx(perplexity(in_memory(path), x), rel=1e-3)
 
 
@@ -222,7 +217,7 @@ def test_file_surgery_equals_in_memory(
     layers = [2, 3] if tied else [0, 1, 3, 4]
     dense = in_memory(path)
     stats = capture_repair_stats(
-        dense, [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+        dense, [token_windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
     )
     fits = fit_runs(dense, stats)
     provenance = {"pruned": layers}
@@ -252,7 +247,7 @@ def test_file_surgery_refuses_a_fold_into_tied_embeddings(
 ) -> None:
     path = checkpoints["gemma3_text"]
     dense = in_memory(path)
-    stats = capture_repair_stats(dense, [windows(8)], [(0, 1)], progress=False)
+    stats = capture_repair_stats(dense, [token_windows(8)], [(0, 1)], progress=False)
     fits = fit_runs(dense, stats)
     with pytest.raises(RepairRefused, match="tied embeddings"):
         write_pruned_files(path, tmp_path / "x", [0, 1], {}, changes=file_folds(fits))
@@ -289,13 +284,13 @@ def test_a_fold_on_a_streamed_model_equals_the_in_memory_fold(
     dense, streamed = in_memory(path), build_streamed(path)
     layers = [0, 3, 4]
     stats = capture_repair_stats(
-        dense, [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+        dense, [token_windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
     )
     fits = fit_runs(dense, stats)
     for model in (dense, streamed):
         fold(model, fits)
         drop_layers(model, layers)
-    x = windows()
+    x = token_windows(4)
     assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
     # Run 0-0 folds into the embeddings, run 3-4 into block 2's down_proj.
     overrides = streamer_of(streamed).overrides
@@ -313,14 +308,14 @@ def test_a_streamed_fold_evaluates_what_its_bf16_checkpoint_holds(
     in_memory(checkpoints[family]).to(torch.bfloat16).save_pretrained(bf16)
     layers = [3, 4]
     stats = capture_repair_stats(
-        in_memory(bf16), [windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+        in_memory(bf16), [token_windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
     )
     fits = fit_runs(in_memory(bf16), stats)
     streamed = build_streamed(bf16)
     fold(streamed, fits)
     drop_layers(streamed, layers)
     written = write_pruned_files(bf16, tmp_path / "variant", layers, {}, changes=file_folds(fits))
-    x = windows()
+    x = token_windows(4)
     assert perplexity(streamed, x) == pytest.approx(perplexity(in_memory(written), x), rel=1e-6)
     # Held whole in fp32, the fold is not rounded: the figures differ, so the test can fail.
     dense = in_memory(bf16)
@@ -362,7 +357,7 @@ def test_only_the_checkpoints_own_files_are_read(
         {"layers.0.attention.wq.weight": torch.ones(4, 4)}, str(copy / "consolidated.safetensors")
     )
     assert "layers.0.attention.wq.weight" not in tensor_index(copy)
-    x = windows()
+    x = token_windows(4)
     assert perplexity(build_streamed(copy), x) == pytest.approx(perplexity(in_memory(copy), x))
     out = write_pruned_files(copy, tmp_path / "out", [1], {})
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
@@ -380,7 +375,7 @@ def test_legacy_rotary_frequencies_are_ignored_as_from_pretrained_does(
     tensors = load_file(str(copy / "model.safetensors"))
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    x = windows()
+    x = token_windows(4)
     assert perplexity(build_streamed(copy), x) == pytest.approx(perplexity(in_memory(copy), x))
     tensors["model.layers.0.self_attn.nonsense.weight"] = torch.ones(8, 8)
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})

@@ -35,14 +35,16 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 import yaml
-from job_specs import tiny_job
-from local_servers import free_port, wait_for_port
-from processes import kill_started_by
-from tiny_models import save_tiny_ptb
+
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.local_servers import free_port, wait_for_port
+from tests.helpers.paths import REPO
+from tests.helpers.processes import kill_started_by
+from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 RAY = Path(sys.executable).with_name("ray")
 LORP = Path(sys.executable).with_name("lorp")
 BUCKET = "lorp"
@@ -356,7 +358,7 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"0 done, {POINTS} already done, 0 failed; S captured 0, from cache 1" in out.stdout
 
-    from pipeline.records.model_registry import pull
+    from pipeline.records.registry_loading import pull
 
     pulled, version = pull("models:/lorp-tiny@best-2", tmp_path / "pulled", tracking_uri=tracking)
     assert version.source.startswith("s3://") and (pulled / "model.safetensors").is_file()

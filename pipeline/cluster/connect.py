@@ -18,20 +18,20 @@ from pathlib import Path
 
 import ray
 
-from pipeline.spec.job import JobSpec
+from pipeline.spec.resources import RaySpec
 
 # Joining a named cluster may take this long (env LORP_RAY_CONNECT_TIMEOUT_S overrides):
 # `ray.init(address=...)` on its own retries a dead GCS for many minutes without a word.
 CONNECT_TIMEOUT_S = 30.0
 
 
-def init_ray(spec: JobSpec) -> None:
+def init_ray(ray_spec: RaySpec) -> None:
     """Join the cluster named by RAY_ADDRESS or the spec; otherwise start a fresh local Ray
     (`address="local"`), whatever other cluster this machine knows of."""
     if ray.is_initialized():
         return
     env = os.environ.get("RAY_ADDRESS")
-    address = env or spec.ray.address
+    address = env or ray_spec.address
     if address and address != "local":
         check_reachable("RAY_ADDRESS" if env else "ray.address", address)
         ray.init(address=address, logging_level=logging.WARNING)
@@ -41,7 +41,7 @@ def init_ray(spec: JobSpec) -> None:
     # runs verbose: the driver's own lines are the job's voice, errors come back raised.
     ray.init(
         address="local",
-        num_cpus=spec.ray.num_cpus,
+        num_cpus=ray_spec.num_cpus,
         include_dashboard=False,
         dashboard_host="127.0.0.1",
         logging_level=logging.WARNING,

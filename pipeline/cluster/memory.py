@@ -106,15 +106,16 @@ def worker_bytes(resources: Resources, workers: int, stage: str = "grid") -> int
     return node_memory_bytes(resources, workers, stage)
 
 
-def _repair_sums(spec: JobSpec, plan: ModelPlan, d: int) -> tuple[int, int]:
+def _repair_sums(repairs: bool, memory_gib: float, plan: ModelPlan, d: int) -> tuple[int, int]:
     """(most, least) bytes of repair sums a capture worker holds, twice (the held-out
     windows'): per pass at most the spec's bound, at most a d x d float64 per run and per
     start for runs that can number N, at least one start's and one run's (one run per
-    pass). (0, 0) when the job does not repair."""
-    if "linear" not in spec.repair:
+    pass). (0, 0) when the job does not repair. `memory_gib`: the spec's
+    `resources.repair_memory_gib`."""
+    if not repairs:
         return 0, 0
     one = 2 * 8 * d * d
-    return 2 * min(int(spec.resources.repair_memory_gib * GIB), one * plan.n_blocks), 2 * one
+    return 2 * min(int(memory_gib * GIB), one * plan.n_blocks), 2 * one
 
 
 FIT_MATRICES = 12
@@ -140,7 +141,7 @@ def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: ModelShape, itemsize
     down = shape.hidden * shape.intermediate * itemsize
     first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
     fit = FIT_MATRICES * 8 * shape.hidden**2 if spec.resources.grid.num_gpus == 0 else 0
-    return fit + first + max(maps - 1, 0) * down + distill_bytes(spec, shape, maps)
+    return fit + first + max(maps - 1, 0) * down + distill_bytes(spec.distills, shape, maps)
 
 
 DISTILL_COPIES = 5
@@ -149,13 +150,13 @@ dense log-probabilities and their exponential, the pruned logits, their log-soft
 its gradient."""
 
 
-def distill_bytes(spec: JobSpec, shape: ModelShape, maps: int) -> int:
+def distill_bytes(distills: bool, shape: ModelShape, maps: int) -> int:
     """What `repair_distill` adds to a repaired point: one chunk's log-probabilities
     (`lorp.repair.distill.CHUNK` positions) and every map with Adam's two moments, in float32.
     The backward's activations are those of the blocks after the first map for one step's
     windows (bounded like a follower's forward), fewer than the evaluation's forward
     holds."""
-    if not spec.distills:
+    if not distills:
         return 0
     from lorp.repair.distill import CHUNK
 
@@ -167,7 +168,8 @@ SHARDS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def tensor_parallel(
-    spec: JobSpec,
+    grid: Resources,
+    asked: int | str,
     plan: ModelPlan,
     size: WeightSize,
     shape: ModelShape,
@@ -177,9 +179,9 @@ def tensor_parallel(
     dense model first), its weights split over them: `evaluation.tensor_parallel_size`
     when the spec sets a number, else the fewest that hold the weights in `HEADROOM` of
     each GPU and divide the attention heads (a number that does not fit is refused, as
-    is one no node has the GPUs for). 1 where vLLM does not run on GPUs."""
-    res, asked = spec.resources.grid, spec.evaluation.tensor_parallel_size
-    gpu = worker_bytes(res, 1)
+    is one no node has the GPUs for). 1 where vLLM does not run on GPUs. `asked` is the
+    spec's `evaluation.tensor_parallel_size`, `grid` its grid workers' resources."""
+    gpu = worker_bytes(grid, 1)
 
     def fits(t: int) -> bool:
         heads = shape.heads % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0)
@@ -224,13 +226,12 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     itemsize = dtype.itemsize
     size = weight_size(tensor_index(plan.path), dtype)
     shape = ModelShape.from_config(read_config(plan.path))
+    cal, ev, res = spec.calibration, spec.evaluation, spec.resources
     tp = 1
-    if backend == "vllm" and spec.resources.grid.num_gpus > 0:
-        tp = tensor_parallel(spec, plan, size, shape)
-    cal, ev = spec.calibration, spec.evaluation
-    res = spec.resources
+    if backend == "vllm" and res.grid.num_gpus > 0:
+        tp = tensor_parallel(res.grid, ev.tensor_parallel_size, plan, size, shape)
     capture_workers = res.capture_workers or cal.shards
-    sums = _repair_sums(spec, plan, shape.hidden)
+    sums = _repair_sums("linear" in spec.repair, res.repair_memory_gib, plan, shape.hidden)
     fit = repair_fit_bytes(spec, plan, shape, itemsize)
     # The most windows one forward may take when streamed: a capture worker's shard (or
     # the held-out calibration windows its repair pass sums), the windows of one corpus.
@@ -264,13 +265,13 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
         except TooLargeError as exc:
             raise SpecError(str(exc)) from None
         decisions.append((stage, d))
-    _check_distill(spec, plan, dict(decisions)["evaluate"])
+    _check_distill(spec.distills, plan, dict(decisions)["evaluate"])
     return replace(plan, memory=tuple(decisions), tensor_parallel=tp)
 
 
-def _check_distill(spec: JobSpec, plan: ModelPlan, evaluate: Decision) -> None:
+def _check_distill(distills: bool, plan: ModelPlan, evaluate: Decision) -> None:
     """Distillation backpropagates through the model: a streamed one would hold it all."""
-    if spec.distills and evaluate.mode == "streamed":
+    if distills and evaluate.mode == "streamed":
         raise SpecError(
             f"repair_distill: {plan.label} is streamed in its grid points (larger than a grid "
             f"worker) and distillation trains through the model held whole; set "

@@ -1,4 +1,6 @@
-"""The catalog in MLflow's own terms: the Model Registry, and loading a variant back.
+"""Registering a job's checkpoints as MLflow Model Registry versions: what to register
+(one entry per saved variant, and the dense model), their tags, and the versions made or
+found again.
 
 One registered model per base model, named `lorp-<label>` (the catalog's `model` label with
 every character MLflow or a URI would trip on turned into '-'). Each saved checkpoint is a
@@ -15,22 +17,11 @@ perplexities, accuracy, speed-up, `degraded`), plus `lorp.grid_key`, which toget
 version's run id is how a rerun finds a version instead of creating it again (tags follow
 the row: figures added later, a new `degraded` flag). A point redone under a new run
 (`--force`, changed evaluation settings) rewrites the same checkpoint directory, so its
-old version, whose run lorp has deleted, is deleted too: one version per directory.
+old version, whose run lorp has deleted, is deleted too: one version per directory. The
+catalog's `model_uri` column names each row's version.
 
-Aliases are recomputed when a job ends, over every version of the registered model,
-whichever job made it (`pipeline.records.ranking` is the rule): `best-<budget>-<protocol>`
-for each protocol, `best-<budget>` for the model's reference protocol, `dense` at the
-model's oldest dense version (stable). A version's figures are its row in the shared
-catalog when the job has one (`catalog:`), else its own tags, which repeat its row. Two
-jobs that end together cannot leave a stale view behind: after moving the aliases a job
-reads the versions again and recomputes until nothing changed under it, so whichever job
-ends last, the aliases are the same. Each move is logged with the job that made it (the
-job's events, and a tag `lorp.alias.<alias>` on the registered model). The catalog's
-`model_uri` column names each row's version.
-
-`load_variant` and `pull` read a version back (a checkpoint in remote storage is fetched
-to a local directory first, and refused without its completion marker); they live here,
-not in `lorp/`, because `lorp/` never imports MLflow.
+The aliases over every job's versions are `pipeline.records.registry_aliases`'s; reading
+a version back (`load_variant`, `lorp pull`) is `pipeline.records.registry_loading`'s.
 """
 
 from __future__ import annotations
@@ -38,13 +29,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import re
 import shutil
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,10 +41,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from lorp.atomic import atomic_dir
-from lorp.models.surgery import PROVENANCE_FILE
-from pipeline.records import ranking
 from pipeline.records.protocol import rank_column
-from pipeline.records.tracking import GRID_KEY, redact
+from pipeline.records.tracking import GRID_KEY
 from pipeline.storage import Storage, is_remote
 
 if TYPE_CHECKING:
@@ -189,7 +174,8 @@ class Registered:
 
 def register_model(client: MlflowClient, plan: ModelPlan, entries: list[Entry]) -> Registered:
     """Versions for `entries` (created, or found again and their tags brought up to
-    date). The catalog's `model_uri` is the caller's to write, then `move_aliases`."""
+    date). The catalog's `model_uri` is the caller's to write, then the aliases
+    (`pipeline.records.registry_aliases.move_aliases`)."""
     name = registered_name(plan.label)
     ensure_registered_model(client, name, plan)
     existing = existing_versions(client, name)
@@ -295,216 +281,3 @@ def sync_tags(client: MlflowClient, mv: ModelVersion, tags: Mapping[str, str]) -
     for key, value in tags.items():
         if mv.tags.get(key) != value:
             client.set_model_version_tag(mv.name, str(mv.version), key, value)
-
-
-def version_records(
-    versions: list[ModelVersion], shared: Mapping[tuple[str, str], Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """Each version as a row for `pipeline.records.ranking`: its row in the shared
-    catalog (`shared`: (grid key, run id) -> row) when there is one, else its tags; with
-    `version` added."""
-    out = []
-    for mv in versions:
-        key = mv.tags.get(GRID_KEY, "")
-        row = shared.get((key, mv.run_id or ""))
-        record = dict(row) if row is not None else dict(mv.tags)
-        record |= {"grid_key": key, "version": str(mv.version)}
-        record.setdefault("rank_by", mv.tags.get("rank_by"))
-        out.append(record)
-    return out
-
-
-def wanted_aliases(records: list[dict[str, Any]]) -> dict[str, str]:
-    """alias -> version: `dense` at the oldest dense version, and the ranking's `best-*`
-    (`pipeline.records.ranking.wanted_aliases`)."""
-    out = {a: str(r["version"]) for a, r in ranking.wanted_aliases(records).items()}
-    dense = [int(r["version"]) for r in records if r.get("method") == DENSE]
-    return ({DENSE: str(min(dense))} if dense else {}) | out
-
-
-def _view(versions: list[ModelVersion]) -> list[tuple[str, str, tuple]]:
-    """What the aliases are computed from, to see whether it changed."""
-    return sorted((str(v.version), v.run_id or "", tuple(sorted(v.tags.items()))) for v in versions)
-
-
-@dataclass(frozen=True)
-class Move:
-    """An alias set (`version`), moved (`previous` another) or removed (`version` None)."""
-
-    alias: str
-    version: str | None
-    previous: str | None
-
-
-def move_aliases(
-    client: MlflowClient,
-    name: str,
-    job: str,
-    shared: Callable[[], Mapping[tuple[str, str], Mapping[str, Any]]] | None = None,
-    attempts: int = 10,
-) -> tuple[dict[str, str], list[Move]]:
-    """Point `name`'s aliases where the ranking over all its versions says (see the
-    module docstring); `shared` reads the shared catalog's rows by (grid key, run id).
-    Returns alias -> version and the moves made, each also tagged on the model."""
-    moves: list[Move] = []
-    for attempt in range(attempts):
-        versions = all_versions(client, name)
-        wanted = wanted_aliases(version_records(versions, shared() if shared else {}))
-        current = {a: str(v) for a, v in client.get_registered_model(name).aliases.items()}
-        try:
-            for alias in sorted(set(current) | set(wanted)):
-                move = _move(client, name, alias, wanted.get(alias), current.get(alias), job)
-                if move is not None:
-                    moves.append(move)
-        except MlflowException:  # another job moved it at the same moment: look again
-            time.sleep(0.1 * (1 + attempt) * random.random())
-            continue
-        if _view(all_versions(client, name)) == _view(versions):
-            break
-    return wanted, moves
-
-
-def _move(
-    client: MlflowClient, name: str, alias: str, target: str | None, before: str | None, job: str
-) -> Move | None:
-    """One alias to `target` (None: removed), logged on the model; lorp's aliases only."""
-    if target == before or not (alias == DENSE or alias.startswith("best-")):
-        return None
-    if target is None:
-        client.delete_registered_model_alias(name, alias)
-    else:
-        client.set_registered_model_alias(name, alias, target)
-    note = f"v{target} by {job} at {now()}" if target else f"removed by {job} at {now()}"
-    client.set_registered_model_tag(name, f"lorp.alias.{alias}", note)
-    return Move(alias, target, before)
-
-
-def now() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def all_versions(client: MlflowClient, name: str) -> list[ModelVersion]:
-    return list(existing_versions(client, name).values())
-
-
-# -- reading a version back ---------------------------------------------------------------
-
-URI_FORMS = "models:/<name>/<version> or models:/<name>@<alias>"
-
-
-def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
-    """(name, version, alias) of `models:/<name>/<version>` or `models:/<name>@<alias>`."""
-    m = re.fullmatch(r"models:/([^/@]+)(?:/(\d+)|@([\w-]+))/?", uri.strip())
-    if not m:
-        raise ValueError(f"not a model version URI: {uri!r} (expected {URI_FORMS})")
-    return m.group(1), m.group(2), m.group(3)
-
-
-def store_uri(tracking_uri: str | None) -> str:
-    """`tracking_uri`, else MLFLOW_TRACKING_URI; never MLflow's default (a new
-    ./mlflow.db), which would hide a missing setting behind an empty registry."""
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        raise ValueError("no tracking URI: pass --tracking-uri or set MLFLOW_TRACKING_URI")
-    return uri
-
-
-def resolve_version(client: MlflowClient, uri: str, store: str) -> ModelVersion:
-    """The model version a `models:/` URI names in `store` (an alias resolves to its
-    version)."""
-    name, version, alias = parse_models_uri(uri)
-    try:
-        if alias is not None:
-            return client.get_model_version_by_alias(name, alias)
-        return client.get_model_version(name, version)
-    except MlflowException as exc:
-        if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            raise
-        cause = str(exc).splitlines()[0]
-        raise ValueError(f"{uri!r} not found in {redact(store)}: {cause}") from None
-
-
-@contextmanager
-def version_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterator[Path]:
-    """The directory holding a version's files: the checkpoint itself for a local source
-    (nothing copied), else a temporary copy (from the job's storage, or MLflow's artifact
-    store), removed on exit."""
-    from mlflow.artifacts import download_artifacts
-    from mlflow.utils.file_utils import local_file_uri_to_path
-
-    source = client.get_model_version_download_uri(mv.name, str(mv.version))
-    if source.startswith("file:") or os.path.isabs(source):
-        path = Path(local_file_uri_to_path(source))
-        if not path.is_dir():
-            raise FileNotFoundError(f"version {mv.name}/{mv.version}: {str(path)!r} is gone")
-        yield path
-        return
-    if is_remote(source) and Storage(source).complete():  # a checkpoint lorp stored
-        with Storage(source).fetched() as path:
-            yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="lorp-pull-") as tmp:
-        got = download_artifacts(source, dst_path=tmp, tracking_uri=store)
-        yield Path(got)
-
-
-def check_provenance(path: Path, mv: ModelVersion) -> dict[str, Any] | None:
-    """The checkpoint's `lorp_pruning.json`, checked against the version's tags: a
-    checkpoint redone since it was registered no longer matches and is refused."""
-    file = path / PROVENANCE_FILE
-    prov = json.loads(file.read_text()) if file.is_file() else None
-    if mv.tags.get("method") == DENSE:  # a base model may be an earlier lorp checkpoint
-        return prov
-    want = mv.tags.get("pruned_layers")
-    have = (prov or {}).get("pruned", [])
-    if want is not None and json.loads(want) != have:
-        raise ValueError(
-            f"{mv.name}/{mv.version}: {str(path)!r} prunes {have}, the version says {want}"
-        )
-    if prov and mv.tags.get(GRID_KEY) not in (None, prov.get("grid_key")):
-        raise ValueError(f"{mv.name}/{mv.version}: {str(path)!r} is another grid point's")
-    return prov
-
-
-@dataclass
-class Variant:
-    """A registered version, loaded: the transformers model and tokenizer, the version and
-    the checkpoint's `lorp_pruning.json` (None for a dense model that has none)."""
-
-    model: Any
-    tokenizer: Any
-    version: ModelVersion
-    provenance: dict[str, Any] | None
-
-
-def load_variant(uri: str, *, tracking_uri: str | None = None, **kwargs: Any) -> Variant:
-    """Load `models:/<name>@best-8` (or `models:/<name>/<version>`) as a transformers model
-    and tokenizer; `kwargs` go to `from_pretrained` (dtype, device_map, ...)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    store = store_uri(tracking_uri)
-    client = MlflowClient(tracking_uri=store, registry_uri=store)
-    mv = resolve_version(client, uri, store)
-    with version_files(client, mv, store) as path:
-        prov = check_provenance(path, mv)
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return Variant(model.eval(), tokenizer, mv, prov)
-
-
-def pull(uri: str, out: str | os.PathLike[str], *, tracking_uri: str | None = None,
-         overwrite: bool = False) -> tuple[Path, ModelVersion]:  # fmt: skip
-    """Copy the checkpoint directory a version points at into `out`, atomically."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ValueError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
-    store = store_uri(tracking_uri)
-    client = MlflowClient(tracking_uri=store, registry_uri=store)
-    mv = resolve_version(client, uri, store)
-    with version_files(client, mv, store) as path:
-        check_provenance(path, mv)
-        with atomic_dir(out, overwrite=overwrite) as tmp:
-            shutil.copytree(path, tmp, dirs_exist_ok=True)
-    return out, mv

@@ -111,7 +111,7 @@ def budgets(rows: Iterable[Row]) -> list[int]:
 def wanted_aliases(rows: Sequence[Row]) -> dict[str, Row]:
     """alias -> the row it should point at, for one model's rows: `best-<b>-<protocol>`
     for every budget and protocol with a qualifying variant, `best-<b>` for the
-    reference protocol's. (`dense` is the registry's: `pipeline.records.model_registry`.)"""
+    reference protocol's. (`dense` is the registry's: `pipeline.records.registry_aliases`.)"""
     out: dict[str, Row] = {}
     reference = reference_protocol(rows)
     by_protocol: dict[str, list[Row]] = {}

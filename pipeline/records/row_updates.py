@@ -2,7 +2,7 @@
 figures (measured, or its unrepaired twin's), and the quality gate (`ppl_ratio` on held-
 out text, `degraded`, `fits_calibration_only`). Each returns the new values; the recorder
 (`pipeline.recorder`) writes them to the catalog and the point's MLflow run through its
-one update path.
+one update path, and says what they came to in the log (`speed_summary`, `unjudged`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ SPEED_COLUMNS = (
     "speed_resolved",
     "peak_mem_gib",
 )
+STREAMED_UNTIMED = (
+    "not timed: the model is streamed a module at a time (too large for one worker), "
+    "and a streamed forward times the disk, not the model"
+)
+"""The `speed_skipped` of a streamed model's rows: its forwards read every block from
+disk, so a timing would measure the disk."""
 
 Row = Mapping[str, Any]
 Rows = Mapping[str, Row]
@@ -93,6 +99,16 @@ def by_value(mapping: Mapping[str, str]) -> dict[str, list[str]]:
     for key, value in mapping.items():
         out.setdefault(value, []).append(key)
     return out
+
+
+def speed_summary(figures: Mapping[str, Mapping[str, float]]) -> str:
+    """What a model's speed pass found (`figures`: grid key -> its speed figures): how
+    many variants were timed, the top resolved speed-up, how many were not resolved."""
+    resolved = [v["speedup"] for v in figures.values() if finite(v.get("speedup"))]
+    unresolved = len(figures) - len(resolved)
+    top = f"top speed-up {max(resolved):.2f}x" if resolved else "no speed-up resolved"
+    more = f"; {unresolved} not resolved" if unresolved else ""
+    return f"{len(figures)} variants timed ({top}{more})"
 
 
 def twin_speed(rows: Rows, twins: Mapping[str, str]) -> dict[str, dict[str, Any]]:
@@ -175,6 +191,17 @@ class Verdict:
         """The row does not hold these values yet."""
         return any(row.get(c) != v for c, v in self.values().items())
 
+    def metrics(self) -> dict[str, float]:
+        """The figures its point's MLflow run gets."""
+        return {"ppl_ratio": self.ratio, **self.ratios}
+
+    def tags(self) -> dict[str, str]:
+        """The tags its point's MLflow run gets."""
+        tags = {"degraded": str(self.degraded).lower(), "judged_on": self.judged_on}
+        if self.fits_calibration_only is not None:
+            tags["fits_calibration_only"] = str(self.fits_calibration_only).lower()
+        return tags
+
 
 def judge(row: Row, dense: Row, corpora: list[str], calibration: list[str], limit: float):  # type: ignore[no-untyped-def]
     """`row`'s Verdict against `dense` (both with every corpus's perplexity), or None."""
@@ -194,6 +221,18 @@ def judge(row: Row, dense: Row, corpora: list[str], calibration: list[str], limi
     label = ",".join(judged) if unseen else f"{judged[0]} (calibration text)"
     named = {ratio_name(c): r for c, r in ratios.items()}
     return Verdict(row["grid_key"], ratio, named, label, ratio > limit, fits_only)
+
+
+def unjudged(ev: EvaluationSpec, calibration: list[str]) -> str | None:
+    """A warning when every perplexity corpus is a calibration corpus (`calibration`: the
+    corpora the job calibrated on): the gate then judges variants on the kind of text they
+    were fitted on. None otherwise."""
+    if ev.enabled and ev.perplexity and not held_out(list(ev.perplexity), calibration):
+        return (
+            f"evaluation.perplexity: {', '.join(ev.perplexity)} is all calibration text; "
+            "variants are judged on what they were fitted on (add a held-out corpus: lee)"
+        )
+    return None
 
 
 def quality_gate(

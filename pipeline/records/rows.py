@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lorp
+from lorp.models.loading import read_config
 from lorp.models.shape import ModelShape
 from lorp.models.surgery import kept_layers
 from lorp.provenance import provenance as lorp_provenance
@@ -23,10 +24,12 @@ from lorp.serving_cost import cost_columns
 from pipeline.messages import PointResult
 from pipeline.plan import GridPoint
 from pipeline.records.protocol import calibration_id, protocol_id
+from pipeline.spec.calibration import CalibrationSpec
+from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
 
 if TYPE_CHECKING:
-    from pipeline.storage import Storage
+    from lorp.locality.profile import Profile
 
 
 def now() -> str:
@@ -51,48 +54,6 @@ class RunSummary:
     """Repaired variants not made, with the reason (`pipeline.plan.repair_refusal`)."""
     storage: str | None = None
     """The job's storage when it is not the run directory."""
-
-
-class EventLog:
-    """Append-only JSON lines in the run directory: what this job did, and when.
-
-    With a `mirror` (the job's storage, when it is not the run directory) the storage's
-    log replaces the local one at the start and the whole file is copied back after each
-    event, except the frequent `losses` batches, which travel with the next one."""
-
-    NAME = "events.jsonl"
-    UNSYNCED = frozenset({"losses", "span", "begin", "finish"})
-
-    def __init__(self, path: Path, mirror: Storage | None = None) -> None:
-        self.path, self.mirror = path, mirror
-        self.lock = threading.Lock()  # the fleet's model threads and the driver write here
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if mirror is not None:
-            mirror.get_file(self.NAME, path)
-
-    def __call__(self, event: str, **data: Any) -> None:
-        record = {"time": now(), "event": event, **data}
-        line = json.dumps(record, default=str) + "\n"
-        with self.lock:
-            with open(self.path, "a") as fh:
-                fh.write(line)
-            if self.mirror is not None and event not in self.UNSYNCED:
-                self.mirror.put_file(self.path, self.NAME)
-
-    def read(self) -> list[dict[str, Any]]:
-        return read_events(self.path)
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a killed writer
-            continue
-    return events
 
 
 def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
@@ -162,6 +123,27 @@ def point_params(point: GridPoint) -> dict[str, Any]:
     }
 
 
+def point_metrics(point: GridPoint, result: PointResult) -> dict[str, Any]:
+    """The MLflow metrics of a finished point's run: its figures, its size and time, and
+    what selecting its blocks cost."""
+    return {
+        **result.metrics,
+        "params": result.params,
+        "seconds": result.seconds,
+        "n_evals": point.n_evals,
+        "select_s": point.select_s,
+    }
+
+
+def point_tags(row: Mapping[str, Any], checkpoint: str | None, backend: str) -> dict[str, str]:
+    """The MLflow tags of a finished point's run: its checkpoint, its evaluation backend
+    and, from its row, whether each stage held the model whole or streamed it."""
+    tags = {"checkpoint": checkpoint or "", "eval_backend": backend}
+    if row.get("memory_plan"):  # held whole or streamed, per stage
+        tags["memory_plan"] = row["memory_plan"]
+    return tags
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """Model-level facts shared by all of a model's rows."""
@@ -172,6 +154,14 @@ class ModelFacts:
     stats_file: str | None
     shape: ModelShape | None = None
     """The dims its rows' cost columns are counted from (`lorp.serving_cost`)."""
+
+
+def model_facts(profile: Profile, stats_file: str | None, model_path: Path) -> ModelFacts:
+    """A model's facts: its profile's RLS, K and cluster labels, its S file, and its
+    shape from the config in `model_path`."""
+    labels = list(profile.labels) if profile.labels is not None else None
+    shape = ModelShape.from_config(read_config(model_path))
+    return ModelFacts(profile.rls, profile.k, labels, stats_file, shape)
 
 
 @dataclass(frozen=True)
@@ -233,7 +223,7 @@ def catalog_row(
     }
     row |= planning_columns(point)
     row |= repair_columns(result.repair)
-    row |= costs(spec, point, facts, result)
+    row |= costs(point, facts, result, cost_seq_len(spec.evaluation, spec.calibration))
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
 
 
@@ -293,22 +283,22 @@ def protocol_columns(spec: JobSpec, dtype: str) -> dict[str, Any]:
 
 
 def costs(
-    spec: JobSpec, point: GridPoint, facts: ModelFacts, result: PointResult
+    point: GridPoint, facts: ModelFacts, result: PointResult, seq_len: int
 ) -> dict[str, float]:
     """The row's cost columns (`lorp.serving_cost`), counted from the model's shape, its kept
-    blocks and its exact parameter count, at the serving dtype."""
+    blocks and its exact parameter count, at the serving dtype and `seq_len`
+    (`cost_seq_len`)."""
     if facts.shape is None:
         return {}
     kept, params, dense = result.kept, result.params, result.params_dense
     dtype = point.model.spec.dtype
-    return cost_columns(facts.shape, kept, params, dense, dtype, cost_seq_len(spec))
+    return cost_columns(facts.shape, kept, params, dense, dtype, seq_len)
 
 
-def cost_seq_len(spec: JobSpec) -> int:
+def cost_seq_len(evaluation: EvaluationSpec, calibration: CalibrationSpec) -> int:
     """The sequence length the cost columns count at: the evaluation's (its prefills and
     windows), else the calibration's."""
-    ev = spec.evaluation
-    return ev.seq_len if ev.enabled else spec.calibration.seq_len
+    return evaluation.seq_len if evaluation.enabled else calibration.seq_len
 
 
 def _finite_or_none(value: Any) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.records.catalog import read_catalog
-from pipeline.records.rows import read_events
+from pipeline.records.events import read_events
 
 
 @dataclass

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from pipeline.plan import ModelPlan
     from pipeline.spec.calibration import CalibrationSpec
     from pipeline.spec.evaluation import EvaluationSpec
-    from pipeline.spec.job import JobSpec
 
 KIND, JOB, MODEL_KEY, GRID_KEY = "lorp.kind", "lorp.job", "lorp.model_key", "lorp.grid_key"
 
@@ -133,15 +132,14 @@ class Tracker:
     def record_model(
         self,
         run_id: str,
-        spec: JobSpec,
+        cal: CalibrationSpec,
         plan: ModelPlan,
         stats: SimilarityStats,
         prof: Profile,
         capture_seconds: float | None,
     ) -> None:
         """The model's parent run: what was captured (`capture_seconds` None when S came
-        from the cache), its profile, S and its heatmap."""
-        cal = spec.calibration
+        from the cache), its calibration (`cal`), its profile, S and its heatmap."""
         params = {
             "model": plan.label,
             "model_ref": plan.spec.ref,

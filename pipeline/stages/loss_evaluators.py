@@ -36,14 +36,19 @@ from lorp.methods.registry import jsonable
 from pipeline.cluster.model_source import load_checked, model_source
 from pipeline.messages import LossTask
 from pipeline.records import timeline
+from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
+from pipeline.spec.resources import Resources
 from pipeline.storage import Storage
 
 
-def loss_task(spec: JobSpec, plan: Any, windows: np.ndarray) -> LossTask:
-    """What every loss worker of `plan`'s model receives."""
-    batch = plan.batch("evaluate", spec.evaluation.batch_size)
-    return LossTask(model_source(plan), windows, batch, spec.resources.grid)
+def loss_task(
+    evaluation: EvaluationSpec, grid: Resources, plan: Any, windows: np.ndarray
+) -> LossTask:
+    """What every loss worker of `plan`'s model receives: the grid's resources, batches of
+    the evaluation's size (larger where the model is streamed)."""
+    batch = plan.batch("evaluate", evaluation.batch_size)
+    return LossTask(model_source(plan), windows, batch, grid)
 
 
 @ray.remote
@@ -229,7 +234,7 @@ class LossSelector:
         self.spec, self.force, self.plan, self.stats = spec, force, plan, stats
         self.profile, self.stats_key = profile, stats_key
         self.record, self.note = record, note
-        self.cache = SelectionCache(stats_store(spec).sub("selections"))
+        self.cache = SelectionCache(stats_store(spec.cache_dir, spec.storage).sub("selections"))
         self.heldout: tuple[np.ndarray, str] | None = None
         self.losses: RayLosses | None = None
 
@@ -271,13 +276,15 @@ class LossSelector:
             from pipeline.stages.statistics import stats_store
 
             spec = self.spec
-            task = loss_task(spec, self.plan, windows)
+            task = loss_task(spec.evaluation, spec.resources.grid, self.plan, windows)
             res = task.resources
             device = "cuda" if res.num_gpus > 0 else "cpu"
             key = content_key(
                 self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
             )
-            memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=self.force)
+            memo = LossMemo(
+                stats_store(spec.cache_dir, spec.storage).sub("losses"), key, fresh=self.force
+            )
             n = spec.resources.loss_workers or spec.resources.max_concurrent_points
             self.losses = RayLosses(task, n, self.record, memo, self.note)
         return self.losses
@@ -320,14 +327,14 @@ def repaired_window_losses(
     from pipeline.stages.statistics import plan_tokenizer, stats_store
 
     windows, fp = heldout_windows(plan_tokenizer(plan), spec.calibration)
-    task = loss_task(spec, plan, windows)
+    task = loss_task(spec.evaluation, spec.resources.grid, plan, windows)
     res = task.resources
     device = "cuda" if res.num_gpus > 0 else "cpu"
     key = content_key(
         plan.fingerprint, fp, "repaired", stats_key, spec.repair_ridge, spec.repair_rounds,
         plan.spec.dtype, task.batch_size, device,
     )  # fmt: skip
-    memo = LossMemo(stats_store(spec).sub("losses"), key, fresh=force)
+    memo = LossMemo(stats_store(spec.cache_dir, spec.storage).sub("losses"), key, fresh=force)
     todo = memo.missing([(int(s), int(e)) for s, e in runs])
     if todo:  # only the runs to score travel: at large d each run's sums are d x d
         call = _repaired_losses.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=2)

@@ -29,7 +29,10 @@ from lorp.repair.stats import RepairStats
 from pipeline.cluster.model_source import model_source
 from pipeline.messages import CaptureTask, FollowerWindows, Shard
 from pipeline.plan import ModelPlan, content_key
+from pipeline.spec.calibration import CalibrationSpec
+from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
+from pipeline.spec.resources import Resources
 from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
 from pipeline.stages.capture import distributed_capture, distributed_repair_capture
 from pipeline.storage import Storage
@@ -49,24 +52,26 @@ class ModelStats:
     """The calibration shards S came from (the repair's sums read the same tokens)."""
 
 
-def stats_store(spec: JobSpec) -> Storage:
-    """Where S files (and loss-guided selections) are cached."""
-    if spec.cache_dir:
-        return Storage(spec.cache_dir)
-    if spec.storage:
-        return Storage(spec.storage).sub("stats")
+def stats_store(cache_dir: str | None, storage: str | None) -> Storage:
+    """Where S files (and loss-guided selections) are cached: the job's `cache_dir`, else
+    `stats/` in its `storage`, else lorp's cache."""
+    if cache_dir:
+        return Storage(cache_dir)
+    if storage:
+        return Storage(storage).sub("stats")
     return Storage(cache_root() / "stats")
 
 
 def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool) -> ModelStats:
     """S of `plan`'s model on the job's calibration set: from the cache, else captured."""
-    shards = calibration_shards(spec, plan, run_dir)
-    store, name = stats_store(spec), f"{plan.stats_key(shards.fingerprint)}.npz"
+    shards = calibration_shards(spec.calibration, plan, run_dir)
+    store = stats_store(spec.cache_dir, spec.storage)
+    name = f"{plan.stats_key(shards.fingerprint)}.npz"
     local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
     if not force and store.get_file(name, local):
         return ModelStats(_cached(local, plan), local, "cache", 0.0, store.uri(name), shards)
     start = time.perf_counter()
-    task = capture_task(spec, plan, shards)
+    task = capture_task(spec.resources.capture, spec.calibration, plan, shards)
     stats = distributed_capture(task, load_shards(shards), spec.resources.capture_workers)
     seconds = time.perf_counter() - start
     stats.extra.update({"capture_seconds": seconds, "dtype": plan.spec.dtype})
@@ -105,9 +110,9 @@ def repair_statistics(
     from lorp.repair.stats import FORMAT_VERSION, repair_passes
 
     runs = sorted(set(runs))
-    held_windows, held_fp = _held_windows(spec, plan)
+    held_windows, held_fp = _held_windows(spec.calibration, plan)
     key = content_key(plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs, held_fp)
-    store, name = stats_store(spec), f"repair-{key}.npz"
+    store, name = stats_store(spec.cache_dir, spec.storage), f"repair-{key}.npz"
     local = store.local_path(name) or run_dir / "stats" / name
     if not force and store.get_file(name, local):
         stats = RepairStats.from_file(local)
@@ -121,7 +126,7 @@ def repair_statistics(
         passes = repair_passes(runs, hidden, budget)
     except ValueError as exc:
         raise ValueError(f"resources.repair_memory_gib: {exc}") from None
-    task = capture_task(spec, plan, shards)
+    task = capture_task(spec.resources.capture, spec.calibration, plan, shards)
     workers = spec.resources.capture_workers
     held = Shard("held-out", held_windows.astype(np.int32))
     stats = distributed_repair_capture(task, load_shards(shards), passes, workers, held)
@@ -132,26 +137,27 @@ def repair_statistics(
     return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name), local)
 
 
-def follower_windows(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> FollowerWindows:
+def follower_windows(
+    ev: EvaluationSpec, cal: CalibrationSpec, plan: ModelPlan, shards: CalibrationShards
+) -> FollowerWindows:
     """The windows a repaired point fits its follower maps on (S's calibration shards, in
     shard order) and validates them on (the held-out windows): tokens, not sums, since a
     follower's inputs depend on the point's own maps."""
     windows = np.concatenate([s.windows for s in load_shards(shards)])
-    held, _ = _held_windows(spec, plan)
+    held, _ = _held_windows(cal, plan)
     # Per forward, no more tokens than the point's evaluation takes: its memory plan
     # (`pipeline.cluster.memory`) covers the follower's forwards too.
-    ev, cal = spec.evaluation, spec.calibration
     tokens = plan.batch("evaluate", ev.batch_size) * (ev.seq_len + 1)
     batch = max(1, min(plan.batch("capture", cal.batch_size), tokens // windows.shape[1]))
     skip = int(shards.bos is not None)
     return FollowerWindows(windows, held.astype(np.int32), skip, batch)
 
 
-def _held_windows(spec: JobSpec, plan: ModelPlan) -> tuple[np.ndarray, str]:
+def _held_windows(calibration: CalibrationSpec, plan: ModelPlan) -> tuple[np.ndarray, str]:
     """The held-out calibration windows (`pipeline.stages.calibration.heldout_windows`)."""
     from pipeline.stages.calibration import heldout_windows
 
-    return heldout_windows(plan_tokenizer(plan), spec.calibration)
+    return heldout_windows(plan_tokenizer(plan), calibration)
 
 
 def plan_tokenizer(plan: ModelPlan) -> Any:
@@ -168,13 +174,15 @@ def _hidden_size(plan: ModelPlan) -> int:
     return int(read_config(plan.path)["hidden_size"])  # read_config unnests text_config
 
 
-def capture_task(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> CaptureTask:
+def capture_task(
+    resources: Resources, calibration: CalibrationSpec, plan: ModelPlan, shards: CalibrationShards
+) -> CaptureTask:
     """What every capture worker of `plan`'s model receives."""
     return CaptureTask(
         model=model_source(plan, "capture"),
         calibration=shards.fingerprint,
-        resources=spec.resources.capture,
-        batch_size=plan.batch("capture", spec.calibration.batch_size),
+        resources=resources,
+        batch_size=plan.batch("capture", calibration.batch_size),
         skip_prefix=int(shards.bos is not None),
     )
 
@@ -184,9 +192,11 @@ def load_shards(shards: CalibrationShards) -> list[Shard]:
     return [Shard(p.name, read_shard(p).numpy().astype(np.int32)) for p in shards.paths]
 
 
-def calibration_shards(spec: JobSpec, plan: ModelPlan, run_dir: Path) -> CalibrationShards:
+def calibration_shards(
+    calibration: CalibrationSpec, plan: ModelPlan, run_dir: Path
+) -> CalibrationShards:
     """The calibration windows, cut once and written as parquet shards in the run directory."""
-    return write_shards(plan_tokenizer(plan), spec.calibration, run_dir / "calibration")
+    return write_shards(plan_tokenizer(plan), calibration, run_dir / "calibration")
 
 
 def _cached(path: Path, plan: ModelPlan) -> SimilarityStats:

@@ -20,7 +20,7 @@ from pipeline.plan import GridPoint, checkpoint_rel
 from pipeline.records.rows import provenance
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
-from pipeline.spec.resources import Resources
+from pipeline.spec.resources import Resources, ResourcesSpec
 
 RepairRefs = Mapping[tuple[str, Any], Any]
 """(model label, run) -> ObjectRef of that run's one-run `RepairStats`; (model label,
@@ -29,9 +29,9 @@ or distils the maps."""
 FOLLOWERS = "follower windows"
 
 
-def checkpoint(spec: JobSpec, point: GridPoint) -> str | None:
+def checkpoint(save_checkpoints: bool, point: GridPoint) -> str | None:
     """The point's checkpoint below the storage; None when it is not saved."""
-    if not (spec.save_checkpoints and point.layers):
+    if not (save_checkpoints and point.layers):
         return None
     return checkpoint_rel(point)
 
@@ -46,30 +46,30 @@ def point_task(
         model=model_source(point.model),
         layers=point.layers,
         storage=storage,
-        checkpoint=checkpoint(spec, point),
+        checkpoint=checkpoint(spec.save_checkpoints, point),
         provenance=provenance(spec, point),
-        evaluation=point_evaluation(spec, point),
-        resources=point_resources(spec, point, backend),
+        evaluation=point_evaluation(spec.evaluation, point),
+        resources=point_resources(spec.resources.grid, point, backend),
         backend=backend,
         repair=repair_task(spec, point, refs),
         name=point.name,
     )
 
 
-def point_evaluation(spec: JobSpec, point: GridPoint) -> EvaluationSpec:
+def point_evaluation(evaluation: EvaluationSpec, point: GridPoint) -> EvaluationSpec:
     """The evaluation a point runs: the spec's, with a streamed model's larger batch (a
     batch never changes a figure, only how often the files are read) and the model's
     tensor parallel size (`ModelPlan.tensor_parallel`)."""
-    batch = point.model.batch("evaluate", spec.evaluation.batch_size)
+    batch = point.model.batch("evaluate", evaluation.batch_size)
     tp = point.model.tensor_parallel
-    if (batch, tp) == (spec.evaluation.batch_size, spec.evaluation.tensor_parallel_size):
-        return spec.evaluation
-    return dataclasses.replace(spec.evaluation, batch_size=batch, tensor_parallel_size=tp)
+    if (batch, tp) == (evaluation.batch_size, evaluation.tensor_parallel_size):
+        return evaluation
+    return dataclasses.replace(evaluation, batch_size=batch, tensor_parallel_size=tp)
 
 
-def point_resources(spec: JobSpec, point: GridPoint, backend: str) -> Resources:
+def point_resources(grid: Resources, point: GridPoint, backend: str) -> Resources:
     """The grid's resources, with as many GPUs as the model's vLLM engine spans."""
-    grid, tp = spec.resources.grid, point.model.tensor_parallel
+    tp = point.model.tensor_parallel
     if backend != "vllm" or grid.num_gpus <= 0 or grid.num_gpus >= tp:
         return grid
     return dataclasses.replace(grid, num_gpus=tp)
@@ -88,19 +88,26 @@ def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask
     )  # fmt: skip
 
 
-def speed_task(spec: JobSpec, storage: str, points: list[GridPoint]) -> SpeedTask:
+def speed_task(
+    ev: EvaluationSpec,
+    resources: ResourcesSpec,
+    storage: str,
+    points: list[GridPoint],
+    *,
+    save_checkpoints: bool,
+) -> SpeedTask:
     """What the speed task of one model's `points` receives (a whole node unless the
     spec sizes it: nothing else of the job shares its cores)."""
-    ev, plan = spec.evaluation, points[0].model
+    plan = points[0].model
     return SpeedTask(
         model=model_source(plan),
         storage=storage,
-        variants=tuple((p.key, p.layers, checkpoint(spec, p)) for p in points),
+        variants=tuple((p.key, p.layers, checkpoint(save_checkpoints, p)) for p in points),
         seq_len=ev.seq_len,
         min_rounds=ev.speed_repeats,
         budget_s=float(ev.speed_budget_s),
         half_width=float(ev.speed_half_width),
-        resources=whole_node(spec.resources.speed, spec.resources.grid.num_gpus),
+        resources=whole_node(resources.speed, resources.grid.num_gpus),
         n_blocks=plan.n_blocks,
     )
 

@@ -28,7 +28,7 @@ def score_in_subprocess(model_dir: Path, windows: list[list[int]], tmp: Path) ->
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from pipeline.evaluation.vllm_engine import make_engine, prompt_logprobs
 
     model_dir, windows_file, out_file = sys.argv[1:4]
