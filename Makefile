@@ -8,7 +8,7 @@ STAMP_TEST   := $(VENV)/.stamp-test
 STAMP_VLLM   := $(VENV)/.stamp-vllm
 STAMP_MODELS := $(VENV)/.stamp-models
 
-.PHONY: test demo lint format clean venv
+.PHONY: test demo docs lint format clean venv
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lorp needs Python >= 3.11"'
@@ -40,11 +40,16 @@ lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The documentation site, strictly: a broken link, or a page the nav leaves out, fails.
+# (The two variables silence a notice MkDocs' plugins print about MkDocs 2.)
+docs: $(STAMP_TEST)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict --quiet
+
 # Test files are shared among TEST_WORKERS processes (whole files, so a module's fixtures are
 # built once; the slow files first, in tests/conftest.py's order, not xdist's by test count);
 # every test keeps its own Ray, ports and temp dirs, so they run side by side.
 TEST_WORKERS ?= 2
-test: lint $(STAMP_VLLM) $(STAMP_MODELS)
+test: lint docs $(STAMP_VLLM) $(STAMP_MODELS)
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The main job end to end on an embedded local Ray; a second run resumes, not repeats.
@@ -58,4 +63,4 @@ format: $(STAMP_TEST)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis runs/demo runs/catalog
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build/site runs/demo runs/catalog

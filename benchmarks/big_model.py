@@ -1,6 +1,6 @@
 """A checkpoint larger than this machine's memory, through `lorp run` with no memory setting.
 
-    python benchmarks/big_model.py --json big.json [--readme README.md] [--shape 13b]
+    python benchmarks/big_model.py --json big.json [--page docs/results/big-model.md] [--shape 13b]
     python benchmarks/big_model.py --shape small --dir /tmp/big   # a 2-minute rehearsal
 
 1. Writes a random-init Llama checkpoint block by block (one safetensors shard per block,
@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="13b")
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/lorp-big-model"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--readme", type=Path)
+    ap.add_argument("--page", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     ap.add_argument("--memory-gib", type=float, help="worker memory (rehearsals only)")
     args = ap.parse_args()
@@ -285,12 +285,12 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if args.readme:
-        text = args.readme.read_text()
+    if args.page:
+        text = args.page.read_text()
         if BEGIN in text:
             head, rest = text.split(BEGIN, 1)
             text = head + BEGIN + "\n" + table(result) + "\n" + END + rest.split(END, 1)[1]
-            args.readme.write_text(text)
+            args.page.write_text(text)
 
 
 if __name__ == "__main__":

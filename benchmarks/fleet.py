@@ -1,6 +1,6 @@
 """The overnight fleet, simulated: how busy the scheduler keeps a cluster's slots.
 
-    python benchmarks/fleet.py --quick --json fleet.json [--readme README.md]
+    python benchmarks/fleet.py --quick --json fleet.json
     python benchmarks/fleet.py --driver-points 1000 --json driver.json
 
 1. The fleet. 12 tiny random-init checkpoints of 6 families, 6 to 12 blocks deep and 64 to
@@ -224,7 +224,7 @@ def driver_benchmark(root: Path, points: int) -> dict[str, Any]:
     }
 
 
-def readme_table(r: dict[str, Any]) -> str:
+def results_table(r: dict[str, Any]) -> str:
     f, s = r["fleet"], r["serial"]
     lines = [
         "| run | makespan | busy slot-s / slots | longest chain | lower bound "
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = round(time.perf_counter() - start, 1)
     if "fleet" in result:
         print()
-        print(readme_table(result))
+        print(results_table(result))
         print()
         for key, target in TARGETS.items():
             ok = result[key] <= target if "ratio" in key else result[key] >= target

@@ -1,8 +1,8 @@
 """The quality report: the paper's Table 2 for the models we can run, through `lorp run`.
 
-    python benchmarks/quality.py [--models smollm2-135m ...] [--readme README.md]
+    python benchmarks/quality.py [--models smollm2-135m ...] [--page docs/results/quality.md]
     python benchmarks/quality.py --bos-check      # Gemma 3 dense PTB perplexity, BOS on/off
-    python benchmarks/quality.py --from-catalog runs/quality/catalog.parquet [--readme ...]
+    python benchmarks/quality.py --from-catalog runs/quality/catalog.parquet [--page ...]
 
 It runs `jobs/quality.yaml` (optionally restricted to some models) with the product's own
 driver, then renders one table per model from the catalog: PTB test perplexity at each
@@ -187,15 +187,15 @@ def render_repair(
         raise SystemExit(f"no repaired variants in {catalog}")
     parts = [
         "Reproduce: `python benchmarks/quality.py --methods lorp shortgpt streamline window "
-        "window-loss --section repair --readme README.md` (`jobs/quality.yaml`, `repair: [none, "
-        "linear]`, through `lorp run`; the repair's sums from the same calibration tokens as "
-        "S, one pass on the capture workers, fitted on dense inputs, the ridge chosen on the "
-        "held-out calibration windows, one follower map per cut: `repair_followers`; the "
-        "twins of streamline and window distilled 2 epochs: `repair_distill`). Ratios "
-        "to dense on PTB and on the held-out news (lee); bold: the best repaired variant by "
-        "the held-out ratio; `no follower`: a repaired variant without a follower map (its "
-        "cut ends the stack, or its row is from a run before followers); `distilled`: its "
-        "maps distilled (an epoch beat least squares on the held-out windows).",
+        "window-loss --section repair --page docs/results/quality-repair.md` "
+        "(`jobs/quality.yaml`, `repair: [none, linear]`, through `lorp run`; the repair's sums "
+        "from the same calibration tokens as S, one pass on the capture workers, fitted on "
+        "dense inputs, the ridge chosen on the held-out calibration windows, one follower map "
+        "per cut: `repair_followers`; the twins of streamline and window distilled 2 epochs: "
+        "`repair_distill`). Ratios to dense on PTB and on the held-out news (lee); bold: the "
+        "best repaired variant by the held-out ratio; `no follower`: a repaired variant without"
+        " a follower map (its cut ends the stack, or its row is from a run before followers); "
+        "`distilled`: its maps distilled (an epoch beat least squares on the held-out windows).",
         "",
     ]
     return _per_model(parts, rows, repair_table, repair_findings)
@@ -284,7 +284,7 @@ def render(catalog: Path, models: list[str] | None = None, methods: list[str] | 
     if not rows:
         raise SystemExit(f"--models: no rows for {models} in {catalog}")
     parts = [
-        "Reproduce: `python benchmarks/quality.py --readme README.md` (runs "
+        "Reproduce: `python benchmarks/quality.py --page docs/results/quality.md` (runs "
         "`jobs/quality.yaml` through `lorp run`). Evaluations: candidate block sets the "
         "method scored (both budgets); selection s: wall time of the selections with the "
         "evaluator actors `jobs/quality.yaml` asks for (2 of 1 CPU each here). A selection "
@@ -311,7 +311,7 @@ def _per_model(parts: list[str], rows: list[dict[str, Any]], table: Lines, notes
     return "\n".join(parts)
 
 
-def write_readme(path: Path, text: str, section: str = "quality") -> None:
+def write_page(path: Path, text: str, section: str = "quality") -> None:
     from benchmarks.run import replace_section
 
     if section == "repair":
@@ -344,7 +344,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", help="restrict to these model labels")
     parser.add_argument("--methods", nargs="*", help="restrict to these method labels")
-    parser.add_argument("--readme", help="write the tables into this README")
+    parser.add_argument("--page", help="write the tables into this results page")
     parser.add_argument("--bos-check", action="store_true", help="Gemma 3 with and without BOS")
     parser.add_argument(
         "--section",
@@ -366,8 +366,8 @@ def main() -> int:
     draw = render_repair if args.section == "repair" else render
     text = draw(catalog, *chosen)
     print(text)
-    if args.readme:
-        write_readme(Path(args.readme), text, args.section)
+    if args.page:
+        write_page(Path(args.page), text, args.section)
     return 0
 
 

@@ -2,7 +2,7 @@
 as the figure ReplaceMe and LinearPatch report (% of dense accuracy), with standard errors.
 
     python benchmarks/retention.py [--catalog runs/quality/catalog.parquet] [--limit 500]
-                                   [--models smollm2-135m ...] [--readme README.md]
+                                   [--models smollm2-135m ...] [--page docs/results/retention.md]
 
 The best variants are read from the quality job's catalog (`jobs/quality.yaml`; the rule
 of `lorp catalog best`: the lowest held-out ratio among non-degraded variants). A second
@@ -156,7 +156,7 @@ def main() -> int:
     p.add_argument("--models", nargs="*")
     p.add_argument("--limit", type=int, default=500)
     p.add_argument("--out", default="runs/retention")
-    p.add_argument("--readme")
+    p.add_argument("--page")
     args = p.parse_args()
     from pipeline.cli import talk
     from pipeline.run import run_job
@@ -166,7 +166,8 @@ def main() -> int:
         raise SystemExit(f"--catalog: no rows in {args.catalog} (run jobs/quality.yaml first)")
     talk(False)
     parts = [
-        f"Reproduce: `python benchmarks/retention.py --limit {args.limit} --readme README.md` "
+        f"Reproduce: `python benchmarks/retention.py --limit {args.limit} "
+        "--page docs/results/retention.md` "
         f"(after `jobs/quality.yaml`). Zero-shot, the first {args.limit} items of each task "
         "(lm-eval, acc_norm where defined), dense against the best variant per budget "
         "(lowest held-out ratio, not degraded): accuracy (% retained of dense ± 1 s.e.).",
@@ -184,10 +185,10 @@ def main() -> int:
         parts += table(model, picks, got) + [""]
         print("\n".join(parts), flush=True)
     text = "\n".join(parts)
-    if args.readme:
+    if args.page:
         from benchmarks.run import replace_section
 
-        replace_section(Path(args.readme), BEGIN, END, text, "Zero-shot retention")
+        replace_section(Path(args.page), BEGIN, END, text, "Zero-shot retention")
     return 0
 
 

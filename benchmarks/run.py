@@ -1,6 +1,6 @@
 """Benchmarks: what the product exists for, measured side by side in one run.
 
-    python benchmarks/run.py --quick --json OUT.json [--readme README.md]
+    python benchmarks/run.py --quick --json OUT.json [--page docs/results/benchmarks.md]
     python benchmarks/run.py --quick --skip capture memory select eval --tokens 16x512
 
 Targets (ratios, each measured in this run; medians of >= 5 repetitions after a warm-up):
@@ -225,7 +225,9 @@ def selection_benchmarks(repeats: int) -> dict[str, float]:
         s.update(x)
         budget = n // 4
         for method in available_methods():
-            if get_method(method).needs_evaluator:  # scores models: not a selection cost
+            registered = get_method(method)
+            # Scoring models (loss-guided) or repairs (`window`) is not a selection cost.
+            if registered.needs_evaluator or registered.needs_repair:
                 continue
             t = median_time(lambda m=method, s=s, b=budget: select_layers(s, b, m), repeats)
             out[f"select_ms.{method}.n{n}"] = t * 1000
@@ -310,7 +312,7 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="under 5 minutes on 2 cores")
     parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--readme", help="rewrite the benchmark table in this README")
+    parser.add_argument("--page", help="rewrite the benchmark table in this results page")
     parser.add_argument(
         "--skip",
         nargs="*",
@@ -384,8 +386,8 @@ def main() -> int:
     violations = speedup_violations(figures)
     for line in violations:
         print(f"check failed: {line}", file=sys.stderr)
-    if args.readme and not violations:
-        write_readme(Path(args.readme), table, args)
+    if args.page and not violations:
+        write_page(Path(args.page), table, args)
     return 1 if violations else 0
 
 
@@ -470,12 +472,12 @@ def render_table(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: Path, table: str, args: argparse.Namespace) -> None:
+def write_page(path: Path, table: str, args: argparse.Namespace) -> None:
     begin, end = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
     cmd = (
         "python benchmarks/run.py"
         + (" --quick" if args.quick else "")
-        + " --json bench.json --readme README.md"
+        + " --json bench.json --page docs/results/benchmarks.md"
     )
     replace_section(path, begin, end, f"Reproduce: `{cmd}`\n\n{table}", "Benchmarks")
 

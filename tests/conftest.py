@@ -3,7 +3,10 @@ order the suite's files run in."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,26 +19,32 @@ from tests.helpers.states import make_states
 # nodes, real models, measured under xdist) go out first and the quick ones fill in behind
 # them, so neither process is left alone with a long file at the end.
 SLOW_FILES = (
-    "test_pipeline.py",
-    "test_faults.py",
-    "test_two_nodes.py",
-    "test_shared_catalog.py",
-    "test_connect.py",
-    "test_pipeline_streamed.py",
-    "test_evaluation.py",
-    "test_pipeline_repair.py",
-    "test_fleet.py",
-    "test_dashboard.py",
-    "test_model_registry.py",
-    "test_real_model.py",
+    "integration/test_pipeline.py",
+    "integration/test_faults.py",
+    "integration/test_two_nodes.py",
+    "integration/test_shared_catalog.py",
+    "pipeline/cluster/test_connect.py",
+    "integration/test_pipeline_streamed.py",
+    "integration/test_evaluation.py",
+    "integration/test_pipeline_repair.py",
+    "integration/test_fleet.py",
+    "integration/test_dashboard.py",
+    "integration/test_model_registry.py",
+    "integration/test_real_model.py",
+    "benchmarks/test_gpu.py",
+    "pipeline/evaluation/test_zero_shot.py",
+    "pipeline/evaluation/test_speed.py",
+    "pipeline/stages/test_tasks.py",
+    "docs/test_gen_reference.py",
 )
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow files first, in `SLOW_FILES` order; every other file and every file's own
-    tests keep pytest's order."""
+    """The slow files first, in `SLOW_FILES` order (paths below tests/); every other file
+    and every file's own tests keep pytest's order."""
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))
 
 
 @pytest.fixture
@@ -49,3 +58,11 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     """A local Ray for the test module, with the module's `RAY_CPUS` (default `CPUS`)."""
     with local_ray(num_cpus=getattr(request.module, "RAY_CPUS", CPUS)):
         yield
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """A private Ray temp root, short: Ray's unix socket paths must fit in 107 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="lorpc", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

@@ -5,6 +5,7 @@ each module's tests live (docs: Architecture)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -248,3 +249,31 @@ def test_the_lorp_package_imports_no_fleet_library() -> None:
         if target.split(".")[0] in banned
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def untested_modules() -> list[str]:
+    """Modules of lorp/, pipeline/, dashboards/ and benchmarks/ without a test file beside
+    them (`tests/<folder>/test_<name>.py`) and without a row in tests/integration/README.md."""
+    listed = set(re.findall(r"`([\w/]+\.py)`", (ROOT / "tests/integration/README.md").read_text()))
+    missing = []
+    for folder in ("lorp", "pipeline", "dashboards", "benchmarks"):
+        for path in sources(folder):
+            rel = path.relative_to(ROOT)
+            if path.name == "__init__.py" or rel.as_posix() in listed:
+                continue
+            if not (ROOT / "tests" / rel.parent / f"test_{path.name}").is_file():
+                missing.append(rel.as_posix())
+    return missing
+
+
+def test_every_module_has_its_tests_where_its_name_says() -> None:
+    """lorp/x/y.py is tested in tests/lorp/x/test_y.py, or tests/integration/README.md
+    says where it is exercised and why it has no file of its own."""
+    assert not untested_modules(), untested_modules()
+
+
+def test_the_integration_readme_names_only_modules_that_exist() -> None:
+    text = (ROOT / "tests/integration/README.md").read_text()
+    gone = [m for m in re.findall(r"`((?:lorp|pipeline|dashboards|benchmarks)/[\w/]+\.py)`", text)
+            if not (ROOT / m).is_file()]  # fmt: skip
+    assert not gone, gone

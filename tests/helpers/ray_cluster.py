@@ -4,13 +4,21 @@ CPU counts the suite plans for (two test processes on two cores) live in one pla
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ray
 
 CPUS = 2
+AUTH_OFF = {"RAY_AUTH_MODE": "disabled"}
+"""Ray 2.60 turns token auth on when ~/.ray/auth_token exists (and writes one for a new
+local Ray): off for the `ray start` processes the tests run, so they neither depend on
+nor touch the home directory."""
+RAY_CLI = Path(sys.executable).with_name("ray")
+"""The `ray` command of this environment, for tests that start nodes as processes."""
 """Enough for a capture worker beside a grid point; the fleet tests ask for more."""
 
 

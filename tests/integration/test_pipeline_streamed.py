@@ -1,0 +1,99 @@
+"""A job whose workers have less memory than the model: the plan streams its capture and
+evaluation a module at a time, on a real local Ray and sqlite MLflow, and the figures are the
+ones the same job computes with the model held whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from transformers import AutoModelForCausalLM
+
+from lorp import SimilarityStats
+from lorp.models.shape import ModelShape
+from pipeline.cluster.memory import repair_fit_bytes
+from pipeline.plan import plan_models
+from pipeline.records.catalog import read_catalog
+from pipeline.records.events import read_events
+from pipeline.records.status import format_status, run_status
+from pipeline.run import run_job
+from pipeline.spec.parse import parse_spec
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.ray_cluster import local_ray
+from tests.helpers.tiny_models import save_tiny_ptb
+from tests.helpers.worker_memory import EVAL, between
+
+pytestmark = [pytest.mark.integration]
+
+
+def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
+    model = save_tiny_ptb("llama", tmp_path / "llama", n_blocks=8)
+    common = {
+        "budgets": [2],
+        "methods": [{"name": "shortgpt"}],
+        "repair": ["none", "linear"],
+        "evaluation": EVAL,
+        "ray": {"num_cpus": 2},
+    }
+    # Held whole, the job is the reference for the figures; its speed pass is not needed.
+    whole = tiny_job(
+        tmp_path, model, name="whole", **(common | {"evaluation": EVAL | {"speed": False}})
+    )
+    parsed = parse_spec(whole)
+    cal, ev = parsed.calibration, parsed.evaluation
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
+    resources = {
+        "capture": {"memory_gib": between(model, "capture", cal.batch_size, cal.seq_len + 1)},
+        "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1, fit)},
+    }
+    streamed = tiny_job(tmp_path, model, name="streamed", resources=resources, **common)
+    with local_ray():  # one local Ray for both jobs
+        assert run_job(parse_spec(streamed)).failed == []
+        assert run_job(parse_spec(whole)).failed == []
+
+    def by_variant(job: str) -> dict[tuple[str, str], dict]:
+        rows = read_catalog(tmp_path / job / "catalog.parquet")
+        return {(r["method_label"], r["repair"]): r for r in rows}
+
+    rows, held = by_variant("streamed"), by_variant("whole")
+    assert rows.keys() == held.keys() and len(rows) == 3  # dense, shortgpt, shortgpt+linear
+    for key, row in rows.items():
+        plan = json.loads(row["memory_plan"])
+        assert plan["capture"]["mode"] == plan["evaluate"]["mode"] == "streamed", plan
+        assert json.loads(held[key]["memory_plan"])["capture"]["mode"] == "memory"
+        assert row["pruned_layers"] == held[key]["pruned_layers"]
+        assert row["ppl_ptb"] == pytest.approx(held[key]["ppl_ptb"], rel=1e-4), key
+        assert row["speed_skipped"].startswith("not timed: the model is streamed")
+        assert row.get("latency_ms") is None
+    # lorp status says which stages streamed, and awaits no speed pass; the timeline's
+    # spans carry the mode.
+    status = "\n".join(format_status(run_status(tmp_path / "streamed")))
+    assert "memory       tiny: capture streamed (" in status, status
+    assert "evaluate streamed (" in status and "await the speed pass" not in status
+    events = read_events(tmp_path / "streamed" / "events.jsonl")
+    modes = {(e["stage"], e.get("mode")) for e in events if e["event"] == "span"}
+    assert {("capture", "streamed"), ("point", "streamed")} <= modes, modes
+    client = MlflowClient(f"sqlite:///{tmp_path / 'streamed' / 'mlflow.db'}")
+    tags = client.get_run(rows[("shortgpt", "none")]["mlflow_run_id"]).data.tags
+    assert json.loads(tags["memory_plan"])["evaluate"]["mode"] == "streamed"
+    # The same S from the streamed capture as from the capture of the model held whole.
+    a = SimilarityStats.from_file(next(r["stats_file"] for r in rows.values()))
+    b = SimilarityStats.from_file(next(r["stats_file"] for r in held.values()))
+    assert a.tokens == b.tokens > 0
+    # 1e-6 of the largest sum (576, the diagonal): the streamed capture takes the whole
+    # shard per forward, the held one the job's batch, so the fp32 sums round apart.
+    assert torch.allclose(a._sum, b._sum, rtol=0, atol=1e-6 * float(b._sum.abs().max()))
+    # The repaired variant was written from the files with the fold applied: tensor for
+    # tensor what the in-memory surgery of the job held whole wrote.
+    repaired = next(k for k in rows if k[1] == "linear")
+    ours, theirs = Path(rows[repaired]["checkpoint"]), Path(held[repaired]["checkpoint"])
+    a_model = AutoModelForCausalLM.from_pretrained(str(ours), dtype=torch.float32)
+    b_model = AutoModelForCausalLM.from_pretrained(str(theirs), dtype=torch.float32)
+    for (name, p), (_, q) in zip(
+        a_model.state_dict().items(), b_model.state_dict().items(), strict=True
+    ):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6), name

@@ -1,0 +1,21 @@
+"""The GGUF conversion passes on the BOS flag transformers' GGUF tokenizer loader drops
+(skipped where the packaged models are not installed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.packaged import installed
+
+
+@pytest.mark.skipif(
+    not (installed("gemma3-270m") and installed("smollm2-135m")), reason="not installed"
+)
+def test_gguf_bos_flags_for_the_tokenizer() -> None:
+    """transformers' GGUF tokenizer loader drops add_bos_token; the conversion passes it on
+    (Gemma's GGUF asks for a BOS, SmolLM2's does not), so `auto` finds Gemma's BOS."""
+    from lorp.models.gguf import gguf_tokenizer_flags
+    from lorp.models.packaged import packaged_gguf
+
+    assert gguf_tokenizer_flags(packaged_gguf("gemma3-270m")) == {"add_bos_token": True}
+    assert gguf_tokenizer_flags(packaged_gguf("smollm2-135m")) == {"add_bos_token": False}

@@ -1,0 +1,116 @@
+"""The parquet catalog (`pipeline.records.catalog`): one small part per recorded change,
+parts applied and folded idempotently, mirrored to the job's storage and to a shared catalog."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pipeline.records.catalog import PARTS, Catalog, read_catalog, write_catalog
+from pipeline.records.shared_catalog import SharedCatalog
+from pipeline.storage import Storage
+
+
+def row(i: int) -> dict:  # type: ignore[type-arg]
+    return {
+        "grid_key": f"k{i:05d}", "job": "j", "model": f"m{i // 100}", "method_label": "lorp",
+        "budget": i % 100, "created_at": "2026-12-01", "pruned_layers": [1, 2],
+        "ppl_ptb": 10.0 + i,
+    }  # fmt: skip
+
+
+def view(rows: list[dict]) -> list[dict]:  # type: ignore[type-arg]
+    """Rows by key on the columns these tests set (parquet adds the other core ones)."""
+    keys = [*row(0), "speedup", "speed_resolved"]
+    nan_free = [{k: r.get(k) for k in keys} for r in rows]
+    return sorted(nan_free, key=lambda r: r["grid_key"])
+
+
+def test_a_change_costs_one_part_whatever_the_size(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / Catalog.NAME)
+    sizes = []
+    for i in range(600):
+        cat.put(row(i))
+        parts = sorted((tmp_path / PARTS).glob("*.json"))
+        assert len(parts) == i + 1  # one new file per row, the others untouched
+        sizes.append(parts[-1].stat().st_size)
+    assert max(sizes) - min(sizes) < 16  # the 600th costs what the 1st did
+    assert not (tmp_path / Catalog.NAME).exists()  # no whole-file rewrite per row
+    cat.update("k00007", {"speedup": 1.25, "speed_resolved": 1.0})
+    rows = read_catalog(tmp_path / Catalog.NAME)  # what `lorp status` reads mid-run
+    assert len(rows) == 600 and rows[7]["speedup"] == 1.25 and rows[7]["ppl_ptb"] == 17.0
+
+    cat.compact()
+    assert not list((tmp_path / PARTS).glob("*.json"))
+    assert view(read_catalog(tmp_path / Catalog.NAME)) == view(rows)
+    assert view(Catalog(tmp_path / Catalog.NAME).rows) == view(rows)
+
+
+def test_parts_applied_twice_change_nothing(tmp_path: Path) -> None:
+    """A crash after the fold's rename and before its deletes leaves parts the file already
+    holds: read again, they replace rows with themselves."""
+    cat = Catalog(tmp_path / Catalog.NAME)
+    for i in range(5):
+        cat.put(row(i))
+    cat.update("k00002", {"ppl_ptb": 99.0})
+    cat.put(row(1) | {"ppl_ptb": 50.0})  # a redo replaces its slot's row
+    expected = read_catalog(tmp_path / Catalog.NAME)
+    write_catalog(tmp_path / Catalog.NAME, cat.rows)  # the fold's rename, then the crash
+    again = read_catalog(tmp_path / Catalog.NAME)
+    assert sorted(again, key=lambda r: r["grid_key"]) == sorted(
+        expected, key=lambda r: r["grid_key"]
+    )
+    assert len(again) == 5 and {r["grid_key"]: r["ppl_ptb"] for r in again}["k00001"] == 50.0
+
+
+def test_the_storage_holds_the_same_parts(tmp_path: Path) -> None:
+    """A job whose storage is elsewhere: every part is copied there as it is written, so a
+    driver on another machine starts from the same rows before any fold."""
+    store = Storage(tmp_path / "shared")
+    cat = Catalog(tmp_path / "a" / Catalog.NAME, store)
+    for i in range(3):
+        cat.put(row(i))
+    assert len(store.list(PARTS)) == 3
+    elsewhere = Catalog(tmp_path / "b" / Catalog.NAME, store)
+    assert elsewhere.rows == cat.rows
+    cat.compact()
+    assert store.list(PARTS) == [] and store.read_bytes(Catalog.NAME) is not None
+    assert view(Catalog(tmp_path / "c" / Catalog.NAME, store).rows) == view(cat.rows)
+
+
+class Flaky(SharedCatalog):
+    """A shared catalog that is unreachable while `down` is set."""
+
+    down = True
+
+    def put_part(self, job: str, name: str, data: bytes) -> None:
+        if self.down:
+            raise OSError("connection refused")
+        super().put_part(job, name, data)
+
+    def replace_rows(self, job: str, rows) -> int:  # type: ignore[no-untyped-def]
+        if self.down:
+            raise OSError("connection refused")
+        return super().replace_rows(job, rows)
+
+
+def test_a_shared_catalog_outage_loses_nothing(tmp_path: Path) -> None:
+    """While the shared catalog is down the job records on (its own catalog whole, one
+    warning per failure); its next compaction publishes every row."""
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("pipeline")
+    logger.addHandler(handler)
+    shared = Flaky(str(tmp_path / "shared"))
+    cat = Catalog(tmp_path / "run" / Catalog.NAME, publish=shared, job="j")
+    for i in range(5):
+        cat.put(row(i))
+    cat.compact()
+    assert len(read_catalog(cat.path)) == 5 and shared.read() == []
+    assert len(warned) == 6 and "connection refused" in warned[0]  # 5 parts, 1 compaction
+    logger.removeHandler(handler)
+    shared.down = False
+    cat.put(row(5))
+    cat.compact()
+    assert view(shared.read()) == view(read_catalog(cat.path)) and len(shared.read()) == 6

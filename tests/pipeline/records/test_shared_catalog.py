@@ -1,0 +1,72 @@
+"""The organisation's shared catalog (`pipeline.records.shared_catalog`) under many jobs at
+once, on every storage backend (local, file://, S3 on moto)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from pipeline.records.catalog import Catalog
+from pipeline.records.shared_catalog import SharedCatalog
+from pipeline.storage import Storage
+
+
+def shared_row(job: str, i: int) -> dict[str, Any]:
+    return {
+        "grid_key": f"k{i:03d}", "job": job, "model": "m", "method_label": f"x{i}",
+        "budget": i, "created_at": f"2026-12-01T00:00:{i:02d}", "ppl_ptb": 10.0 + i,
+    }  # fmt: skip
+
+
+def test_a_shared_catalog_takes_many_jobs_at_once(store: Storage, tmp_path: Path) -> None:
+    """Three jobs publish into one shared catalog at once, each compacting (snapshot
+    replaced, its parts deleted) every few rows, while a reader folds it again and again:
+    the reader never sees a job's row count drop (a compaction under it is read again),
+    and at the end every row is there exactly once. A rerun replaces its own rows only."""
+    shared = SharedCatalog(store)
+    jobs = ["team-a", "team-b", "team-c"]
+    counts: dict[str, list[int]] = {j: [] for j in jobs}
+    stop = threading.Event()
+
+    def write(job: str) -> None:
+        cat = Catalog(tmp_path / job / Catalog.NAME, publish=shared, job=job)
+        for i in range(20):
+            cat.put(shared_row(job, i))
+            cat.update(f"k{i:03d}", {"speedup": 1.0 + i})
+            if i % 2:
+                cat.compact()
+
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                rows = shared.read()
+                for j in jobs:
+                    counts[j].append(sum(r["job"] == j for r in rows))
+        except BaseException as exc:  # the test fails on it, not a dead thread
+            failures.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(j,)) for j in jobs]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    reader.join()
+    assert failures == []
+    rows = shared.read()
+    assert sorted((r["job"], r["grid_key"]) for r in rows) == sorted(
+        (j, f"k{i:03d}") for j in jobs for i in range(20)
+    )
+    assert all(r["speedup"] == 1.0 + r["budget"] for r in rows)
+    for j in jobs:
+        assert counts[j] == sorted(counts[j]), j  # never a row lost to a compaction
+    assert len(counts["team-a"]) > 3
+    shared.replace_rows("team-b", [shared_row("team-b", 0)])  # a rerun with one point
+    after = shared.read()
+    assert sum(r["job"] == "team-b" for r in after) == 1
+    assert sum(r["job"] != "team-b" for r in after) == 40
