@@ -8,7 +8,7 @@ STAMP_TEST   := $(VENV)/.stamp-test
 STAMP_VLLM   := $(VENV)/.stamp-vllm
 STAMP_MODELS := $(VENV)/.stamp-models
 
-.PHONY: test demo docs lint format clean venv
+.PHONY: test demo docs chromium lint format clean venv
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lorp needs Python >= 3.11"'
@@ -45,11 +45,22 @@ lint: $(STAMP_TEST)
 docs: $(STAMP_TEST)
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict --quiet
 
+# The dashboard tests drive Debian's headless chromium: installed here when it is missing and
+# this user may install it (root with apt-get, as CI is); otherwise one line says how.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null; \
+	  else \
+	    echo "make test: the dashboard tests need Debian's chromium; run: sudo apt-get install chromium" >&2; \
+	    exit 2; \
+	  fi; }
+
 # Test files are shared among TEST_WORKERS processes (whole files, so a module's fixtures are
 # built once; the slow files first, in tests/conftest.py's order, not xdist's by test count);
 # every test keeps its own Ray, ports and temp dirs, so they run side by side.
 TEST_WORKERS ?= 2
-test: lint docs $(STAMP_VLLM) $(STAMP_MODELS)
+test: lint docs chromium $(STAMP_VLLM) $(STAMP_MODELS)
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The main job end to end on an embedded local Ray; a second run resumes, not repeats.

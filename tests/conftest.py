@@ -66,3 +66,21 @@ def ray_tmp() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="lorpc", dir="/tmp"))
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that skips fails, unless it needs a GPU (marked `gpu`): `make test` installs
+    everything else a test needs, so a skip would be a test that never runs."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if (
+        report.skipped
+        and item.get_closest_marker("gpu") is None
+        and not hasattr(report, "wasxfail")
+    ):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped outside a GPU test (make test installs what tests need): {reason}"
+        )

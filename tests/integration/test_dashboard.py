@@ -113,9 +113,10 @@ def test_site_files_and_content(catalog, tmp_path: Path) -> None:  # type: ignor
     assert "bound N/(N-k)" in page
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed")
 def test_pages_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    playwright = pytest.importorskip("playwright.sync_api")
+    import playwright.sync_api as playwright
+
+    assert CHROMIUM, "the dashboard tests need Debian's chromium (make test installs it)"
     index = _site(catalog, tmp_path / "site")
     ARTIFACTS.mkdir(exist_ok=True)
     with playwright.sync_playwright() as p:
@@ -248,14 +249,15 @@ def front_points(rows: list[dict], protocol: str) -> set[tuple[float, float]]:
     }  # fmt: skip
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed")
 def test_a_shared_catalog_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """`lorp dashboard <shared catalog>`: one overview line per model and protocol, a
     protocol filter, one page per protocol with its Pareto front."""
+    import playwright.sync_api as playwright
+
     from pipeline.records.shared_catalog import open_catalog
     from tests.helpers.cli_runner import lorp
 
-    playwright = pytest.importorskip("playwright.sync_api")
+    assert CHROMIUM, "the dashboard tests need Debian's chromium (make test installs it)"
     location, a, b = shared_catalog(catalog, tmp_path)
     out = lorp("dashboard", str(location), "--out", str(tmp_path / "site"))
     assert out.returncode == 0, out.stderr

@@ -21,7 +21,8 @@ BUCKET = "lorp"
 def s3(tmp_path_factory) -> Any:  # type: ignore[no-untyped-def]
     """A moto S3 server on a free loopback port, a bucket, and dummy credentials in the
     environment (Ray workers started later inherit them). Yields the URI of the bucket."""
-    pytest.importorskip("moto")
+    import moto.server  # noqa: F401  (make test installs it: a missing one fails)
+
     port = free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     server = subprocess.Popen(

@@ -1,19 +1,16 @@
 """The GGUF conversion passes on the BOS flag transformers' GGUF tokenizer loader drops
-(skipped where the packaged models are not installed)."""
+(on the packaged models, which `make test` installs)."""
 
 from __future__ import annotations
 
-import pytest
-
-from tests.helpers.packaged import installed
+from tests.helpers.packaged import require
 
 
-@pytest.mark.skipif(
-    not (installed("gemma3-270m") and installed("smollm2-135m")), reason="not installed"
-)
 def test_gguf_bos_flags_for_the_tokenizer() -> None:
     """transformers' GGUF tokenizer loader drops add_bos_token; the conversion passes it on
     (Gemma's GGUF asks for a BOS, SmolLM2's does not), so `auto` finds Gemma's BOS."""
+    require("gemma3-270m")
+    require("smollm2-135m")
     from lorp.models.gguf import gguf_tokenizer_flags
     from lorp.models.packaged import packaged_gguf
 
