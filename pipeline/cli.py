@@ -26,6 +26,32 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_command)
 
 
+def add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="what a job spec would do, without running it; exit 2 when it is refused",
+        description="Print the plan of jobs/*.yaml: every model's size and memory decisions, "
+        "the grid, what is already done, the last run's stage times, and every problem.",
+    )
+    p.add_argument("spec", metavar="JOB.yaml")
+    p.add_argument("--json", action="store_true", help="the plan as one JSON object")
+    p.set_defaults(func=plan_command)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """`lorp plan JOB.yaml`: 0 when the job can run, 2 when it is refused."""
+    from pipeline.job_plan import plan_job, plan_json, plan_lines
+    from pipeline.spec.parse import load_spec
+
+    spec = load_spec(args.spec)
+    outline = plan_job(spec)
+    if args.json:
+        print(plan_json(outline))
+    else:
+        print("\n".join(plan_lines(outline, spec.resources.max_concurrent_points)))
+    return 0 if outline.ok else 2
+
+
 def talk(quiet: bool) -> None:
     """Progress lines on stderr, one per capture and point, unless --quiet."""
     logger = logging.getLogger("pipeline")
@@ -40,12 +66,19 @@ def talk(quiet: bool) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """`lorp run JOB.yaml`: the job through `pipeline.run.run_job`, its summary printed."""
+    from pipeline.job_plan import plan_job, plan_lines
     from pipeline.records.progress import Progress
     from pipeline.records.tracking import redact
     from pipeline.run import Stopped, run_job
     from pipeline.spec.parse import load_spec
 
     spec = load_spec(args.spec)
+    outline = plan_job(spec)  # the plan first, and nothing runs when it is refused
+    lines = plan_lines(outline, spec.resources.max_concurrent_points)
+    if not args.quiet or not outline.ok:
+        print("\n".join(lines), file=sys.stderr)
+    if not outline.ok:
+        return 2
     talk(args.quiet)
     progress = Progress(bar=False if args.quiet else None)
     try:

@@ -250,10 +250,11 @@ def plan_models(spec: JobSpec) -> list[ModelPlan]:
             parse_model_ref(m.ref)
         except ValueError as exc:
             raise SpecError(f"models[{i}].ref: {exc}") from None
-    return [_plan_model(spec, i, m) for i, m in enumerate(spec.models)]
+    return [plan_model(spec, i, m) for i, m in enumerate(spec.models)]
 
 
-def _plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
+def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
+    """Resolve and check model `i` of the job; a SpecError names `models[i]`."""
     from lorp.models.fingerprint import fingerprint_checkpoint
 
     try:
@@ -418,12 +419,14 @@ class Decision:
     """What the stage may hold besides weights and activations (repair sums)."""
     copies: int = 1
     """Whole copies of the model a worker may hold (held whole; see `decide`)."""
+    source: str = ""
+    """Where `worker_bytes` came from: the spec's `memory_gib`, or the node's figures."""
 
     def line(self, label: str) -> str:
         return (
             f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
             f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)}, "
-            f"{self.batch} windows per pass)"
+            f"{self.batch} windows per pass)" + (f" [{self.source}]" if self.source else "")
         )
 
     def record(self) -> dict[str, Any]:
@@ -434,4 +437,5 @@ class Decision:
             "worker_gib": round(self.worker_bytes / GIB, 3),
             "batch": self.batch,
             "kept_gib": round(self.kept_bytes / GIB, 3),
+            **({"source": self.source} if self.source else {}),
         }

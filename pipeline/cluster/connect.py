@@ -18,6 +18,7 @@ from pathlib import Path
 
 import ray
 
+from pipeline.cluster.memory import local_node
 from pipeline.spec.resources import RaySpec
 
 # Joining a named cluster may take this long (env LORP_RAY_CONNECT_TIMEOUT_S overrides):
@@ -39,9 +40,15 @@ def init_ray(ray_spec: RaySpec) -> None:
     # Embedded local Ray; its dashboard (when installed) binds to loopback only. Worker
     # output (library warnings, progress bars) stays in Ray's session logs unless lorp
     # runs verbose: the driver's own lines are the job's voice, errors come back raised.
+    # Its memory from the machine's total, not from what is free at this moment (Ray's
+    # default): the plan's decisions (`pipeline.cluster.memory`) must not depend on
+    # whether another job just finished or the page cache is full.
+    node = local_node(ray_spec.num_cpus)
     ray.init(
         address="local",
         num_cpus=ray_spec.num_cpus,
+        object_store_memory=int(node["object_store_memory"]),
+        _memory=int(node["memory"]),
         include_dashboard=False,
         dashboard_host="127.0.0.1",
         logging_level=logging.WARNING,

@@ -16,7 +16,12 @@ HEADROOM = 0.8
 
 
 class TooLargeError(ValueError):
-    """Even one module's matrices at a time do not fit the largest worker."""
+    """Even one module's matrices at a time do not fit the largest worker; `need_bytes`
+    is what the stage needs streamed."""
+
+    def __init__(self, message: str, need_bytes: int) -> None:
+        super().__init__(message)
+        self.need_bytes = need_bytes
 
 
 def decide(
@@ -67,7 +72,8 @@ def decide(
         f"{gib(weights + acts + least)} (resident {gib(size.resident)}, largest module's "
         f"matrices {gib(size.largest_unit)} twice, activations {gib(acts)}"
         f"{f', repair sums {gib(least)}' if least else ''}) and the largest worker has "
-        f"{gib(worker_bytes)} ({HEADROOM:.0%} usable)"
+        f"{gib(worker_bytes)} ({HEADROOM:.0%} usable)",
+        weights + acts + least,
     )
 
 

@@ -11,6 +11,8 @@ the driver after Ray is up; every worker of the stage then loads the model the s
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -38,24 +40,56 @@ GPU_PROBE_S = 120.0
 """How long planning waits for a GPU worker to report its device's memory."""
 
 
-def node_memory_bytes(resources: Resources, workers: int, stage: str = "grid") -> int:
-    """One worker's share of the largest live node: one GPU's memory where the stage runs
-    on GPUs (one worker per device, `gpu_memory_bytes`), else Ray's `memory` resource of
-    the node divided among the stage's workers that can run on it at once (its CPUs over
-    the worker's)."""
+OBJECT_STORE_SHARE = 0.3
+"""The share of a machine's memory the embedded local Ray gives its object store (Ray's
+own default share, taken of the total rather than of what is free when it starts)."""
+
+
+def local_node(num_cpus: float | None = None) -> dict[str, float]:
+    """What the embedded local Ray is started with (`pipeline.cluster.connect.init_ray`)
+    and what a plan made before Ray starts assumes: the machine's total memory (cgroup
+    aware) less the object store, never a snapshot of free memory, so another job's
+    processes or a full page cache change no decision. The store is capped by /dev/shm."""
+    from ray._common.utils import get_system_memory
+
+    total = int(get_system_memory())
+    store = int(OBJECT_STORE_SHARE * total)
+    if os.path.isdir("/dev/shm"):
+        shm = os.statvfs("/dev/shm")
+        store = min(store, int(0.95 * shm.f_blocks * shm.f_frsize))
+    cpus = float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))
+    return {"memory": total - store, "object_store_memory": store, "CPU": cpus, "total": total}
+
+
+def largest_node(num_cpus: float | None = None) -> tuple[dict[str, float], str]:
+    """The resources of the live Ray node with the most memory for tasks, and what they
+    are; before Ray is up, the local node this machine would start."""
     import ray
 
-    if resources.num_gpus > 0:
-        return gpu_memory_bytes(stage)
+    if not ray.is_initialized():
+        return local_node(num_cpus), "this machine (the local Ray lorp starts)"
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     node = max(nodes, key=lambda r: r.get("memory", 0), default={})
-    memory = int(node.get("memory", 0))
-    if memory <= 0:  # a cluster that reports none: this machine's, to plan on
-        import psutil
+    if node.get("memory", 0) <= 0:  # a cluster that reports none: this machine's, to plan on
+        return local_node(num_cpus), "this machine (the cluster reports no memory)"
+    return node, "the largest Ray node"
 
-        memory = int(psutil.virtual_memory().total)
+
+def node_memory_bytes(
+    resources: Resources, workers: int, stage: str = "grid", num_cpus: float | None = None
+) -> tuple[int, str]:
+    """One worker's share of the largest node, and the figures it came from: one GPU's
+    memory where the stage runs on GPUs (one worker per device, `gpu_memory_bytes`), else
+    the node's memory for tasks (its total less the object store) divided among the
+    stage's workers that can run on it at once (its CPUs over the worker's)."""
+    if resources.num_gpus > 0:
+        gpu = gpu_memory_bytes(stage)
+        return gpu, f"one GPU's {gib(gpu)}"
+    node, where = largest_node(num_cpus)
+    memory = int(node.get("memory", 0))
     slots = int(node.get("CPU", 1) // max(resources.num_cpus, 1e-9)) or 1
-    return memory // max(1, min(workers, slots))
+    share = max(1, min(workers, slots))
+    return memory // share, f"{where}: {gib(memory)} for tasks over {share} worker(s)"
 
 
 _GPU_MEMORY: dict[str, int] = {}
@@ -98,12 +132,15 @@ def _probe() -> int | None:
     return int(torch.cuda.get_device_properties(0).total_memory)
 
 
-def worker_bytes(resources: Resources, workers: int, stage: str = "grid") -> int:
-    """The memory one worker of a stage plans with: the spec's `memory_gib`, else its
-    share of the largest node (`node_memory_bytes`)."""
+def worker_bytes(
+    resources: Resources, workers: int, stage: str = "grid", num_cpus: float | None = None
+) -> tuple[int, str]:
+    """The memory one worker of a stage plans with, and which figure it is: the spec's
+    `memory_gib`, else its share of the largest node (`node_memory_bytes`)."""
     if resources.memory_gib is not None:
-        return int(resources.memory_gib * GIB)
-    return node_memory_bytes(resources, workers, stage)
+        field = f"resources.{stage}.memory_gib"
+        return int(resources.memory_gib * GIB), f"{field}: {resources.memory_gib:g}"
+    return node_memory_bytes(resources, workers, stage, num_cpus)
 
 
 def _repair_sums(repairs: bool, memory_gib: float, plan: ModelPlan, d: int) -> tuple[int, int]:
@@ -181,7 +218,7 @@ def tensor_parallel(
     each GPU and divide the attention heads (a number that does not fit is refused, as
     is one no node has the GPUs for). 1 where vLLM does not run on GPUs. `asked` is the
     spec's `evaluation.tensor_parallel_size`, `grid` its grid workers' resources."""
-    gpu = worker_bytes(grid, 1)
+    gpu, _ = worker_bytes(grid, 1)
 
     def fits(t: int) -> bool:
         heads = shape.heads % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0)
@@ -247,12 +284,13 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     }  # fmt: skip
     decisions: list[tuple[str, Decision]] = []
     for stage, (resources, workers, batch, seq_len, most) in stages.items():
+        memory, source = worker_bytes(resources, workers, FIELDS[stage], spec.ray.num_cpus)
         try:
             d = decide(
                 stage,  # type: ignore[arg-type]
                 size,
                 shape,
-                worker_bytes=worker_bytes(resources, workers, FIELDS[stage]),
+                worker_bytes=memory,
                 batch=batch,
                 seq_len=seq_len,
                 itemsize=itemsize,
@@ -263,17 +301,25 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
                 copies=2 if stage == "evaluate" and resources.num_gpus == 0 else 1,
             )
         except TooLargeError as exc:
-            raise SpecError(str(exc)) from None
-        decisions.append((stage, d))
+            raise SpecError(f"{exc}; {_room_hint(FIELDS[stage], exc.need_bytes)}") from None
+        decisions.append((stage, replace(d, source=source)))
     _check_distill(spec.distills, plan, dict(decisions)["evaluate"])
     return replace(plan, memory=tuple(decisions), tensor_parallel=tp)
+
+
+def _room_hint(field: str, need: int) -> str:
+    """The setting to change and a value that would work: a worker's memory that holds
+    `need` bytes within `HEADROOM`, rounded up to half a GiB."""
+    value = math.ceil(need / HEADROOM / GIB * 2) / 2
+    return f"set resources.{field}.memory_gib: {value:g} (or run on a node with that much)"
 
 
 def _check_distill(distills: bool, plan: ModelPlan, evaluate: Decision) -> None:
     """Distillation backpropagates through the model: a streamed one would hold it all."""
     if distills and evaluate.mode == "streamed":
         raise SpecError(
-            f"repair_distill: {plan.label} is streamed in its grid points (larger than a grid "
-            f"worker) and distillation trains through the model held whole; set "
-            f"repair_distill: 0 or give the grid workers more memory"
+            f"repair_distill: {plan.label} is streamed in its grid points (held whole it needs "
+            f"{gib(evaluate.memory_bytes)}, a grid worker has {gib(evaluate.worker_bytes)}, "
+            f"{evaluate.source}) and distillation trains through the model held whole; set "
+            f"repair_distill: 0, or {_room_hint('grid', evaluate.memory_bytes)}"
         )

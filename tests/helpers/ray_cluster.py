@@ -24,7 +24,14 @@ RAY_CLI = Path(sys.executable).with_name("ray")
 
 @contextmanager
 def local_ray(num_cpus: int = CPUS, **options: Any) -> Iterator[Any]:
-    """`ray.init` of a fresh local cluster, yielding its context; shut down after."""
+    """`ray.init` of a fresh local cluster, yielding its context; shut down after. Its
+    memory is set as lorp's own local Ray sets it (`local_node`): from the machine's
+    total, so what a test's plan decides does not depend on what else is running."""
+    from pipeline.cluster.memory import local_node
+
+    node = local_node(num_cpus)
+    options = {"object_store_memory": int(node["object_store_memory"]),
+               "_memory": int(node["memory"])} | options  # fmt: skip
     context = ray.init(
         address="local",
         num_cpus=num_cpus,
