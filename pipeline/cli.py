@@ -74,11 +74,11 @@ def run_command(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     outline = plan_job(spec)  # the plan first, and nothing runs when it is refused
-    lines = plan_lines(outline, spec.resources.max_concurrent_points)
-    if not args.quiet or not outline.ok:
-        print("\n".join(lines), file=sys.stderr)
-    if not outline.ok:
+    if not outline.ok:  # one line per problem, as any bad input gets
+        print("\n".join(outline.problems), file=sys.stderr)
         return 2
+    if not args.quiet:
+        print("\n".join(plan_lines(outline, spec.resources.max_concurrent_points)), file=sys.stderr)
     talk(args.quiet)
     progress = Progress(bar=False if args.quiet else None)
     try:

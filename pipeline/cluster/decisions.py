@@ -72,9 +72,7 @@ def decide(
         f"{gib(weights + acts + least)} (resident {gib(size.resident)}, largest module's "
         f"matrices {gib(size.largest_unit)} twice, activations {gib(acts)}"
         f"{f', repair sums {gib(least)}' if least else ''}) and the largest worker has "
-        f"{gib(worker_bytes)} ({HEADROOM:.0%} usable)",
-        weights + acts + least,
-    )
+        f"{gib(worker_bytes)} ({HEADROOM:.0%} usable)", weights + acts + least)  # fmt: skip
 
 
 def _streamed(
