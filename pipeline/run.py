@@ -17,7 +17,7 @@ ends its points in flight as KILLED and says what a rerun will do.
 Where things live: planning and keys in `plan`, a model's stages up to its points in
 `prepare`, the schedule in `fleet`, every record (catalog, MLflow, events, summary) in
 `recorder`, the stages' code and tasks in `stages/`, rows and registry in `records/`,
-Ray plumbing in `cluster/`, evaluation in `evaluation/`; README's layout section says
+Ray plumbing in `cluster/`, evaluation in `evaluation/`; docs/architecture.md says
 what may import what.
 """
 

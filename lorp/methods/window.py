@@ -13,7 +13,7 @@ variant does best by `score`:
   No model is run: the statistics decide.
 - `loss`: the calibration loss of each repaired variant on the held-out calibration
   windows (`lorp.methods.window_scores.window_losses`): one forward pass per candidate. Measured
-  here (README, Linear repair), the residual is dominated by a few outlier tokens (the first
+  here (docs: Linear repair), the residual is dominated by a few outlier tokens (the first
   position carries ~97% of the state's energy in SmolLM2-135M) and chose windows 6-7%
   worse on held-out news than the loss did.
 

@@ -68,7 +68,7 @@ def window_losses(
 
     The loss ranks windows by what the repaired variant predicts, where `window_scores`
     ranks them by the state the map reaches: measured on SmolLM2-135M and
-    Qwen2.5-Coder-0.5B (README, Linear repair), a few outlier tokens dominate that
+    Qwen2.5-Coder-0.5B (docs: Linear repair), a few outlier tokens dominate that
     state's error, and the residual chose windows 6-7% worse on held-out news."""
     out = {}
     for run in runs if runs is not None else stats.runs:

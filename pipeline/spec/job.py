@@ -78,7 +78,7 @@ class JobSpec:
     followers: fitted on the repaired model's states towards the dense model's, validated
     like the runs' maps). Each costs the repaired point a dense and a repaired forward of
     the calibration windows; 0 fits the runs' maps only. Measured on SmolLM2-135M at 8 of
-    30 blocks: one took held-out news from 2.32x to 2.20x dense (README, Linear repair)."""
+    30 blocks: one took held-out news from 2.32x to 2.20x dense (docs: Linear repair)."""
     repair_distill: int = 0
     """Epochs of distillation of each repaired point's maps, the runs' and the followers'
     (`lorp.repair.distill`): trained together towards the dense model's next-token distribution
