@@ -54,6 +54,8 @@ class PointTask:
     """The job's storage location (`Storage.location`)."""
     checkpoint: str | None
     """Where the pruned checkpoint goes below `storage`; None: not saved."""
+    checkpoint_format: str = "full"
+    """full (a standard checkpoint) or manifest (`lorp.models.variant_manifest`)."""
     provenance: dict[str, Any] = field(default_factory=dict)
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     resources: Resources = field(default_factory=Resources)

@@ -65,9 +65,23 @@ def resolve_version(client: MlflowClient, uri: str, store: str) -> ModelVersion:
 
 @contextmanager
 def version_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterator[Path]:
-    """The directory holding a version's files: the checkpoint itself for a local source
-    (nothing copied), else a temporary copy (from the job's storage, or MLflow's artifact
-    store), removed on exit."""
+    """The directory holding a version's standard checkpoint: the checkpoint itself for a
+    local source (nothing copied), else a temporary copy (from the job's storage, or
+    MLflow's artifact store), removed on exit. A variant stored as a manifest is written
+    out from its base, checked by fingerprint (`lorp.models.variant_manifest`)."""
+    from lorp.models.variant_manifest import is_manifest, materialize_variant
+
+    with _stored_files(client, mv, store) as path:
+        if not is_manifest(path):
+            yield path
+            return
+        with tempfile.TemporaryDirectory(prefix="lorp-variant-") as tmp:
+            yield materialize_variant(path, Path(tmp) / "checkpoint")
+
+
+@contextmanager
+def _stored_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterator[Path]:
+    """The directory a version's source names, as stored (fetched when remote)."""
     from mlflow.artifacts import download_artifacts
     from mlflow.utils.file_utils import local_file_uri_to_path
 

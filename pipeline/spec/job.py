@@ -18,6 +18,7 @@ from pipeline.spec.resources import RaySpec, ResourcesSpec
 from pipeline.spec.tracking import TrackingSpec
 
 REPAIRS = ("none", "linear")
+CHECKPOINT_FORMATS = ("full", "manifest")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,14 @@ class JobSpec:
     and the registry's aliases rank over every job's rows in it. Default: none, the
     job's own catalog only."""
     save_checkpoints: bool = True
-    """Write each pruned checkpoint (safetensors) under <storage>/checkpoints."""
+    """Write each pruned variant under <storage>/checkpoints (in `checkpoint_format`)."""
+    checkpoint_format: str = "full"
+    """How a pruned variant is stored: `full`, a standard checkpoint (safetensors, config,
+    tokenizer) that vLLM and transformers load as it is; or `manifest`, what the variant
+    changes (`lorp.models.variant_manifest`): its base model by reference and fingerprint,
+    the blocks it drops and the tensors its repair rewrote (SmolLM2-135M: kilobytes
+    unrepaired, 3.5 MB a repaired run, against 540 MB a full copy). `lorp pull` and
+    the registry's loading write a manifest back as a standard checkpoint."""
     cache_dir: str | None = None
     """Where merged S files are cached by content key (default: <storage>/stats when
     storage is set, else $LORP_CACHE/stats)."""
@@ -133,6 +141,11 @@ class JobSpec:
             if r not in REPAIRS:
                 raise SpecError(f"repair[{i}]: must be one of {', '.join(REPAIRS)}, got {r!r}")
         unique("repair", list(self.repair))
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise SpecError(
+                f"checkpoint_format: must be one of {', '.join(CHECKPOINT_FORMATS)}, "
+                f"got {self.checkpoint_format!r}"
+            )
         positive("repair_rounds", self.repair_rounds)
         positive("repair_followers", self.repair_followers, minimum=0)
         positive("repair_distill", self.repair_distill, minimum=0)

@@ -64,7 +64,7 @@ def _execute_point(task: PointTask) -> PointResult:
         provenance = {**provenance, "repair": {**(provenance.get("repair") or {}), "runs": records}}
     with scratch_dir() as scratch:
         saved = _save_checkpoint(task, lm, scratch, provenance, fits)
-        metrics = _evaluate(task, lm, saved or lm.path)
+        metrics = _evaluate(task, lm, saved or lm.path, scratch)
     seconds = time.perf_counter() - start
     serving = metrics.pop("serving", None) or {}
     info = _zero_shot_info(task.evaluation, metrics)
@@ -177,7 +177,17 @@ def _save_checkpoint(
     maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
-    if task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
+    if task.checkpoint_format == "manifest":  # the base by reference, the changed tensors
+        from lorp.models.variant_manifest import BaseRef, write_manifest
+        from lorp.repair.fold import file_folds
+
+        m = task.model
+        base = BaseRef(m.ref, m.kind, m.fingerprint, m.revision)
+        write_manifest(
+            lm.path, local, base, task.layers, provenance,
+            changes=file_folds(fits) if fits else None, dtype=m.dtype, overwrite=True,
+        )  # fmt: skip
+    elif task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
         from lorp.models.file_surgery import write_pruned_files
         from lorp.repair.fold import file_folds
 
@@ -193,7 +203,7 @@ def _save_checkpoint(
     return local
 
 
-def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:
+def _evaluate(task: PointTask, lm: Any, model_dir: Path, scratch: Path) -> dict[str, Any]:
     """The point's figures: from the model in memory (transformers), or from `model_dir`,
     the local checkpoint (or the dense model's directory on this node) for vLLM (with
     its serving rounds under `serving` when the spec asks for them)."""
@@ -212,6 +222,10 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path) -> dict[str, Any]:
             return evaluate(be, lm.tokenizer, ev)
     tokenizer = lm.tokenizer
     lm.model = None  # the transformers copy goes before the engine comes
+    from lorp.models.variant_manifest import is_manifest, materialize_variant
+
+    if is_manifest(model_dir):  # vLLM reads a standard checkpoint: written to scratch
+        model_dir = materialize_variant(model_dir, scratch / "materialized", base_dir=lm.path)
     from pipeline.evaluation.vllm_engine import free_memory
 
     free_memory()

@@ -111,13 +111,18 @@ def _peak_memory(
     task: SpeedTask, dense_dir: Path, layers: tuple[int, ...], checkpoint: str | None
 ) -> dict[str, float]:
     """A saved checkpoint (fetched to this node when storage is remote) loads only the
-    kept weights; without one, the dense model loads and drops the blocks."""
+    kept weights; without one, or for a manifest, the dense model loads and drops the
+    blocks."""
     from pipeline.evaluation.speed import peak_memory_fresh
 
     device, dtype = device_for(task.resources), task.model.dtype
     if not checkpoint:
         return peak_memory_fresh(str(dense_dir), layers, dtype, device, task.seq_len)
+    from lorp.models.variant_manifest import is_manifest
+
     with Storage(task.storage).fetched(checkpoint) as local:
+        if is_manifest(local):  # what it changes: the same tensors' sizes as its base's
+            return peak_memory_fresh(str(dense_dir), layers, dtype, device, task.seq_len)
         return peak_memory_fresh(str(local), (), dtype, device, task.seq_len)
 
 

@@ -47,6 +47,7 @@ def point_task(
         layers=point.layers,
         storage=storage,
         checkpoint=checkpoint(spec.save_checkpoints, point),
+        checkpoint_format=spec.checkpoint_format,
         provenance=provenance(spec, point),
         evaluation=point_evaluation(spec.evaluation, point),
         resources=point_resources(spec.resources.grid, point, backend),

@@ -164,6 +164,42 @@ def test_lorp_pull_writes_the_checkpoint_directory(store, tmp_path: Path) -> Non
     assert len(again.stderr.strip().splitlines()) == 1
 
 
+def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The module's job again with `checkpoint_format: manifest` and repaired twins (S
+    from the module's cache): every variant is stored as a few kilobytes or the tensors its
+    repair changed, registered, and pulled back tensor-identical to the full copy a job
+    with `checkpoint_format: full` writes for the same point."""
+    from tests.lorp.models.test_file_surgery import tensors
+
+    model = store["model"]
+    with pytest.MonkeyPatch.context() as mp:  # on the module's Ray
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        cache = str(store["root"] / "cache")
+        runs = {
+            fmt: run_job(spec_for(tmp_path / fmt, model, "fmt", budgets=[2], cache_dir=cache,
+                                  checkpoint_format=fmt, repair=["none", "linear"]))
+            for fmt in ("manifest", "full")
+        }  # fmt: skip
+    full = {r["grid_key"]: r for r in read_catalog(runs["full"].catalog) if r["checkpoint"]}
+    rows = [r for r in read_catalog(runs["manifest"].catalog) if r["checkpoint"]]
+    assert len(rows) == len(full) == 4  # lorp, shortgpt; pruned and repaired
+    for row in rows:
+        stored = Path(row["checkpoint"])
+        assert (stored / "lorp_variant.json").is_file()
+        size = sum(f.stat().st_size for f in stored.iterdir())
+        model_bytes = (
+            (Path(full[row["grid_key"]]["checkpoint"]) / "model.safetensors").stat().st_size
+        )
+        assert size < (model_bytes / 4 if row["repair"] == "linear" else 4096), row["grid_key"]
+        out, _ = pull(
+            row["model_uri"], tmp_path / row["grid_key"], tracking_uri=runs["manifest"].tracking_uri
+        )
+        a, b = tensors(out), tensors(Path(full[row["grid_key"]]["checkpoint"]))
+        assert sorted(a) == sorted(b)
+        assert all(torch.equal(a[k], b[k]) for k in a), row["grid_key"]
+        assert row["ppl_ptb"] == pytest.approx(full[row["grid_key"]]["ppl_ptb"], rel=1e-5)
+
+
 def test_dashboard_links_each_variant_to_its_version(store) -> None:  # type: ignore[no-untyped-def]
     rows = read_catalog(store["summary"].catalog)
     tracking = job_tracking(rows)

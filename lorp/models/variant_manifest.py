@@ -1,0 +1,178 @@
+"""A pruned variant stored as what it changes: a manifest naming its base checkpoint (by
+reference and content fingerprint) and the blocks it drops, beside a small safetensors file
+of the tensors its repair rewrote (the folded `down_proj`, norm or embedding of each run).
+
+Removing blocks only drops and renumbers tensors the base already holds, so an unrepaired
+variant is a few hundred bytes and a repaired one a few tensors (SmolLM2-135M: 3.5 MB a run
+against 540 MB for the whole model). `materialize_variant` writes the standard checkpoint
+back, tensor by tensor from the base's files (`lorp.models.file_surgery`), tensor-identical
+to the full copy `lorp.models.surgery.save_pruned` writes from the model in memory.
+
+A variant directory holds `lorp_variant.json`, `lorp_changes.safetensors` and the
+provenance file (`lorp_pruning.json`) every pruned checkpoint carries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorp.atomic import atomic_dir
+from lorp.models.file_surgery import FileChanges, write_pruned_files
+from lorp.models.surgery import PROVENANCE_FILE
+
+MANIFEST_FILE = "lorp_variant.json"
+CHANGES_FILE = "lorp_changes.safetensors"
+FORMAT = "lorp-variant/1"
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """Where a variant's base checkpoint comes from, as any node resolves it
+    (`lorp.models.loading.materialize`), and the content it must have."""
+
+    ref: str
+    kind: str
+    fingerprint: str
+    revision: str | None = None
+
+
+def is_manifest(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a variant directory (a manifest), not a standard checkpoint."""
+    return (Path(path) / MANIFEST_FILE).is_file()
+
+
+def write_manifest(
+    base_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    base: BaseRef,
+    layers: Iterable[int],
+    provenance: Mapping[str, Any],
+    *,
+    changes: FileChanges | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """Write the variant of `base_dir` (the local copy of `base`) without blocks `layers`,
+    with the tensors `changes` rewrites (a repair's fold, `lorp.repair.fold.file_folds`)
+    computed from the base's tensors in `dtype`, to `out_dir`, atomically."""
+    from safetensors.torch import save_file
+
+    from lorp.models.loading import parse_dtype
+
+    changed = _changed_tensors(Path(base_dir), changes, parse_dtype(dtype))
+    doc = {
+        "format": FORMAT,
+        "base": asdict(base),
+        "pruned": sorted(int(b) for b in layers),
+        "dtype": dtype,
+        "changed": sorted(changed),
+    }
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output directory already exists: {str(out)!r}")
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_file(changed, str(tmp / CHANGES_FILE), metadata={"format": "pt"})
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=2, sort_keys=True))
+        (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=2))
+    return out
+
+
+def _changed_tensors(
+    base_dir: Path, changes: FileChanges | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Each rewritten tensor by its key in the base, computed as the file surgery would."""
+    if changes is None:
+        return {}
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lorp.models.architectures import architecture_for
+    from lorp.models.safetensors_index import tensor_index
+
+    text = AutoConfig.from_pretrained(str(base_dir)).get_text_config()
+    index = tensor_index(base_dir)
+    tied = bool(text.tie_word_embeddings) and "lm_head.weight" not in index
+    out = {}
+    for key, fn in changes(index, architecture_for(text.model_type), tied).items():
+        with safe_open(str(index[key].file), framework="pt") as f:
+            t = f.get_tensor(key)
+        if t.is_floating_point():
+            t = t.to(dtype)
+        out[key] = fn(t).contiguous()
+    return out
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of variant directory `path`, refused in one line if it is not one."""
+    file = Path(path) / MANIFEST_FILE
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(file)!r} is not a lorp variant manifest ({exc})") from None
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{str(file)!r}: format {doc.get('format')!r}, expected {FORMAT!r}")
+    return doc
+
+
+def base_of(path: str | os.PathLike[str]) -> BaseRef:
+    return BaseRef(**read_manifest(path)["base"])
+
+
+def resolve_base(base: BaseRef) -> Path:
+    """The base's local directory on this node (converted or downloaded here if needed),
+    refused in one line when its content is not the fingerprint the manifest names."""
+    from lorp.models.fingerprint import fingerprint_checkpoint
+    from lorp.models.loading import ModelRef, materialize
+
+    try:
+        local = materialize(ModelRef(base.ref, base.kind), revision=base.revision)  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"base {base.ref!r} of the variant is not available ({exc})") from None
+    have = fingerprint_checkpoint(local)
+    if have != base.fingerprint:
+        raise ValueError(
+            f"base {base.ref!r} changed: {str(local)!r} has fingerprint {have[:12]}, "
+            f"the variant was made from {base.fingerprint[:12]}"
+        )
+    return local
+
+
+def materialize_variant(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    base_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write variant `path` as a standard checkpoint to `out_dir` (safetensors, config,
+    tokenizer, provenance), streamed tensor by tensor from its base: `base_dir` when the
+    caller has it (trusted), else the base the manifest names, resolved and checked."""
+    from safetensors.torch import load_file
+
+    from lorp.models.loading import parse_dtype
+
+    doc = read_manifest(path)
+    base = Path(base_dir) if base_dir is not None else resolve_base(BaseRef(**doc["base"]))
+    stored = load_file(str(Path(path) / CHANGES_FILE))
+    provenance = json.loads((Path(path) / PROVENANCE_FILE).read_text())
+    return write_pruned_files(
+        base,
+        out_dir,
+        doc["pruned"],
+        provenance,
+        changes=lambda index, arch, tied: {k: (lambda _t, v=v: v) for k, v in stored.items()},
+        dtype=parse_dtype(doc["dtype"]),
+        overwrite=overwrite,
+    )
+
+
+def variant_bytes(path: str | os.PathLike[str]) -> int:
+    """What a variant directory (manifest or full checkpoint) takes on disk."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

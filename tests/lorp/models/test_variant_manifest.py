@@ -1,0 +1,101 @@
+"""A variant stored as what it changes materialises into the full copy, tensor for tensor;
+its size is what it changes; a base that changed is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorp.models.fingerprint import fingerprint_checkpoint
+from lorp.models.surgery import drop_layers, save_pruned
+from lorp.models.variant_manifest import (
+    BaseRef,
+    is_manifest,
+    materialize_variant,
+    read_manifest,
+    variant_bytes,
+    write_manifest,
+)
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.fit import fit_runs
+from lorp.repair.fold import file_folds, fold
+from lorp.repair.stats import contiguous_runs
+from tests.helpers.model_checks import in_memory
+from tests.helpers.tiny_models import FAMILIES, N_BLOCKS
+from tests.helpers.windows import token_windows
+from tests.lorp.models.test_file_surgery import config_of, tensors
+
+
+def base_ref(path: Path) -> BaseRef:
+    return BaseRef(str(path), "dir", fingerprint_checkpoint(path))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_materialised_variant_equals_the_full_copy(
+    family: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Repaired in memory and saved whole = the manifest written back from its base."""
+    path = checkpoints[family]
+    layers = [2, 3] if family == "gemma3_text" else [0, 1, 3, 4]
+    dense = in_memory(path)
+    stats = capture_repair_stats(
+        dense, [token_windows(8)], contiguous_runs(layers, N_BLOCKS), progress=False
+    )
+    fits = fit_runs(dense, stats)
+    provenance = {"pruned": layers, "grid_key": "k"}
+    variant = write_manifest(
+        path, tmp_path / "variant", base_ref(path), layers, provenance, changes=file_folds(fits)
+    )
+    assert is_manifest(variant) and not is_manifest(path)
+    out = materialize_variant(variant, tmp_path / "pulled")  # resolves and checks its base
+    fold(dense, fits)
+    drop_layers(dense, layers)
+    full = save_pruned(dense, None, tmp_path / "full", provenance)
+    a, b = tensors(full), tensors(out)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert config_of(full) == config_of(out)
+    assert json.loads((out / "lorp_pruning.json").read_text()) == provenance
+    # What it stores: the folded tensors only, a small part of the full copy.
+    changed = read_manifest(variant)["changed"]
+    assert changed and all(k.endswith(("down_proj.weight", "norm.weight", "embed_tokens.weight"))
+                           for k in changed)  # fmt: skip
+    assert variant_bytes(variant) < variant_bytes(full) / 3
+
+
+def test_an_unrepaired_variant_is_a_few_kilobytes(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = checkpoints["llama"]
+    variant = write_manifest(path, tmp_path / "v", base_ref(path), [1, 2], {"pruned": [1, 2]})
+    assert read_manifest(variant)["changed"] == []
+    assert variant_bytes(variant) < 4096
+    out = materialize_variant(variant, tmp_path / "out")
+    assert config_of(out)["num_hidden_layers"] == N_BLOCKS - 2
+    assert (out / "tokenizer.json").is_file() == (path / "tokenizer.json").is_file()
+
+
+def test_a_changed_base_is_refused_in_one_line(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(checkpoints["llama"], base)
+    variant = write_manifest(base, tmp_path / "v", base_ref(base), [1], {"pruned": [1]})
+    config = json.loads((base / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3  # another model under the same path
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"base .*base' changed: .* has fingerprint") as exc:
+        materialize_variant(variant, tmp_path / "out")
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_a_manifest_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "lorp_variant.json").write_text('{"format": "other/9"}')
+    with pytest.raises(ValueError, match="format 'other/9', expected 'lorp-variant/1'"):
+        read_manifest(tmp_path)
