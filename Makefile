@@ -67,7 +67,8 @@ test: lint docs chromium $(STAMP_VLLM) $(STAMP_MODELS)
 demo: $(STAMP_TEST) $(STAMP_MODELS)
 	$(VENV)/bin/lorp run jobs/demo.yaml
 	$(VENV)/bin/lorp dashboard runs/demo
-	$(VENV)/bin/lorp catalog best runs/catalog --model smollm2-135m --budget 8
+	$(VENV)/bin/lorp catalog best runs/catalog --model smollm2-135m --budget 6
+	$(VENV)/bin/lorp catalog best runs/catalog --model qwen2.5-coder-0.5b --budget 5
 
 format: $(STAMP_TEST)
 	$(VENV)/bin/ruff check --fix .

@@ -17,7 +17,7 @@ from pipeline.records.timeline import span
 from pipeline.stages.worker_setup import device_for, pin_threads
 from pipeline.storage import Storage
 
-MAX_SPEED_ROUNDS = 60
+MAX_SPEED_ROUNDS = 120
 """Rounds at most per group of variants (the budget usually ends them first)."""
 
 
@@ -26,10 +26,11 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     `pipeline.evaluation.speed`: the median of paired dense/variant ratios over rounds
     that time the dense model once for a group of variants, published once its 95%
     interval is narrow enough; unresolved figures marked) and the variant's peak memory
-    in a fresh process. Variants are timed in groups whose pruned copies fit half the
-    memory free; the groups share the model's time budget."""
+    in a fresh process (one per distinct kept size). Variants are timed in groups whose
+    pruned copies fit half the memory free; the groups share the model's time budget."""
     import copy
 
+    from lorp.models.architectures import decoder_blocks
     from lorp.models.surgery import drop_layers
     from pipeline.evaluation.speed import timed_speedups
 
@@ -66,10 +67,17 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
         dense_alone = figures.pop("")
         timing.setdefault("", dense_alone)
         timing |= figures
-    out = {}
+    out, peaks = {}, {}
+    block_bytes = [_bytes(b) for b in decoder_blocks(dense)]
     for key, layers, checkpoint in task.variants:
         figures = timing[key] if layers else timing[""]
-        out[key] = figures | _peak_memory(task, dense_dir, layers, checkpoint)
+        # Variants that keep as many blocks of the same bytes load the same tensors' sizes
+        # and run the same shapes: one fresh process measures them all (a repaired twin,
+        # or another method's blocks in a model whose blocks are alike).
+        size = (len(layers), sum(block_bytes[b] for b in layers))
+        if size not in peaks:
+            peaks[size] = _peak_memory(task, dense_dir, layers, checkpoint)
+        out[key] = figures | peaks[size]
     return out
 
 

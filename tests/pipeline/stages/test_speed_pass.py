@@ -47,3 +47,31 @@ def test_groups_share_the_models_time_budget(monkeypatch: pytest.MonkeyPatch, tm
     # 90 s over 3 groups: the first gets a third; a scripted group takes no time, so the
     # second gets half of the 90 s still left and the last all of it
     assert budgets == pytest.approx([30.0, 45.0, 90.0], abs=0.5)
+
+
+def test_peak_memory_once_per_kept_size(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Variants that keep as many blocks of the same bytes share one fresh-process
+    measurement: here blocks 1 and 2 are alike, so 3 sizes for 4 variants."""
+    from pipeline.cluster.model_source import ModelSource
+    from pipeline.messages import SpeedTask
+    from pipeline.stages import speed_pass
+    from tests.helpers.tiny_models import save_tiny_ptb
+
+    where = save_tiny_ptb("llama", tmp_path / "tiny")
+    measured: list[tuple[int, ...]] = []
+
+    def peak(task, dense_dir, layers, checkpoint):  # type: ignore[no-untyped-def]
+        measured.append(tuple(layers))
+        return {"peak_mem_gib": float(len(layers))}
+
+    monkeypatch.setattr(speed, "timed_speedups", lambda dense, copies, *a, **kw: {
+        k: {"speedup": 1.0} for k in [*copies, ""]})  # fmt: skip
+    monkeypatch.setattr(speed_pass, "_peak_memory", peak)
+    variants = (("d", (), None), ("a", (1,), None), ("b", (2,), None), ("c", (1, 2), None))
+    task = SpeedTask(
+        model=ModelSource(ref=str(where), kind="dir"), storage=str(tmp_path),
+        variants=variants, seq_len=8, budget_s=10.0, n_blocks=6,
+    )  # fmt: skip
+    out = speed_pass.measure_speed(task)
+    assert measured == [(), (1,), (1, 2)]
+    assert {k: v["peak_mem_gib"] for k, v in out.items()} == {"d": 0, "a": 1, "b": 1, "c": 2}

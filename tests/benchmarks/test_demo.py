@@ -1,0 +1,70 @@
+"""benchmarks/demo.py's page, from catalog rows built in the test: figures against dense,
+the speed cell's three forms, the gate's count per model and budget."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from tests.helpers.paths import REPO
+
+sys.path.insert(0, str(REPO))
+
+from benchmarks.demo import blocks, render, speed_cell, summary  # noqa: E402
+
+NAN = math.nan
+
+
+def row(method: str, budget: int, repair: str, lee: float, ptb: float, **kw):  # type: ignore[no-untyped-def]
+    label = method if repair == "none" else f"{method}+linear"
+    base = {
+        "model": "m", "n_blocks": 10, "dtype": "bfloat16", "method": method,
+        "method_label": label, "budget": budget, "repair": repair, "ppl_lee": lee,
+        "ppl_ptb": ptb, "pruned_layers": list(range(2, 2 + budget)), "degraded": lee > 60.0,
+        "speedup": NAN, "speedup_low": NAN, "speedup_high": NAN, "speedup_measured": NAN,
+        "speed_resolved": 0.0, "peak_mem_gib": 1.0, "checkpoint": None,
+    }  # fmt: skip
+    return base | kw
+
+
+ROWS = [
+    row("dense", 0, "none", 20.0, 10.0),
+    row("lorp", 2, "none", 100.0, 30.0, speedup_measured=1.2, speedup_low=1.1, speedup_high=1.3),
+    row("lorp", 2, "linear", 50.0, 15.0, speedup_measured=1.2, speedup_low=1.1, speedup_high=1.3),
+    row("shortgpt", 2, "none", 80.0, 20.0, speedup=1.24, speedup_low=1.23, speedup_high=1.25,
+        speedup_measured=1.24, speed_resolved=1.0),
+    row("shortgpt", 4, "none", 900.0, 90.0),
+]  # fmt: skip
+
+
+def test_speed_cell_publishes_only_a_resolved_figure() -> None:
+    assert speed_cell(ROWS[3]) == "1.240 [1.230, 1.250]"
+    assert speed_cell(ROWS[1]) == "unresolved (1.200 [1.100, 1.300])"
+    assert speed_cell(ROWS[4]) == "not timed"
+
+
+def test_blocks_are_written_as_runs() -> None:
+    assert blocks([3, 9, 10, 11, 14]) == "3 9-11 14"
+
+
+def test_summary_counts_the_gate_per_model_and_budget() -> None:
+    lines = summary(ROWS)
+    assert lines[0] == "- speed-ups published: 1 of 4 pruned variants"
+    assert lines[1] == (
+        "- m, 2 of 10 blocks (20%): 1 of 3 variants pass the gate; best lorp+linear at "
+        "2.50x dense on lee"
+    )
+    assert (
+        lines[2]
+        == "- m, 4 of 10 blocks (40%): 0 of 1 variants pass the gate; best none (all degraded)"
+    )
+
+
+def test_table_puts_twins_side_by_side() -> None:
+    text = render(ROWS, None, None)
+    assert "| dense | - | 1 (20.0) | - | 1 (10.0) | - | 1 | 1 | 1.000 | - | - |" in text
+    assert (
+        "| lorp | 2-3 | 5.00 (degraded) | 2.50 | 3.00 | 1.50 | unresolved (1.200 [1.100, 1.300]) "
+        "| 1.250 |" in text
+    )
+    assert "| shortgpt | 2-5 | 45.00 (degraded) | - | 9.00 | - | not timed | 1.667 |" in text
