@@ -109,6 +109,16 @@ def summary(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     pruned = [r for r in rows if r["method"] != "dense"]
     resolved = [r for r in pruned if r.get("speed_resolved") == 1.0]
     out = [f"- speed-ups published: {len(resolved)} of {len(pruned)} pruned variants"]
+    over = [
+        r["speedup"] / (r["n_blocks"] / (r["n_blocks"] - r["budget"]))
+        for r in resolved
+        if r["speedup"] > r["n_blocks"] / (r["n_blocks"] - r["budget"])
+    ]
+    if over:
+        out.append(
+            f"- above the bound N/(N-k): {len(over)} of {len(resolved)} published, by at most "
+            f"{max(over) - 1:.1%} (the rule allows 5%: more is a broken timing)"
+        )
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in pruned if r["model"] == model]
         n = int(mine[0]["n_blocks"]) if mine else 0

@@ -31,14 +31,14 @@ ROWS = [
     row("dense", 0, "none", 20.0, 10.0),
     row("lorp", 2, "none", 100.0, 30.0, speedup_measured=1.2, speedup_low=1.1, speedup_high=1.3),
     row("lorp", 2, "linear", 50.0, 15.0, speedup_measured=1.2, speedup_low=1.1, speedup_high=1.3),
-    row("shortgpt", 2, "none", 80.0, 20.0, speedup=1.24, speedup_low=1.23, speedup_high=1.25,
-        speedup_measured=1.24, speed_resolved=1.0),
+    row("shortgpt", 2, "none", 80.0, 20.0, speedup=1.3, speedup_low=1.29, speedup_high=1.31,
+        speedup_measured=1.3, speed_resolved=1.0),
     row("shortgpt", 4, "none", 900.0, 90.0),
 ]  # fmt: skip
 
 
 def test_speed_cell_publishes_only_a_resolved_figure() -> None:
-    assert speed_cell(ROWS[3]) == "1.240 [1.230, 1.250]"
+    assert speed_cell(ROWS[3]) == "1.300 [1.290, 1.310]"
     assert speed_cell(ROWS[1]) == "unresolved (1.200 [1.100, 1.300])"
     assert speed_cell(ROWS[4]) == "not timed"
 
@@ -51,12 +51,15 @@ def test_summary_counts_the_gate_per_model_and_budget() -> None:
     lines = summary(ROWS)
     assert lines[0] == "- speed-ups published: 1 of 4 pruned variants"
     assert lines[1] == (
+        "- above the bound N/(N-k): 1 of 1 published, by at most 4.0% (the rule allows 5%: "
+        "more is a broken timing)"
+    )
+    assert lines[2] == (
         "- m, 2 of 10 blocks (20%): 1 of 3 variants pass the gate; best lorp+linear at "
         "2.50x dense on lee"
     )
-    assert (
-        lines[2]
-        == "- m, 4 of 10 blocks (40%): 0 of 1 variants pass the gate; best none (all degraded)"
+    assert lines[3] == (
+        "- m, 4 of 10 blocks (40%): 0 of 1 variants pass the gate; best none (all degraded)"
     )
 
 

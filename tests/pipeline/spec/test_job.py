@@ -63,3 +63,13 @@ def test_bad_repair_lists_fail_with_the_field(tmp_path: Path, repair: list, mess
     with pytest.raises(SpecError) as info:
         parse_spec(tiny_job(tmp_path, tmp_path / "m", repair=repair))
     assert str(info.value) == message
+
+
+def test_the_checkpoint_format_is_full_or_manifest() -> None:
+    base = {"name": "c", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}]}
+    assert parse_spec(base).checkpoint_format == "full"
+    assert parse_spec(base | {"checkpoint_format": "manifest"}).checkpoint_format == "manifest"
+    with pytest.raises(
+        SpecError, match="^checkpoint_format: must be one of full, manifest, got 'delta'$"
+    ):
+        parse_spec(base | {"checkpoint_format": "delta"})
