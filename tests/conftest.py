@@ -34,6 +34,7 @@ SLOW_FILES = (
     "benchmarks/test_gpu.py",
     "pipeline/evaluation/test_zero_shot.py",
     "pipeline/evaluation/test_speed.py",
+    "pipeline/evaluation/test_peak_memory.py",
     "pipeline/stages/test_tasks.py",
     "docs/test_gen_reference.py",
 )

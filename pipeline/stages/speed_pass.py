@@ -30,7 +30,6 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     pruned copies fit half the memory free; the groups share the model's time budget."""
     import copy
 
-    from lorp.models.architectures import decoder_blocks
     from lorp.models.surgery import drop_layers
     from pipeline.evaluation.speed import timed_speedups
 
@@ -67,17 +66,26 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
         dense_alone = figures.pop("")
         timing.setdefault("", dense_alone)
         timing |= figures
-    out, peaks = {}, {}
+    peaks = _peak_memories(task, dense, dense_dir)
+    return {
+        key: (timing[key] if layers else timing[""]) | peaks[key]
+        for key, layers, _ in task.variants
+    }
+
+
+def _peak_memories(task: SpeedTask, dense: Any, dense_dir: Path) -> dict[str, dict[str, float]]:
+    """Each variant's peak memory. Variants that keep as many blocks of the same bytes load
+    the same tensors' sizes and run the same shapes: one fresh process measures them all
+    (a repaired twin, or another method's blocks in a model whose blocks are alike)."""
+    from lorp.models.architectures import decoder_blocks
+
     block_bytes = [_bytes(b) for b in decoder_blocks(dense)]
+    out, peaks = {}, {}
     for key, layers, checkpoint in task.variants:
-        figures = timing[key] if layers else timing[""]
-        # Variants that keep as many blocks of the same bytes load the same tensors' sizes
-        # and run the same shapes: one fresh process measures them all (a repaired twin,
-        # or another method's blocks in a model whose blocks are alike).
         size = (len(layers), sum(block_bytes[b] for b in layers))
         if size not in peaks:
             peaks[size] = _peak_memory(task, dense_dir, layers, checkpoint)
-        out[key] = figures | peaks[size]
+        out[key] = peaks[size]
     return out
 
 
@@ -121,7 +129,7 @@ def _peak_memory(
     """A saved checkpoint (fetched to this node when storage is remote) loads only the
     kept weights; without one, or for a manifest, the dense model loads and drops the
     blocks."""
-    from pipeline.evaluation.speed import peak_memory_fresh
+    from pipeline.evaluation.peak_memory import peak_memory_fresh
 
     device, dtype = device_for(task.resources), task.model.dtype
     if not checkpoint:

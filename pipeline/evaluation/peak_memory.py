@@ -1,0 +1,110 @@
+"""Peak memory of a variant, measured in a fresh process (`peak_memory_fresh`), the speed
+pass's second figure (`pipeline.stages.speed_pass`).
+
+The process is forked from a server that has imported torch and transformers once. It
+loads the variant's saved checkpoint (or the dense model, then drops and frees the
+blocks), hands the heap's freed pages back, resets the high-water mark (CUDA:
+`reset_peak_memory_stats`; Linux CPU: `/proc/self/clear_refs`), runs one prefill and
+reads the peak. A reused worker's `ru_maxrss` only grows, so it cannot show what pruning
+saves.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import resource
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.context import BaseContext
+from pathlib import Path
+
+import torch
+
+from pipeline.evaluation.speed import _ids
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Reset the high-water mark: the CUDA allocator's, or this process's resident set."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():
+        _release_free_heap()
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
+
+
+def _release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`), so the
+    resident set the mark starts from is what is alive: loading converts every tensor
+    (float32 files to bfloat16, say), and the freed buffers would otherwise stay resident
+    and count in every variant's figure alike, hiding what dropping blocks saves."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA peak allocated since the last reset; on CPU the resident high-water mark
+    (VmHWM on Linux, reset by `reset_peak_memory`; ru_maxrss elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def peak_memory_fresh(
+    model_path: str, layers: Sequence[int], dtype: str, device: str, seq_len: int
+) -> dict[str, float]:
+    """`peak_mem_gib` of a variant, measured in a fresh process.
+
+    The process is forked from a server that imported torch and transformers once
+    (multiprocessing's forkserver), so each variant costs a fork, not an interpreter start
+    and those imports (seconds per variant on a small machine). It starts as a fresh
+    interpreter with the same imports would: no model, no CUDA context, no allocator
+    history, and it ends after one measurement."""
+    ctx = _fresh_processes()
+    with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
+        job = pool.submit(_peak_memory_here, model_path, list(layers), dtype, device, seq_len)
+        try:
+            peak = job.result(timeout=1800)
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            raise RuntimeError(f"peak-memory process failed: {reason[0]}") from None
+    return {"peak_mem_gib": float(peak)}
+
+
+@functools.cache
+def _fresh_processes() -> BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "transformers", "lorp.models.loading", "pipeline.evaluation.peak_memory"]
+    )
+    return ctx
+
+
+def _peak_memory_here(model_path: str, layers: list[int], dtype: str, device: str, n: int) -> float:
+    import gc
+
+    from lorp.models.loading import load_model
+    from lorp.models.surgery import drop_layers
+
+    lm = load_model(model_path, dtype=dtype, device=device, with_tokenizer=False)
+    if layers:
+        drop_layers(lm.model, layers)
+    gc.collect()  # the dropped blocks' tensors go before the mark is reset
+    dev = torch.device(device)
+    reset_peak_memory(dev)
+    with torch.inference_mode():
+        lm.model(input_ids=_ids(lm.model, n), use_cache=False, logits_to_keep=1)
+    return peak_memory_gib(dev)
