@@ -169,7 +169,7 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
     from the module's cache): every variant is stored as a few kilobytes or the tensors its
     repair changed, registered, and pulled back tensor-identical to the full copy a job
     with `checkpoint_format: full` writes for the same point."""
-    from tests.lorp.models.test_file_surgery import tensors
+    from tests.helpers.model_checks import tensors
 
     model = store["model"]
     with pytest.MonkeyPatch.context() as mp:  # on the module's Ray

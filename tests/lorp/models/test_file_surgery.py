@@ -8,34 +8,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from lorp.models.architectures import decoder_blocks
 from lorp.models.file_surgery import write_pruned_files
-from lorp.models.surgery import drop_layers, save_pruned
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import fit_runs
-from lorp.repair.fold import file_folds, fold
+from lorp.repair.fold import file_folds
 from lorp.repair.maps import RepairRefused
 from lorp.repair.stats import contiguous_runs
-from tests.helpers.model_checks import in_memory
+from tests.helpers.model_checks import (
+    assert_same_checkpoint,
+    config_of,
+    full_copy,
+    in_memory,
+    tensors,
+)
 from tests.helpers.tiny_models import FAMILIES, N_BLOCKS
 from tests.helpers.windows import token_windows
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    return out
-
-
-def config_of(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
-    config.pop("transformers_version", None)
-    return config
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -56,14 +46,9 @@ def test_file_surgery_equals_in_memory(
     written = write_pruned_files(
         path, tmp_path / "files", layers, provenance, changes=file_folds(fits)
     )
-    fold(dense, fits)
-    drop_layers(dense, layers)
-    saved = save_pruned(dense, None, tmp_path / "memory", provenance)
-    a, b = tensors(saved), tensors(written)
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    assert config_of(saved) == config_of(written)
+    saved = full_copy(dense, fits, layers, tmp_path / "memory", provenance)
+    assert_same_checkpoint(saved, written)
+    b = tensors(written)
     assert config_of(written)["num_hidden_layers"] == N_BLOCKS - len(layers)
     # The fold did change block s-1's down_proj (block 2 is the pruned model's block 0
     # when blocks 0, 1, 3, 4 go; block 1 stays block 1 when 2, 3 go).

@@ -8,10 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from lorp.models.fingerprint import fingerprint_checkpoint
-from lorp.models.surgery import drop_layers, save_pruned
 from lorp.models.variant_manifest import (
     BaseRef,
     is_manifest,
@@ -22,12 +20,16 @@ from lorp.models.variant_manifest import (
 )
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import fit_runs
-from lorp.repair.fold import file_folds, fold
+from lorp.repair.fold import file_folds
 from lorp.repair.stats import contiguous_runs
-from tests.helpers.model_checks import in_memory
+from tests.helpers.model_checks import (
+    assert_same_checkpoint,
+    config_of,
+    full_copy,
+    in_memory,
+)
 from tests.helpers.tiny_models import FAMILIES, N_BLOCKS
 from tests.helpers.windows import token_windows
-from tests.lorp.models.test_file_surgery import config_of, tensors
 
 
 def base_ref(path: Path) -> BaseRef:
@@ -52,14 +54,8 @@ def test_materialised_variant_equals_the_full_copy(
     )
     assert is_manifest(variant) and not is_manifest(path)
     out = materialize_variant(variant, tmp_path / "pulled")  # resolves and checks its base
-    fold(dense, fits)
-    drop_layers(dense, layers)
-    full = save_pruned(dense, None, tmp_path / "full", provenance)
-    a, b = tensors(full), tensors(out)
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    assert config_of(full) == config_of(out)
+    full = full_copy(dense, fits, layers, tmp_path / "full", provenance)
+    assert_same_checkpoint(full, out)
     assert json.loads((out / "lorp_pruning.json").read_text()) == provenance
     # What it stores: the folded tensors only, a small part of the full copy.
     changed = read_manifest(variant)["changed"]
