@@ -37,8 +37,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' tiny-model builders
 
 SHAPES = {
     "13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
@@ -53,8 +52,9 @@ GIB = 1024**3
 def write_checkpoint(out: Path, shape: dict[str, int], seed: int = 0) -> float:
     """A random-init bf16 Llama checkpoint, one shard per block; returns its bytes."""
     from safetensors.torch import save_file
-    from tiny_models import ptb_tokenizer
     from transformers import AutoConfig
+
+    from tests.helpers.tiny_models import ptb_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model(

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model builders the tests use
+sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' tiny-model builders
 
 TARGETS = {"fleet_makespan_ratio": 1.25, "fleet_utilization": 0.75}
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3")
@@ -53,7 +53,7 @@ WIDTHS = (64, 128, 192)
 def build_models(root: Path, n: int, depth: int | None = None) -> list[tuple[str, Path]]:
     """`n` tiny checkpoints over the PTB vocabulary: families, depths (unless `depth`
     fixes it) and widths cycle."""
-    from tiny_models import save_tiny_ptb
+    from tests.helpers.tiny_models import save_tiny_ptb
 
     out = []
     for i in range(n):
