@@ -18,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lorp.models.variant_manifest import variant_bytes  # noqa: E402  (a directory's bytes)
+
 BEGIN, END = "<!-- demo:begin -->", "<!-- demo:end -->"
 GATE = "lee"
 """The corpus the quality gate judges on in the demo: the held-out news."""
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def gib(n: float) -> str:
@@ -91,7 +92,7 @@ def model_table(rows: Sequence[Mapping[str, Any]], run: Path | None) -> list[str
             if r is None or not r.get("checkpoint") or run is None:
                 return "-"
             path = Path(r["checkpoint"])
-            return gib(dir_bytes(path)) if path.is_dir() else "-"
+            return gib(variant_bytes(path)) if path.is_dir() else "-"
 
         lines.append(
             f"| {method} | {blocks(base['pruned_layers'])} | {fig(pair.get('none'), GATE)} "
@@ -161,10 +162,10 @@ def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None
         line = f"Run: {wall or 'wall time not given'}"
         if util is not None:
             line += (
-                f"; its stages kept {util.busy / util.makespan / util.slots:.0%} of "
+                f"; its latest attempt kept {util.busy / util.makespan / util.slots:.0%} of "
                 f"{util.slots:g} {util.kind} slots busy over {util.makespan:.0f} s"
             )
-        parts += [line + f"; `runs/demo` takes {gib(dir_bytes(run))} on disk.", ""]
+        parts += [line + f"; `runs/demo` takes {gib(variant_bytes(run))} on disk.", ""]
     parts += summary(rows) + [""]
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
@@ -199,5 +200,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

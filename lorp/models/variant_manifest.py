@@ -121,10 +121,6 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
-def base_of(path: str | os.PathLike[str]) -> BaseRef:
-    return BaseRef(**read_manifest(path)["base"])
-
-
 def resolve_base(base: BaseRef) -> Path:
     """The base's local directory on this node (converted or downloaded here if needed),
     refused in one line when its content is not the fingerprint the manifest names."""

@@ -169,6 +169,7 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
     from the module's cache): every variant is stored as a few kilobytes or the tensors its
     repair changed, registered, and pulled back tensor-identical to the full copy a job
     with `checkpoint_format: full` writes for the same point."""
+    from lorp.models.variant_manifest import variant_bytes
     from tests.helpers.model_checks import tensors
 
     model = store["model"]
@@ -186,7 +187,7 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
     for row in rows:
         stored = Path(row["checkpoint"])
         assert (stored / "lorp_variant.json").is_file()
-        size = sum(f.stat().st_size for f in stored.iterdir())
+        size = variant_bytes(stored)
         model_bytes = (
             (Path(full[row["grid_key"]]["checkpoint"]) / "model.safetensors").stat().st_size
         )
