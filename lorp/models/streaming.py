@@ -81,7 +81,6 @@ class BlockStreamer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.blocks = list(decoder_blocks(model))
-        self._files: dict[Path, Any] = {}
         self.units: dict[int, Unit] = {}
         """id(module) -> its unit."""
         self.vectors: list[tuple[nn.Module, str, TensorEntry]] = []
@@ -135,13 +134,17 @@ class BlockStreamer:
         dtype (`convert=False`: at the file's)."""
         from safetensors import safe_open
 
-        handle = self._files.get(entry.file)
-        if handle is None:
-            handle = self._files[entry.file] = safe_open(str(entry.file), framework="pt")
-        t = handle.get_tensor(entry.key)
-        if convert and t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        return t.to(self.device)
+        # The file is opened for this tensor only, and the tensor returned owns its
+        # memory: a handle kept open would keep every page the forwards touched mapped
+        # into this process, and a streamed model would end up holding its whole file
+        # (as resident memory a container's limit counts) after one pass.
+        with safe_open(str(entry.file), framework="pt") as handle:
+            t = handle.get_tensor(entry.key)
+            if convert and t.is_floating_point() and t.dtype != self.dtype:
+                return t.to(self.dtype).to(self.device)  # a copy already
+            if self.device.type != "cpu":
+                return t.to(self.device)
+            return t.clone()
 
     def load_vectors(self) -> None:
         """The vectors (norms, biases), once, and the model's computed buffers moved to
