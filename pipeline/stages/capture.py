@@ -48,17 +48,23 @@ class CaptureWorker:
         """Answers once the model is loaded: the worker can take shards."""
         return True
 
-    def capture(self, windows: np.ndarray, name: str) -> SimilarityStats:
+    def capture(
+        self, windows: np.ndarray, name: str, calibration: tuple[str, int] | None = None
+    ) -> SimilarityStats:
+        """The partial S of one shard; `calibration` (fingerprint, skip_prefix) comes with
+        the shard where the worker started before the shards were cut (its task's is
+        then empty), and with every shard, so a restarted worker still has it."""
         from lorp.locality.capture import capture_stats
 
+        fingerprint, skip = calibration or (self.task.calibration, self.task.skip_prefix)
         maybe_fail("capture", name)
         with span("capture", model=self.task.model.label, shard=name, mode=self._mode):
             return capture_stats(
                 self.model,
                 self._batches(windows),
                 model_fingerprint=self.task.model.fingerprint,
-                calibration_fingerprint=self.task.calibration,
-                skip_prefix=self.task.skip_prefix,
+                calibration_fingerprint=fingerprint,
+                skip_prefix=skip,
                 progress=False,
             )
 
@@ -109,6 +115,18 @@ def capture_workers(n_shards: int, workers: int | None) -> int:
     return max(1, min(n_shards, workers or n_shards))
 
 
+def start_capture_workers(task: CaptureTask, n_shards: int, workers: int | None) -> list[Any]:
+    """The capture workers of `task`'s model, started now so that the model loads while
+    the driver cuts the calibration shards; `task`'s calibration comes with the shards
+    (`distributed_capture(..., actors=)`). `stop_workers` ends them unused."""
+    return _start_workers(task, capture_workers(n_shards, workers))
+
+
+def stop_workers(actors: list[Any]) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
 def _start_workers(task: CaptureTask, n: int) -> list[Any]:
     return [
         CaptureWorker.options(
@@ -123,12 +141,19 @@ def _start_workers(task: CaptureTask, n: int) -> list[Any]:
 
 
 def distributed_capture(
-    task: CaptureTask, shards: list[Shard], workers: int | None = None
+    task: CaptureTask,
+    shards: list[Shard],
+    workers: int | None = None,
+    actors: list[Any] | None = None,
 ) -> SimilarityStats:
-    """S over all shards, spread over capture workers (SPREAD: across nodes where it can)."""
-    actors = _start_workers(task, capture_workers(len(shards), workers))
+    """S over all shards, spread over capture workers (SPREAD: across nodes where it can);
+    `actors`: workers started earlier (`start_capture_workers`); each shard carries the
+    calibration."""
+    if actors is None:
+        actors = _start_workers(task, capture_workers(len(shards), workers))
+    calibration = (task.calibration, task.skip_prefix)
     try:
-        jobs = [("capture", (ref, s.name)) for ref, s in _put(shards)]
+        jobs = [("capture", (ref, s.name, calibration)) for ref, s in _put(shards)]
         return tree_reduce(_dispatch(actors, jobs))
     finally:
         for actor in actors:

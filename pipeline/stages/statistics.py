@@ -17,7 +17,7 @@ themselves through Ray's object store, never a path of the driver.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,12 @@ from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
 from pipeline.spec.resources import Resources
 from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
-from pipeline.stages.capture import distributed_capture, distributed_repair_capture
+from pipeline.stages.capture import (
+    distributed_capture,
+    distributed_repair_capture,
+    start_capture_workers,
+    stop_workers,
+)
 from pipeline.storage import Storage
 
 
@@ -50,6 +55,8 @@ class ModelStats:
     """Where the cache keeps it (the catalog's `stats_file`): a path or a storage URI."""
     shards: CalibrationShards | None = None
     """The calibration shards S came from (the repair's sums read the same tokens)."""
+    early_workers: int = 0
+    """Capture workers started before the shards were cut (unused when S was cached)."""
 
 
 def stats_store(cache_dir: str | None, storage: str | None) -> Storage:
@@ -63,21 +70,44 @@ def stats_store(cache_dir: str | None, storage: str | None) -> Storage:
 
 
 def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool) -> ModelStats:
-    """S of `plan`'s model on the job's calibration set: from the cache, else captured."""
-    shards = calibration_shards(spec.calibration, plan, run_dir)
+    """S of `plan`'s model on the job's calibration set: from the cache, else captured.
+
+    Where the cache has no note of S for this model and calibration spec (its first
+    capture, `--force`), the capture workers start before the shards are cut: the model
+    loads (minutes for a large one) while the driver loads the tokenizer and cuts the
+    windows. The note sits beside S in the cache, so every job sharing it knows; should
+    S turn out cached anyway (a note lost), the early workers go unused.
+    """
     store = stats_store(spec.cache_dir, spec.storage)
-    name = f"{plan.stats_key(shards.fingerprint)}.npz"
-    local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
-    if not force and store.get_file(name, local):
-        return ModelStats(_cached(local, plan), local, "cache", 0.0, store.uri(name), shards)
-    start = time.perf_counter()
-    task = capture_task(spec.resources.capture, spec.calibration, plan, shards)
-    stats = distributed_capture(task, load_shards(shards), spec.resources.capture_workers)
+    cal, workers = spec.calibration, spec.resources.capture_workers
+    pointer = f"{plan.stats_key(content_key(asdict(cal)))}.name"
+    early: list[Any] = []
+    noted = store.read_bytes(pointer) is not None
+    if force or not noted:
+        early = start_capture_workers(_early_task(spec, plan), cal.shards, workers)
+    try:
+        shards = calibration_shards(cal, plan, run_dir)
+        name = f"{plan.stats_key(shards.fingerprint)}.npz"
+        local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
+        if not force and store.get_file(name, local):
+            if not noted:
+                store.write_bytes(pointer, name.encode())
+            stop_workers(early)
+            stats = _cached(local, plan)
+            uri = store.uri(name)
+            return ModelStats(stats, local, "cache", 0.0, uri, shards, len(early))
+        start = time.perf_counter()
+        task = capture_task(spec.resources.capture, cal, plan, shards)
+        stats = distributed_capture(task, load_shards(shards), workers, actors=early or None)
+    except BaseException:
+        stop_workers(early)
+        raise
     seconds = time.perf_counter() - start
     stats.extra.update({"capture_seconds": seconds, "dtype": plan.spec.dtype})
     stats.to_file(local)
     store.put_file(local, name)
-    return ModelStats(stats, local, "computed", seconds, store.uri(name), shards)
+    store.write_bytes(pointer, name.encode())  # after S: a note never points at nothing
+    return ModelStats(stats, local, "computed", seconds, store.uri(name), shards, len(early))
 
 
 @dataclass(frozen=True)
@@ -187,6 +217,14 @@ def capture_task(
     )
 
 
+def _early_task(spec: JobSpec, plan: ModelPlan) -> CaptureTask:
+    """The capture task before the shards exist: their calibration comes with them."""
+    res = spec.resources.capture
+    batch = plan.batch("capture", spec.calibration.batch_size)
+    return CaptureTask(model=model_source(plan, "capture"), calibration="", resources=res,
+                       batch_size=batch)  # fmt: skip
+
+
 def load_shards(shards: CalibrationShards) -> list[Shard]:
     """The shards' windows as arrays, named after their files."""
     return [Shard(p.name, read_shard(p).numpy().astype(np.int32)) for p in shards.paths]
@@ -216,4 +254,5 @@ def describe(ms: ModelStats) -> dict[str, Any]:
         "file": ms.location or str(ms.file),
         "seconds": round(ms.seconds, 3),
         "tokens": ms.stats.tokens,
+        "early_workers": ms.early_workers,
     }
