@@ -48,6 +48,7 @@ from pipeline.records.rows import (
     catalog_row,
     headline,
     model_facts,
+    point_memory,
     point_metrics,
     point_params,
     point_tags,
@@ -347,7 +348,7 @@ class Recorder:
         self.summary.done += 1
         self.events(
             "point", grid_key=point.key, model=point.model.label, method=point.label,
-            budget=point.budget, seconds=round(result.seconds, 3),
+            budget=point.budget, seconds=round(result.seconds, 3), **point_memory(point, result),
         )  # fmt: skip
         name = f"{point.model.label} {point.name}"
         figure = headline(row, self.spec.evaluation.perplexity)

@@ -49,6 +49,21 @@ def _release_free_heap() -> None:
             trim(0)
 
 
+def resident_gib(device: torch.device) -> float:
+    """What this process holds now: CUDA memory allocated, or the resident set (VmRSS on
+    Linux, after the heap's free pages go back; elsewhere the high-water mark, the best
+    figure there is)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    status = Path("/proc/self/status")
+    if status.exists():
+        _release_free_heap()
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20  # kB
+    return peak_memory_gib(device)
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """CUDA peak allocated since the last reset; on CPU the resident high-water mark
     (VmHWM on Linux, reset by `reset_peak_memory`; ru_maxrss elsewhere)."""

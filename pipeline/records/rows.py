@@ -135,6 +135,17 @@ def point_metrics(point: GridPoint, result: PointResult) -> dict[str, Any]:
     }
 
 
+def point_memory(point: GridPoint, result: PointResult) -> dict[str, Any]:
+    """The point's memory against its plan, for its `point` event: `peak_gib`, what its
+    worker held at most above its process's own, beside `planned_gib`, what the plan's
+    `evaluate` decision said the mode it chose needs (a job checks its plan with them)."""
+    decision = point.model.decision("evaluate")
+    if result.peak_gib is None or decision is None:
+        return {}
+    planned = decision.need_bytes / 2**30
+    return {"peak_gib": result.peak_gib, "planned_gib": round(planned, 4), "mode": decision.mode}
+
+
 def point_tags(row: Mapping[str, Any], checkpoint: str | None, backend: str) -> dict[str, str]:
     """The MLflow tags of a finished point's run: its checkpoint, its evaluation backend
     and, from its row, whether each stage held the model whole or streamed it."""

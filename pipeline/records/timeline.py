@@ -94,15 +94,17 @@ def report(stage: str, start: float, end: float, **labels: Any) -> None:
 
 
 @contextmanager
-def span(stage: str, **labels: Any) -> Iterator[None]:
+def span(stage: str, **labels: Any) -> Iterator[dict[str, Any]]:
     """Time the block as one span of this worker; reported when the block ends, and
-    when it fails (with `failed`), so a crash still shows where the time went."""
+    when it fails (with `failed`), so a crash still shows where the time went. The block
+    may add labels it learns on the way (a point's peak memory) to the dict it gets."""
     start, ok = time.time(), False
+    more: dict[str, Any] = {}
     try:
-        yield
+        yield more
         ok = True
     finally:
-        report(stage, start, time.time(), **labels, **({} if ok else {"failed": True}))
+        report(stage, start, time.time(), **labels, **more, **({} if ok else {"failed": True}))
 
 
 def actor_start(submitted: float | None) -> float:

@@ -8,6 +8,7 @@ marker, then evaluated from that local copy.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -33,19 +34,57 @@ log = logging.getLogger(__name__)
 # -- grid points -------------------------------------------------------------------------
 
 
+_FLOOR: dict[str, float] = {}
+"""Device type -> what this worker process held before its first point (GiB): the
+process itself (Python, torch, Ray), which no model's plan counts."""
+
+
+def _import_point_code() -> None:
+    """What every point imports (transformers' model classes, the evaluation), so the
+    process's floor holds the code (a quarter of a GiB) and the peak only the model."""
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    import pipeline.evaluation.backends  # noqa: F401
+    from lorp.models.surgery import drop_layers  # noqa: F401
+
+
 def execute_point(task: PointTask) -> PointResult:
     """Fit and fold the repair (if any), drop the blocks, save the checkpoint, evaluate;
-    `layers=()` is the dense model."""
+    `layers=()` is the dense model. Its span carries `peak_gib`, the most memory the
+    point's worker held above its process's own (transformers points): the figure the
+    plan's `memory` decision for `evaluate` estimates, so a job can check its plan."""
+    import torch
+
+    from pipeline.evaluation.peak_memory import peak_memory_gib, reset_peak_memory, resident_gib
+
     pin_threads(task.resources.num_cpus)
-    try:
-        mode = "streamed" if task.model.streamed else "memory"
-        with span("point", model=task.model.label, point=task.name, unit=task.grid_key, mode=mode):
-            return _execute_point(task)
-    finally:
-        # The worker process outlives the point: a model kept alive by a reference cycle
-        # (transformers' modules, a streamer's hooks) would hold its weights until the
-        # collector next ran, and a large model's next point would load beside it.
-        gc.collect()
+    mode = "streamed" if task.model.streamed else "memory"
+    labels = {"model": task.model.label, "point": task.name, "unit": task.grid_key}
+    # The span holds all the slot's work for the point: the first point's imports before
+    # it, the collection after it.
+    with span("point", **labels, mode=mode) as more:
+        try:
+            device = torch.device(device_for(task.resources))
+            measured = task.backend != "vllm"  # an engine's memory is its own processes'
+            if measured:
+                if device.type not in _FLOOR:
+                    _import_point_code()
+                    _FLOOR[device.type] = resident_gib(device)
+                floor = _FLOOR[device.type]
+                reset_peak_memory(device)
+            result = _execute_point(task)
+            if measured:
+                peak = round(max(0.0, peak_memory_gib(device) - floor), 4)
+                result = dataclasses.replace(result, peak_gib=peak)
+                more["peak_gib"] = peak
+            return result
+        finally:
+            # The worker process outlives the point: a model kept alive by a reference
+            # cycle (transformers' modules, a streamer's hooks) would hold its weights
+            # until the collector next ran, and a large model's next point would load
+            # beside it.
+            gc.collect()
 
 
 def _execute_point(task: PointTask) -> PointResult:
