@@ -10,8 +10,10 @@ chains at once (default: all of them):
   through the model's inbox;
 - the driver's loop owns every grid point and speed task as a Ray future: it submits a
   prepared model's points as slots allow (`max_concurrent_points` in flight, earlier
-  models first), has each point recorded as it ends, starts a model's speed task the
-  moment its last point ends, then has that model gated and registered, so model A's
+  models first, and a few more queued in Ray where the slots bind, so a freed slot
+  starts the next point without waiting for the driver), has each point recorded as
+  it ends, starts a model's speed task the moment its last point ends, then has that
+  model gated and registered, so model A's
   registry, model B's points and model C's capture overlap;
 - a model whose preparation fails (bad checkpoint, a stage out of retries) is recorded
   with its reason; the points it had handed over still run, and the model still gets
@@ -54,6 +56,8 @@ from pipeline.stages.tasks import point_task, speed_task
 
 POLL_S = 0.25
 """How long the loop waits on Ray before it looks at the model threads again."""
+SLOTS_REFRESH_S = 5.0
+"""How often the loop reads the cluster's slots again (`Fleet._queued_ahead`)."""
 WAITING_NOTE_S = float(os.environ.get("LORP_WAITING_NOTE_S", "60"))
 """How often a stage waiting for resources no node offers is said."""
 
@@ -143,6 +147,8 @@ class Fleet:
         self.stop_requested = 0
         """The signal that asked the driver to stop (set by `pipeline.run.stop_signals`)."""
         self.last_waiting_note = time.monotonic()
+        self.slots: tuple[float, float] | None = None
+        """(read at, the cluster's slots of the grid's kind): `_queued_ahead`."""
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -250,7 +256,8 @@ class Fleet:
         self.recorder.progress.grow(len(points))
 
     def _submit(self) -> None:
-        while self.queue and len(self.in_flight) < self.capacity:
+        window = self.capacity + self._queued_ahead()
+        while self.queue and len(self.in_flight) < window:
             index, _, point = heapq.heappop(self.queue)
             chain = self.chains[index]
             start = time.perf_counter()
@@ -260,6 +267,25 @@ class Fleet:
             self.driver_s += time.perf_counter() - start
         if not self.queue:
             self.pool.shrink()  # idle evaluators give their slots to other models' stages
+
+    def _queued_ahead(self) -> int:
+        """Points Ray may hold queued beyond those it can run (half `max_concurrent_points`),
+        where the cluster's slots, not `max_concurrent_points`, bound how many run: a slot
+        that frees starts the next point at once, not after the driver has seen the last
+        one end and recorded it (a second on a busy driver, longer than a small point).
+        None on vLLM evaluators (each point there starts an actor) or where the cap binds
+        (more in flight would run more at once than the spec allows)."""
+        if self.backend == "vllm":
+            return 0
+        grid = self.spec.resources.grid
+        kind, per_point = ("GPU", grid.num_gpus) if grid.num_gpus > 0 else ("CPU", grid.num_cpus)
+        now = time.monotonic()
+        if self.slots is None or now - self.slots[0] > SLOTS_REFRESH_S:
+            self.slots = (now, timeline.cluster_slots()[kind])  # an autoscaler changes them
+        slots = self.slots[1]
+        if per_point <= 0 or self.capacity * per_point < slots:
+            return 0
+        return max(1, self.capacity // 2)
 
     def _wait(self) -> None:
         refs = [*self.in_flight, *self.speeds]

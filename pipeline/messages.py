@@ -149,3 +149,6 @@ class PointResult:
     serving: dict[str, Any] = field(default_factory=dict)
     """vLLM serving: the settings and every timed round's figures
     (`pipeline.evaluation.serving.measure_serving`)."""
+    peak_gib: float | None = None
+    """The most memory the point's worker held above its process's own (GiB), what the
+    plan's `evaluate` decision estimates; None where an engine's processes held it (vLLM)."""

@@ -31,6 +31,7 @@ from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
+from pipeline.spec.names import safe_name
 
 BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
 
@@ -164,10 +165,6 @@ class GridPoint:
     def name(self) -> str:
         """Run and checkpoint name: `<label>-b<budget>`."""
         return f"{self.label}-b{self.budget}" if self.selection else "dense"
-
-
-def safe_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 CHECKPOINTS = "checkpoints"
