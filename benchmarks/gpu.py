@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu.py --json "$OUT/gpu.json"          # on the device: ~5 min
     python benchmarks/gpu.py --device cpu --tiny --json f.json # the same code, seconds
+    python benchmarks/gpu.py --from-json gpu.json --page docs/results/gpu.md  # the page
 
 For each model shape, with random weights built on the spot (no download; nothing but
 torch, transformers and `lorp/`, which is all the device image has of ours):
@@ -356,7 +357,7 @@ def measure_streamed(args: argparse.Namespace) -> dict[str, Any]:
         r["ppl_rel_diff"] = abs(r["streamed_ppl"] / r["memory_ppl"] - 1)
         r["streamed_over_memory"] = r["streamed_s"] / r["memory_s"]
         say(f"streamed {r['streamed_s']:.1f} s ({r['streamed_over_memory']:.1f}x), peak "
-            f"{r['streamed_peak_gib']} GiB; |dS| {r['s_max_abs_diff']:.1e}, "
+            f"{gib(r['streamed_peak_gib'])}; |dS| {r['s_max_abs_diff']:.1e}, "
             f"ppl rel diff {r['ppl_rel_diff']:.1e}")  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one device call: keep the other sections
         r["error"] = f"{type(exc).__name__}: {exc}"
@@ -368,6 +369,10 @@ def measure_streamed(args: argparse.Namespace) -> dict[str, Any]:
     return r
 
 
+def gib(x: float | None) -> str:
+    return "n/a (CPU)" if x is None else f"{x:.1f} GiB"
+
+
 def render_streamed(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"streamed ({r['shape']}): failed, {r['error']}"
@@ -376,7 +381,7 @@ def render_streamed(r: dict[str, Any]) -> str:
         f"streamed ({r['shape']}, {r['dtype']}, {r['model_gib']:.2f} GiB, {cap}): capture "
         f"{r['streamed_s']:.2f} s vs {r['memory_s']:.2f} s held whole "
         f"({r['streamed_over_memory']:.1f}x) over {r['tokens']:,} tokens; peak "
-        f"{r['streamed_peak_gib']} vs {r['memory_peak_gib']} GiB; max |dS| "
+        f"{gib(r['streamed_peak_gib'])} vs {gib(r['memory_peak_gib'])}; max |dS| "
         f"{r['s_max_abs_diff']:.1e}; perplexity rel diff {r['ppl_rel_diff']:.1e}"
     )
 
@@ -504,6 +509,33 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+
+
+def page(report: dict[str, Any]) -> str:
+    """The results page's block: the environment, every section's table, the total."""
+    env = report["env"]
+    lines = [
+        f"Measured {env['date']} on {env['device']} (torch {env['torch']}, Python "
+        f"{env['python']}), {env['tokens']} random token ids per shape"
+        + (" (tiny shapes: the CPU check, not a result)" if env.get("tiny") else "")
+        + f"; the whole call took {env['total_s']:.0f} s.",
+        "",
+        render(report["shapes"]),
+    ]
+    if "streamed" in report:
+        lines += ["", render_streamed(report["streamed"])]
+    if "serving" in report:
+        lines += ["", render_serving(report["serving"])]
+    return "\n".join(lines)
+
+
+def write_page(path: Path, report: dict[str, Any]) -> None:
+    from benchmarks.run import replace_section
+
+    replace_section(path, BEGIN, END, page(report), "The latest device run")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -540,6 +572,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serve-requests", type=int, default=256)
     p.add_argument("--serve-rounds", type=int, default=5)
     p.add_argument("--json", type=Path, help="write the figures here (default $OUT/gpu.json)")
+    p.add_argument(
+        "--page",
+        type=Path,
+        help="write the figures into this results page (docs/results/gpu.md) between its "
+        "gpu:begin/end markers",
+    )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="measure nothing: render a report a device wrote (its --json) into --page",
+    )
     args = p.parse_args(argv)
     small = {"samples": 8, "seq_len": 32, "batch": 4, "compare": 4}
     big = {"samples": 64, "seq_len": 2048, "batch": 8, "compare": 16}
@@ -551,7 +594,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise SystemExit(
                 f"gpu.py: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}"
             )
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.from_json is not None and not args.from_json.is_file():
+        raise SystemExit(f"gpu.py: --from-json {args.from_json}: no such file")
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.from_json:
         raise SystemExit("gpu.py: --device cuda but torch sees no GPU (use --device cpu --tiny)")
     if args.serving is None:
         args.serving = args.device.startswith("cuda")
@@ -562,6 +607,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        print(page(report))
+        if args.page:
+            write_page(args.page, report)
+        return 0
     started = time.perf_counter()
     env = {
         "date": time.strftime("%Y-%m-%d"),
@@ -590,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
+    if args.page:
+        write_page(args.page, report)
     return 0
 
 

@@ -3,25 +3,20 @@ cannot rot between devices, and its figures are checked where they have a known 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from lorp.repair.stats import contiguous_runs
+from tests.helpers.benchmark_scripts import load_benchmark
 from tests.helpers.paths import REPO
 
 ROOT = REPO
 
 
 def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu")
 
 
 def test_tiny_cpu_run_writes_every_figure(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -55,9 +50,30 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path: Path, capsys) -> None:  # ty
     table = capsys.readouterr().out
     assert "| llama-8b" in table and "| gemma3-4b" in table
     assert "streamed (llama-8b, float32" in table
+    # The results page is written from the report, between its markers, the rest kept.
+    page = tmp_path / "gpu.md"
+    page.write_text(f"# GPU\n\nprose\n\n{gpu.BEGIN}\nstale figures\n{gpu.END}\n\nafter\n")
+    assert gpu.main(["--from-json", str(out), "--page", str(page)]) == 0
+    text = page.read_text()
+    assert "stale figures" not in text
+    assert text.startswith("# GPU\n\nprose") and text.endswith("after\n")
+    block = text[text.index(gpu.BEGIN) : text.index(gpu.END)]
+    assert "on cpu" in block and "(tiny shapes: the CPU check, not a result)" in block
+    assert "| llama-8b (0.0B) |" in block and "streamed (llama-8b, float32" in block
+
+
+def test_the_recorded_device_run_is_the_page_s_table() -> None:
+    """docs/results/gpu.md holds what the device's JSON renders to, byte for byte."""
+    gpu = load_script()
+    report = json.loads((ROOT / "docs/results/gpu-h200-2026-12-04.json").read_text())
+    text = (ROOT / "docs/results/gpu.md").read_text()
+    assert f"{gpu.BEGIN}\n{gpu.page(report)}\n{gpu.END}" in text
+    assert report["env"]["device"] == "NVIDIA H200" and not report["env"]["tiny"]
 
 
 def test_bad_sizes_fail_in_one_line() -> None:
     gpu = load_script()
+    with pytest.raises(SystemExit, match="--from-json nowhere.json: no such file"):
+        gpu.parse_args(["--from-json", "nowhere.json"])
     with pytest.raises(SystemExit, match="--samples must be >= 1, got 0"):
         gpu.parse_args(["--device", "cpu", "--tiny", "--samples", "0"])
