@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -40,6 +41,45 @@ from lorp.atomic import atomic_dir, atomic_file
 
 MARKER = "_LORP_COMPLETE"
 SCRATCH_ENV = "LORP_SCRATCH"
+
+
+_CREDENTIAL = re.compile(r"secret|token|passw|key|credential|signature|sas", re.IGNORECASE)
+"""A query parameter whose name says it carries a credential (`secret_key`,
+`session_token`, `account_key`, `sas_token`, `client_secret`, ...)."""
+
+
+def _public_query(query: str) -> str:
+    """`query` without its credential parameters, the rest byte for byte as written."""
+    kept = [kv for kv in query.split("&") if kv and not _CREDENTIAL.search(kv.partition("=")[0])]
+    return "&".join(kept)
+
+
+def redact(location: str) -> str:
+    """`location` as records and messages show it: without `user:secret@` and without any
+    query parameter that carries a credential. A local path is returned as it is."""
+    if "://" not in location:
+        return location
+    p = urlsplit(location)
+    return urlunsplit(
+        (p.scheme, p.netloc.rpartition("@")[2], p.path, _public_query(p.query), p.fragment)
+    )
+
+
+def _scrub(message: str, location: str) -> str:
+    """`message` with every credential `location` holds replaced by `***` (a library's
+    error may quote the URI it was given)."""
+    if "://" not in location:
+        return message
+    p = urlsplit(location)
+    userinfo = p.netloc.rpartition("@")[0]
+    secrets = [userinfo, userinfo.partition(":")[2]]  # user:secret, then the secret alone
+    for kv in p.query.split("&"):
+        key, _, value = kv.partition("=")
+        if _CREDENTIAL.search(key):
+            secrets.append(value)
+    for secret in sorted({x for x in secrets if x}, key=len, reverse=True):
+        message = message.replace(secret, "***")
+    return message
 
 
 def is_remote(location: str) -> bool:
@@ -76,7 +116,7 @@ class Storage:
             fs, root = _filesystem(text) if "://" in text else (None, text)
         except (OSError, ValueError) as exc:  # ArrowInvalid is a ValueError
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ValueError(f"{text!r} cannot be opened: {reason}") from None
+            raise ValueError(f"{redact(text)!r} cannot be opened: {_scrub(reason, text)}") from None
         # `location` is what workers get: the absolute path, or the URI with every parameter.
         if self.remote:
             self.fs, self.root, self._parts = fs, root.rstrip("/"), urlsplit(text)
@@ -92,7 +132,8 @@ class Storage:
 
     def uri(self, rel: str = "") -> str:
         """Where `rel` lives, for records: the absolute path on a filesystem, else the URI
-        with its filesystem parameters but without credentials (`user:secret@`)."""
+        with its filesystem parameters but without credentials (`user:secret@`, or a
+        parameter such as `secret_key=`: `redact`)."""
         return self._location(rel, secrets=False)
 
     def mlflow_uri(self, rel: str = "") -> str:
@@ -117,8 +158,8 @@ class Storage:
         if not self.remote:
             return str(self._local(rel))
         p = self._parts
-        netloc = p.netloc if secrets else p.netloc.rpartition("@")[2]  # user:secret@bucket
-        return urlunsplit((p.scheme, netloc, _join(p.path, rel, absolute=True), p.query, ""))
+        full = urlunsplit((p.scheme, p.netloc, _join(p.path, rel, absolute=True), p.query, ""))
+        return full if secrets else redact(full)
 
     def _local(self, rel: str) -> Path:
         return self.root_path / rel if rel else self.root_path

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.storage import MARKER, Storage
+from pipeline.storage import MARKER, Storage, redact
 
 BUCKET = "lorp"
 
@@ -69,6 +69,29 @@ def test_locations_for_records_and_workers(s3: str, tmp_path: Path) -> None:
     assert remote.mlflow_uri("mlartifacts") == f"s3://{BUCKET}/p/mlartifacts"
     assert remote.sub("stats").uri("k.npz") == remote.uri("stats/k.npz")
     assert Storage(uri).uri() == uri
+
+
+def test_no_record_or_message_shows_a_credential(s3: str) -> None:
+    """Credentials in a location (`user:secret@`, or a parameter such as Azure's
+    `sas_token=` or `account_key=`) never reach a record or an error message; every other
+    parameter stays as written."""
+    uri = "abfs://me:hunter2@box/p?account_key=k3y&sas_token=sv%3Dx&enable_tls=false&x=1"
+    assert redact(uri) == "abfs://box/p?enable_tls=false&x=1"
+    assert redact("/a/local/path?x") == "/a/local/path?x"
+    located = Storage(s3.format(prefix="p").replace("s3://", "s3://testing:testing@"))
+    assert located.uri().endswith("&scheme=http&region=us-east-1")  # nothing else dropped
+    # A location pyarrow refuses: the message names it, without its secrets.
+    bad = s3.format(prefix="p").replace("s3://", "s3://who:hunter2@") + "&secret_key=s3cr3t"
+    with pytest.raises(ValueError) as refused:
+        Storage(bad)
+    said = str(refused.value)
+    assert said.startswith(f"'s3://{BUCKET}/p?endpoint_override=") and "cannot be opened" in said
+    assert "hunter2" not in said and "s3cr3t" not in said and "secret_key" in said, said
+    # pyarrow quotes a URI it cannot parse: its credentials are masked there too.
+    with pytest.raises(ValueError) as refused:
+        Storage("s3://who:hunter2@lor p/p")
+    said = str(refused.value)
+    assert "hunter2" not in said and "'s3://***@lor p/p'" in said, said
 
 
 class Recording(Storage):
