@@ -128,10 +128,37 @@ def _read_parts(directory: Path) -> list[dict[str, Any]]:
     parts = []
     for f in sorted(directory.glob("*.json")):
         try:
-            parts.append(json.loads(f.read_bytes()))
-        except (FileNotFoundError, json.JSONDecodeError):  # compacted away meanwhile
+            data = f.read_bytes()
+        except FileNotFoundError:  # compacted away meanwhile
             continue
+        part = parse_part(data, str(f))
+        if part is not None:
+            parts.append(part)
     return parts
+
+
+def parse_part(data: bytes, where: str) -> dict[str, Any] | None:
+    """One part (a change of a job's rows), or None with a warning naming `where` when it
+    is not a whole one: a writer killed mid-write on a store without atomic rename, or a
+    full disk. One such file never stops a reader (every job's start-up check, `lorp
+    catalog`, the registry's ranking); the job that wrote it still holds the change in its
+    own catalog, and its next compaction publishes its rows whole again."""
+    import logging
+
+    try:
+        part = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = str(exc)
+    else:
+        if isinstance(part, dict) and isinstance(part.get("op"), str):
+            return part
+        reason = "not a change (no 'op')"
+    logging.getLogger("pipeline").warning(
+        "catalog part %s skipped: %s; its job's next compaction rewrites its rows whole",
+        where,
+        reason,
+    )
+    return None
 
 
 def apply_parts(

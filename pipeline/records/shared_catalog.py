@@ -24,7 +24,6 @@ storage, or a shared catalog.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,7 +32,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.records.catalog import NAME, PARTS, apply_parts, read_catalog, to_table
+from pipeline.records.catalog import (
+    NAME,
+    PARTS,
+    apply_parts,
+    parse_part,
+    read_catalog,
+    to_table,
+)
 from pipeline.records.protocol import row_protocol
 from pipeline.storage import Storage, is_remote
 
@@ -118,8 +124,11 @@ class SharedCatalog:
                 if name in self._part_names():
                     raise
                 data = None
-            if data is not None:  # folded away meanwhile: the snapshot check sees it
-                parts.setdefault(name.split(SEP, 1)[0], []).append(json.loads(data))
+            if data is None:  # folded away meanwhile: the snapshot check sees it
+                continue
+            part = parse_part(data, self.storage.uri(f"{SHARED_PARTS}/{name}"))
+            if part is not None:
+                parts.setdefault(name.split(SEP, 1)[0], []).append(part)
         return parts
 
     @staticmethod
@@ -202,8 +211,9 @@ def _read_job_storage(store: Storage) -> list[dict[str, Any]]:
     parts = []
     for name in store.list(PARTS):
         raw = store.read_bytes(f"{PARTS}/{name}")
-        if raw is not None:
-            parts.append(json.loads(raw))
+        part = None if raw is None else parse_part(raw, store.uri(f"{PARTS}/{name}"))
+        if part is not None:
+            parts.append(part)
     return apply_parts(rows, parts)
 
 

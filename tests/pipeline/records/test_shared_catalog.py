@@ -3,12 +3,15 @@ once, on every storage backend (local, file://, S3 on moto)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.records.catalog import Catalog
-from pipeline.records.shared_catalog import SharedCatalog
+from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.storage import Storage
 
 
@@ -70,3 +73,38 @@ def test_a_shared_catalog_takes_many_jobs_at_once(store: Storage, tmp_path: Path
     after = shared.read()
     assert sum(r["job"] == "team-b" for r in after) == 1
     assert sum(r["job"] != "team-b" for r in after) == 40
+
+
+def test_a_broken_part_is_named_and_stops_no_reader(
+    store: Storage, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A truncated part (a writer killed mid-write on a store without atomic rename, or a
+    full disk) is skipped with one warning naming it: `lorp catalog`, every job's start-up
+    check and the registry's ranking read every other row. The job that wrote it still
+    has the change, and its next compaction publishes its rows whole again."""
+    shared = SharedCatalog(store)
+    a = Catalog(tmp_path / "a" / Catalog.NAME, publish=shared, job="team-a")
+    b = Catalog(tmp_path / "b" / Catalog.NAME, publish=shared, job="team-b")
+    for i in range(3):
+        a.put(shared_row("team-a", i))
+        b.put(shared_row("team-b", i))
+    b.update("k002", {"speedup": 1.5})
+    [last] = [n for n in store.list("parts") if n.startswith("team-b")][-1:]
+    whole = store.read_bytes(f"parts/{last}")
+    assert whole is not None and b'"speedup"' in whole  # the update is b's last part
+    store.write_bytes(f"parts/{last}", whole[: len(whole) // 2])  # cut mid-string
+    store.write_bytes("parts/team-b~zz-empty.json", b"")
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        rows = open_catalog(store.uri())
+    assert sorted((r["job"], r["grid_key"]) for r in rows) == sorted(
+        (j, f"k{i:03d}") for j in ("team-a", "team-b") for i in range(3)
+    )
+    assert all("speedup" not in r for r in rows)  # the cut update is not applied
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith(f"catalog part {store.uri(f'parts/{last}')} skipped: ")
+    assert "Unterminated string" in warned[0] and "team-b~zz-empty.json" in warned[1]
+    b.compact()  # team-b's next compaction: its rows whole, with the change
+    assert {r["grid_key"]: r.get("speedup") for r in shared.read() if r["job"] == "team-b"} == {
+        "k000": None, "k001": None, "k002": 1.5,
+    }  # fmt: skip
