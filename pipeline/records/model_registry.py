@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from mlflow.tracking import MlflowClient
 from lorp.atomic import atomic_dir
 from pipeline.records.protocol import rank_column
 from pipeline.records.tracking import GRID_KEY
+from pipeline.spec.names import registry_stem
 from pipeline.storage import Storage, is_remote
 
 if TYPE_CHECKING:
@@ -63,8 +63,7 @@ TAG_COLUMNS = (
 def registered_name(label: str) -> str:
     """`lorp-<label>`: letters, digits, '_' and '-' kept, anything else (/, :, @, spaces,
     dots) becomes '-', so the name is valid in MLflow and in a `models:/` URI."""
-    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", label).strip("-")
-    return PREFIX + (stem or "model")
+    return PREFIX + (registry_stem(label) or "model")
 
 
 def tag_value(value: Any) -> str | None:

@@ -14,6 +14,7 @@ from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError, check_storage, is_number, positive, unique
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
+from pipeline.spec.names import distinct_when_stored
 from pipeline.spec.resources import RaySpec, ResourcesSpec
 from pipeline.spec.tracking import TrackingSpec
 
@@ -115,6 +116,8 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise SpecError(f"name: letters, digits, '-', '_' and '.' only, got {self.name!r}")
+        if self.name.startswith("."):
+            raise SpecError(f"name: must not start with '.' (stores hide it), got {self.name!r}")
         if not self.models:
             raise SpecError("models: at least one model is needed")
         if not self.budgets:
@@ -132,8 +135,6 @@ class JobSpec:
             check_storage(self.storage)
         if self.catalog is not None:
             check_storage(self.catalog, "catalog")
-        unique("models", [m.label for m in self.models])
-        unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
         unique("budgets", list(self.budgets))
         if not self.repair:
             raise SpecError("repair: at least one of none, linear is needed")
@@ -155,12 +156,28 @@ class JobSpec:
         ridge = self.repair_ridge
         if ridge != "auto" and not (is_number(ridge) and float(ridge) > 0):
             raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
+        self._check_labels()
+        self._check_vllm()
+
+    def _check_labels(self) -> None:
+        """Each model and method label names one thing: once in the spec, and once where
+        it is stored (a checkpoint directory, a registered model), repaired twins included."""
+        unique("models", [m.label for m in self.models])
+        unique("methods", [m.key for m in self.methods], hint="give each a distinct label")
         for i, m in enumerate(self.methods):
             if "+" in m.key:
                 raise SpecError(
                     f"methods[{i}].label: {m.key!r} has a '+', which names repaired variants"
                 )
-        self._check_vllm()
+        distinct_when_stored(
+            "models", [m.label for m in self.models], "give one a distinct name", registered=True
+        )
+        twins = [r for r in self.repair if r != "none"]  # a repaired twin is `<label>+<repair>`
+        distinct_when_stored(
+            "methods",
+            [label for m in self.methods for label in (m.key, *(f"{m.key}+{r}" for r in twins))],
+            "give one a distinct label",
+        )
 
     def _check_vllm(self) -> None:
         """vLLM scores saved checkpoints, with at most its evaluator's GPUs as shards."""

@@ -62,6 +62,32 @@ def test_good_spec_defaults() -> None:
             "resources.capture.memory_gib: expected a number, got str 'lots'",
         ),
         ({"name": "a b"}, "name: letters, digits"),
+        ({"name": ".exp"}, "name: must not start with '.' (stores hide it), got '.exp'"),
+        (
+            {"models": [{"ref": "a", "name": "org/m"}, {"ref": "b", "name": "org_m"}]},
+            "models: 'org/m' and 'org_m' are both stored as a directory 'org_m'; give one a "
+            "distinct name",
+        ),
+        (
+            {"models": [{"ref": "a", "name": "org.m"}, {"ref": "b", "name": "org-m"}]},
+            "models: 'org.m' and 'org-m' are both stored as a registered model name 'org-m'",
+        ),
+        (
+            {
+                "methods": [
+                    {"name": "lorp", "label": "my method"},
+                    {"name": "shortgpt", "label": "my_method"},
+                ]
+            },
+            "methods: 'my method' and 'my_method' are both stored as a directory 'my_method'",
+        ),
+        (  # a repaired twin's directory, `lorp+linear` -> `lorp_linear`
+            {
+                "methods": [{"name": "lorp"}, {"name": "shortgpt", "label": "lorp_linear"}],
+                "repair": ["none", "linear"],
+            },
+            "methods: 'lorp+linear' and 'lorp_linear' are both stored as a directory 'lorp_linear'",
+        ),
         (
             {"evaluation": {"speed_budget_s": 0}},
             "evaluation.speed_budget_s: must be a number > 0, got 0",
