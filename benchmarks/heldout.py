@@ -13,12 +13,14 @@ Per model and calibration setting: S and the repair sums from `--tokens` calibra
 tokens (windows of 256, BOS per the tokenizer), the held-out calibration windows (8 x 256
 of the same mix, seed + 1: what `repair_ridge: auto` validates on), then for each method
 at each budget the pruned variant and its repaired twin under each `--ridge` (auto: the
-product's validated fit; a number: that ridge, every map kept), with each `--followers`
-count of follower maps (`lorp.repair.followers.fit_followers`, validated) and each `--distill`
-count of epochs of distillation (`lorp.repair.distill`, validated). Perplexity on PTB test
-and on the Lee news corpus (held out: never calibrated on here unless named in --calib),
-`--eval-windows` windows of 512 each (12: 6k tokens; `jobs/quality.yaml` takes 32), as
-ratios to dense. Uses `lorp/` only: no Ray, MLflow or vLLM.
+product's validated fit, the ridge chosen on the held-out windows; a number: that ridge;
+either way a map no better than none on the held-out windows is not kept), with each
+`--followers` count of follower maps (`lorp.repair.followers.fit_followers`, validated)
+and each `--distill` count of epochs of distillation (`lorp.repair.distill`, validated).
+Perplexity on PTB test and on the Lee news corpus (held out: never calibrated on here
+unless named in --calib), `--eval-windows` windows of 512 each (12: 6k tokens;
+`jobs/quality.yaml` takes 32), as ratios to dense. Uses `lorp/` only: no Ray, MLflow or
+vLLM. `--models` takes a checkpoint directory too: the test suite runs a tiny random one.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ foldable orthogonal-diagonal map is reported beside the full map applied by hook
 foldable: the upper bound). With more than one run, the sequential fit (each run on the
 inputs of the model repaired so far) is reported beside the one-pass fit. A run from
 block 0 with tied embeddings is refused and reported as such. Uses `lorp/` only: no
-Ray, MLflow or vLLM.
+Ray, MLflow or vLLM. `--models` takes a checkpoint directory too; the test suite runs
+tiny random ones at `--calib 8x64 --test 2x128`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --quick --json OUT.json [--page docs/results/benchmarks.md]
     python benchmarks/run.py --quick --skip capture memory select eval --tokens 16x512
+    python benchmarks/run.py --tiny --json OUT.json   # the same code on a tiny model, seconds
 
 Targets (ratios, each measured in this run; medians of >= 5 repetitions after a warm-up):
 1. capture_overhead   S over T tokens / bare decoder-stack forward (no hooks, no lm_head)
@@ -17,6 +18,10 @@ Targets (ratios, each measured in this run; medians of >= 5 repetitions after a 
                       capture pass over the same tokens: <= 1.5 (smollm2-135m)
 6. evaluation         perplexity tokens/s, vLLM vs transformers, one pruned checkpoint; and
                       pruned vs dense prefill latency against the fraction of blocks removed
+
+`--tiny` runs every section on a random 10-block model over the PTB vocabulary (d = 64; the
+"wide" model d = 128, 2 blocks), 4 x 32 calibration tokens, one repetition, one torch
+thread, and no vLLM: the test suite's check that the script runs, not a result.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ from lorp import SimilarityStats, available_methods, get_method, select_layers  
 from lorp.locality.capture import capture_stats  # noqa: E402
 from lorp.locality.clustering import cluster_layers  # noqa: E402
 from lorp.models.architectures import decoder_stack  # noqa: E402
+
+MODEL = "smollm2-135m"
+TINY_BLOCKS = 10
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
@@ -160,6 +168,14 @@ def repair_benchmarks(model: Any, batches: list[torch.Tensor], repeats: int) -> 
     }
 
 
+def tiny_model(folder: Path) -> str:
+    """`--tiny`'s model: a random Llama over the PTB vocabulary, with its tokenizer (the
+    tests' builder), saved under `folder`."""
+    from tests.helpers.tiny_models import save_tiny_ptb
+
+    return str(save_tiny_ptb("llama", folder / "tiny", n_blocks=TINY_BLOCKS))
+
+
 # -- 3: memory does not grow with the calibration set -----------------------------------------
 
 MEMORY_CHILD = """
@@ -169,15 +185,15 @@ from lorp.models.loading import load_model
 from lorp.locality.capture import capture_stats
 from benchmarks.run import calibration_tokens, batches_of
 torch.set_num_threads(2)
-lm = load_model("smollm2-135m")
+lm = load_model({model!r})
 w = calibration_tokens(lm.tokenizer, {samples}, {seq_len})
 capture_stats(lm.model, batches_of(w, 4), progress=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def peak_rss_kib(samples: int, seq_len: int) -> int:
-    code = MEMORY_CHILD.format(root=str(ROOT), samples=samples, seq_len=seq_len)
+def peak_rss_kib(samples: int, seq_len: int, model: str = MODEL) -> int:
+    code = MEMORY_CHILD.format(root=str(ROOT), model=model, samples=samples, seq_len=seq_len)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -193,7 +209,8 @@ def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[
     from pipeline.spec.resources import Resources
     from pipeline.stages.capture import CaptureWorker, tree_reduce
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    # A fresh local Ray of 2 CPUs, never a cluster this machine already runs.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         start = time.perf_counter()
         model = ModelSource(model_path, "dir")
@@ -254,7 +271,9 @@ if __name__ == "__main__":
 """
 
 
-def evaluation_benchmarks(quick: bool) -> dict[str, float]:
+def evaluation_benchmarks(quick: bool, model: str = MODEL, tiny: bool = False) -> dict[str, float]:
+    """Prefill speed-ups at 10, 20 and 30% of the blocks removed; perplexity throughput of
+    one pruned checkpoint (3 blocks removed), transformers and (unless `tiny`) vLLM."""
     from lorp.data.corpora import load_corpus, tokenize_documents
     from lorp.data.windows import eval_windows
     from lorp.models.loading import load_model
@@ -263,28 +282,38 @@ def evaluation_benchmarks(quick: bool) -> dict[str, float]:
     from pipeline.evaluation.speed import interleaved_speedup
 
     out: dict[str, float] = {}
-    lm = load_model("smollm2-135m")
+    lm = load_model(model)
     n = lm.n_blocks
-    seq = 256 if quick else 512
+    seq = 32 if tiny else 256 if quick else 512
     for frac in (0.1, 0.2, 0.3):  # dense and pruned interleaved in this one process
         k = round(frac * n)
-        m = load_model("smollm2-135m").model
+        m = load_model(model).model
         drop_layers(m, list(range(n - 1 - k, n - 1)))
-        timing = interleaved_speedup(lm.model, m, seq, pairs=7)
+        # a tiny model's 2 ms forwards take more pairs for as steady a median
+        timing = interleaved_speedup(lm.model, m, seq, pairs=25 if tiny else 7)
         out[f"prefill_speedup.removed_{k}_of_{n}"] = timing["speedup"]
         out[f"prefill_speedup_std.removed_{k}_of_{n}"] = timing["speedup_std"]
         del m
-    drop_layers(lm.model, [20, 21, 22])
-    tmp = Path(tempfile.mkdtemp(prefix="lorp-bench-"))
-    ckpt = save_pruned(lm.model, lm.tokenizer, tmp / "pruned", {})
-    ids = tokenize_documents(lm.tokenizer, load_corpus("ptb", "test"))[0]
-    windows = eval_windows(ids, seq, max_windows=8 if quick else 32)
+    drop_layers(lm.model, list(range(n - 4, n - 1)) if tiny else [20, 21, 22])
+    with tempfile.TemporaryDirectory(prefix="lorp-bench-") as tmp:
+        ckpt = save_pruned(lm.model, lm.tokenizer, Path(tmp) / "pruned", {})
+        ids = tokenize_documents(lm.tokenizer, load_corpus("ptb", "test"))[0]
+        windows = eval_windows(ids, seq, max_windows=2 if tiny else 8 if quick else 32)
+        tokens = windows.numel()
+        perplexity(lm.model, windows[:1])
+        t = time.perf_counter()
+        ppl_hf = perplexity(lm.model, windows, batch_size=4)
+        out["hf_tokens_per_s"] = tokens / (time.perf_counter() - t)
+        out["hf_ppl"] = ppl_hf
+        if not tiny:
+            out |= vllm_throughput(Path(tmp), ckpt, windows, seq)
+    return out
+
+
+def vllm_throughput(tmp: Path, ckpt: Path, windows: torch.Tensor, seq: int) -> dict[str, Any]:
+    """Perplexity tokens/s of the pruned checkpoint under vLLM, in a child process."""
+    out: dict[str, Any] = {}
     tokens = windows.numel()
-    perplexity(lm.model, windows[:1])
-    t = time.perf_counter()
-    ppl_hf = perplexity(lm.model, windows, batch_size=4)
-    out["hf_tokens_per_s"] = tokens / (time.perf_counter() - t)
-    out["hf_ppl"] = ppl_hf
     try:
         import vllm  # noqa: F401
 
@@ -302,15 +331,20 @@ def evaluation_benchmarks(quick: bool) -> dict[str, float]:
         out["vllm_tokens_per_s"] = tokens / r["seconds"]
         out["vllm_ppl"] = r["ppl"]
     except (ImportError, subprocess.SubprocessError, ValueError, IndexError, KeyError) as exc:
-        out["vllm_error"] = str(exc)[:200]  # type: ignore[assignment]
+        out["vllm_error"] = str(exc)[:200]
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="under 5 minutes on 2 cores")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random model, 4x32 tokens, one repetition, no vLLM: the test suite's run",
+    )
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--page", help="rewrite the benchmark table in this results page")
     parser.add_argument(
@@ -320,52 +354,73 @@ def main() -> int:
         help="sections to skip: capture memory ray select repair eval",
     )
     parser.add_argument(
-        "--tokens", help="calibration SAMPLESxSEQ_LEN (default 16x256 with --quick, else 32x512)"
+        "--tokens",
+        help="calibration SAMPLESxSEQ_LEN (default 16x256 with --quick, 4x32 with --tiny, "
+        "else 32x512)",
     )
-    args = parser.parse_args()
-    repeats = 5
-    samples, seq_len = (16, 256) if args.quick else (32, 512)
+    args = parser.parse_args(argv)
+    samples, seq_len = (4, 32) if args.tiny else (16, 256) if args.quick else (32, 512)
     if args.tokens:
         try:
             samples, seq_len = (int(v) for v in args.tokens.lower().split("x"))
         except ValueError:
             parser.error(f"--tokens: expected SAMPLESxSEQ_LEN such as 16x512, got {args.tokens!r}")
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if args.tiny else 2)  # a tiny model's ops are too small to share
     figures: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         + ("CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"),
         "quick": args.quick,
         "tokens": samples * seq_len,
     }
+    if args.tiny:
+        figures["tiny"] = True
+    with tempfile.TemporaryDirectory(prefix="lorp-bench-model-") as tmp:
+        model = tiny_model(Path(tmp)) if args.tiny else MODEL
+        figures |= measure(args, model, samples, seq_len)
+    table = render_table(figures)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True))
+    violations = speedup_violations(figures)
+    for line in violations:
+        print(f"check failed: {line}", file=sys.stderr)
+    if args.page and not violations:
+        write_page(Path(args.page), table, args)
+    return 1 if violations else 0
+
+
+def measure(args: argparse.Namespace, model: str, samples: int, seq_len: int) -> dict[str, Any]:
+    """Every section not in `args.skip`, on `model` (an alias or a checkpoint directory)."""
     from lorp.models.loading import load_model
 
-    lm = load_model("smollm2-135m")
+    repeats = 1 if args.tiny else 5
+    figures: dict[str, Any] = {}
+    lm = load_model(model)
     windows = calibration_tokens(lm.tokenizer, samples, seq_len)
     batches = batches_of(windows, 4)
     if "capture" not in args.skip:
-        figures |= capture_benchmarks(lm.model, batches, repeats, "smollm2")
+        label = "tiny" if args.tiny else "smollm2"
+        figures |= capture_benchmarks(lm.model, batches, repeats, label)
         # d = 2048 as the target asks; fewer blocks and tokens in --quick keep it in budget.
-        wide = wide_random_model(layers=2 if args.quick else 4)
-        wide_tokens = (2, 128) if args.quick else (4, seq_len)
-        wide_batches = batches_of(torch.randint(0, 32000, wide_tokens), 1 if args.quick else 2)
-        figures |= capture_benchmarks(wide, wide_batches, repeats, "wide_d2048")
+        d = 128 if args.tiny else 2048
+        wide = wide_random_model(d, layers=2 if args.quick or args.tiny else 4)
+        wide_tokens = (2, seq_len) if args.tiny else (2, 128) if args.quick else (4, seq_len)
+        small = args.quick or args.tiny
+        wide_batches = batches_of(torch.randint(0, 32000, wide_tokens), 1 if small else 2)
+        figures |= capture_benchmarks(wide, wide_batches, repeats, f"wide_d{d}")
         del wide
-        figures["capture_overhead"] = max(
-            figures["smollm2.capture_overhead"], figures["wide_d2048.capture_overhead"]
-        )
-        figures["vs_usual_speedup"] = min(
-            figures["smollm2.vs_usual_speedup"], figures["wide_d2048.vs_usual_speedup"]
-        )
+        both = (label, f"wide_d{d}")
+        figures["capture_overhead"] = max(figures[f"{x}.capture_overhead"] for x in both)
+        figures["vs_usual_speedup"] = min(figures[f"{x}.vs_usual_speedup"] for x in both)
         figures["s_max_abs_diff_vs_usual"] = max(
-            figures["smollm2.s_max_abs_diff_vs_usual"],
-            figures["wide_d2048.s_max_abs_diff_vs_usual"],
+            figures[f"{x}.s_max_abs_diff_vs_usual"] for x in both
         )
     if "memory" not in args.skip:
-        small, large = peak_rss_kib(32, seq_len), peak_rss_kib(128, seq_len)
+        small_kib, large_kib = peak_rss_kib(32, seq_len, model), peak_rss_kib(128, seq_len, model)
         figures |= {
-            "peak_rss_mib_32": small / 1024,
-            "peak_rss_mib_128": large / 1024,
-            "memory_ratio": large / small,
+            "peak_rss_mib_32": small_kib / 1024,
+            "peak_rss_mib_128": large_kib / 1024,
+            "memory_ratio": large_kib / small_kib,
         }
     if "ray" not in args.skip:
         t_local = median_time(lambda: capture_stats(lm.model, batches, progress=False), repeats)
@@ -378,17 +433,8 @@ def main() -> int:
     if "repair" not in args.skip:
         figures |= repair_benchmarks(lm.model, batches, repeats)
     if "eval" not in args.skip:
-        figures |= evaluation_benchmarks(args.quick)
-    table = render_table(figures)
-    print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True))
-    violations = speedup_violations(figures)
-    for line in violations:
-        print(f"check failed: {line}", file=sys.stderr)
-    if args.page and not violations:
-        write_page(Path(args.page), table, args)
-    return 1 if violations else 0
+        figures |= evaluation_benchmarks(args.quick, model, args.tiny)
+    return figures
 
 
 TARGETS = [
@@ -468,7 +514,8 @@ def render_table(f: dict[str, Any]) -> str:
             f"| pruned vs dense prefill, {what.replace('_', ' ')} (interleaved, median) "
             f"| {f[key]:.3f}x ± {std:.3f} | <= N/(N-k) = {bound:.3f}x | {met} |"
         )
-    lines.append(f"\nMeasured on {f['machine']}; {f['tokens']} calibration tokens.")
+    tiny = " (tiny random model: the suite's check, not a result)" if f.get("tiny") else ""
+    lines.append(f"\nMeasured on {f['machine']}; {f['tokens']} calibration tokens{tiny}.")
     return "\n".join(lines)
 
 
@@ -477,6 +524,7 @@ def write_page(path: Path, table: str, args: argparse.Namespace) -> None:
     cmd = (
         "python benchmarks/run.py"
         + (" --quick" if args.quick else "")
+        + (" --tiny" if args.tiny else "")
         + " --json bench.json --page docs/results/benchmarks.md"
     )
     replace_section(path, begin, end, f"Reproduce: `{cmd}`\n\n{table}", "Benchmarks")

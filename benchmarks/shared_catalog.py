@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import tempfile
@@ -82,6 +83,19 @@ def read(location: str, jobs: list[str], stop: Any, out: Any) -> None:
     out.put((folds, drops))
 
 
+def collect(results: Any, procs: list[Any], n: int) -> list[Any]:
+    """`n` results from the queue `results`; fails, instead of waiting for ever, once one
+    of `procs` has died without putting its own."""
+    out: list[Any] = []
+    while len(out) < n:
+        try:
+            out.append(results.get(timeout=1))
+        except queue.Empty:
+            if dead := [p for p in procs if p.exitcode not in (None, 0)]:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--jobs", type=int, default=16)
@@ -92,19 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lorp-shared-") as tmp:
         location = str(Path(tmp) / "catalog")
         times_q, read_q, stop = mp.Queue(), mp.Queue(), mp.Event()
-        reader = mp.Process(target=read, args=(location, jobs, stop, read_q))
-        reader.start()
-        writers = [mp.Process(target=publish, args=(location, j, args.rows, times_q)) for j in jobs]
-        start = time.perf_counter()
-        for w in writers:
-            w.start()
-        times = [t for _ in writers for t in times_q.get()]
-        for w in writers:
-            w.join()
-        wall = time.perf_counter() - start
-        stop.set()
-        folds, drops = read_q.get()
-        reader.join()
+        reader = mp.Process(target=read, args=(location, jobs, stop, read_q), name="reader")
+        writers = [mp.Process(target=publish, args=(location, j, args.rows, times_q), name=j)
+                   for j in jobs]  # fmt: skip
+        try:
+            reader.start()
+            start = time.perf_counter()
+            for w in writers:
+                w.start()
+            times = [t for got in collect(times_q, writers, len(writers)) for t in got]
+            for w in writers:
+                w.join()
+            wall = time.perf_counter() - start
+            stop.set()
+            ((folds, drops),) = collect(read_q, [reader], 1)
+            reader.join()
+        finally:  # a failed job or reader stops the rest
+            stop.set()
+            for proc in [*writers, reader]:
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join()
         SharedCatalog(location).read()  # warm: imports, page cache
         t0 = time.perf_counter()
         rows = SharedCatalog(location).read()

