@@ -24,7 +24,7 @@ from lorp.models.loading import parse_dtype
 from lorp.models.memory import weight_size
 from lorp.models.safetensors_index import tensor_index
 from pipeline.cluster.memory import plan_memory
-from pipeline.plan import ModelPlan, plan_model, resolve_backend
+from pipeline.plan import ModelPlan, plan_model, resolve_backend, unwritable_locations
 from pipeline.records.catalog import read_catalog
 from pipeline.records.events import read_events
 from pipeline.spec.checks import SpecError
@@ -70,6 +70,9 @@ def plan_job(spec: JobSpec) -> JobOutline:
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
     storage = Storage(spec.storage or spec.output_dir)
     out = JobOutline(spec.name, backend, storage.uri())
+    out.problems += unwritable_locations(spec)
+    if out.problems:
+        return out  # nothing below can be read or written
     rows = _rows(storage, spec.name)
     events = read_events(spec.run_dir / "events.jsonl")
     for i, m in enumerate(spec.models):

@@ -32,6 +32,7 @@ from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
 from pipeline.spec.names import safe_name
+from pipeline.storage import unwritable
 
 BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
 
@@ -240,6 +241,19 @@ def repair_refusal(plan: ModelPlan, layers: tuple[int, ...]) -> str | None:
 # -- models ------------------------------------------------------------------------------
 
 
+def unwritable_locations(spec: JobSpec) -> list[str]:
+    """One line for each local location of the job (its output directory, storage and
+    shared catalog) that this process cannot write: found before any work, not when the
+    first point is recorded."""
+    out = []
+    for name, location in (("output_dir", spec.output_dir), ("storage", spec.storage),
+                           ("catalog", spec.catalog)):  # fmt: skip
+        reason = unwritable(location) if location else None
+        if reason:
+            out.append(f"{name}: {location!r} cannot be written: {reason}")
+    return out
+
+
 def plan_models(spec: JobSpec) -> list[ModelPlan]:
     """Resolve and check every model; all input errors surface here, naming the field."""
     for i, m in enumerate(spec.models):
@@ -259,6 +273,7 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         path = materialize(mref, allow_pickle=m.allow_pickle)
         config = read_config(path)
         family = architecture_for(str(config.get("model_type"))).family
+        fingerprint = fingerprint_checkpoint(path)
     except ValueError as exc:
         raise SpecError(f"models[{i}].ref: {exc}") from None
     n = int(config["num_hidden_layers"])
@@ -274,7 +289,6 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
             validate_options(method.name, method.options, n_blocks=n)
         except ValueError as exc:
             raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
-    fingerprint = fingerprint_checkpoint(path)
     resolved = tuple(sorted(set(budgets)))
     tied = _tied_embeddings(path, m) if "linear" in spec.repair else False
     return ModelPlan(m, path, fingerprint, n, family, resolved, mref.ref, mref.kind, tied)
@@ -306,6 +320,12 @@ def _check_context(
                 f"{field}: {seq_len} (+1 BOS unless bos: never) exceeds {m.label}'s "
                 f"max_position_embeddings {max_pos}"
             )
+    serving = ev.serving if ev.enabled else None
+    if serving is not None and serving.prompt_len + serving.output_len > max_pos:
+        raise SpecError(
+            f"evaluation.serving: prompt_len {serving.prompt_len} + output_len "
+            f"{serving.output_len} exceeds {m.label}'s max_position_embeddings {max_pos}"
+        )
 
 
 def resolve_backend(spec: JobSpec, vllm_installed: bool) -> str:

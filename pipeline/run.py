@@ -31,12 +31,13 @@ from contextlib import contextmanager
 from pipeline.cluster.connect import init_ray
 from pipeline.cluster.memory import plan_memory
 from pipeline.fleet import Fleet, Stopped
-from pipeline.plan import plan_models, resolve_backend
+from pipeline.plan import plan_models, resolve_backend, unwritable_locations
 from pipeline.prepare import Preparer
 from pipeline.recorder import Recorder
 from pipeline.records import timeline
 from pipeline.records.progress import Progress
 from pipeline.records.rows import RunSummary
+from pipeline.spec.checks import SpecError
 from pipeline.spec.job import JobSpec
 
 
@@ -50,6 +51,8 @@ def run_job(
     """Run a job spec end to end; returns what was done, skipped and failed. A stop
     signal raises `Stopped` once the points in flight are closed as KILLED. `force`
     redoes every point; `force_speed` times every variant again (the speed pass)."""
+    for problem in unwritable_locations(spec):  # before any file
+        raise SpecError(problem)
     plans = plan_models(spec)  # every input error surfaces here, before any file
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
     recorder = Recorder(spec, force, progress or Progress(bar=False), force_speed=force_speed)

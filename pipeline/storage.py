@@ -87,6 +87,23 @@ def is_remote(location: str) -> bool:
     return "://" in location and urlsplit(location).scheme not in ("", "file")
 
 
+def unwritable(location: str) -> str | None:
+    """Why this process cannot write below the local path `location` (a file in the way,
+    no permission on the nearest directory that exists), or None: it can, or `location`
+    is remote (an outage there is not bad input; its writes say so when they fail)."""
+    if is_remote(location):
+        return None
+    path = Path(location.removeprefix("file://")).expanduser().resolve()
+    nearest = path
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        return f"{str(nearest)!r} is a file, not a directory"
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        return f"no permission to write in {str(nearest)!r}"
+    return None
+
+
 @functools.lru_cache(maxsize=32)
 def _filesystem(location: str) -> tuple[pafs.FileSystem, str]:
     """pyarrow's filesystem for `location`, opened once per process: opening an S3 URI

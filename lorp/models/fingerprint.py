@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +52,34 @@ def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
 
 
 def _hash_checkpoint(path: Path, files: list[Path]) -> str:
-    from safetensors import safe_open
-
     h = hashlib.sha256()
     h.update(canonical_config(json.loads((path / "config.json").read_text())))
     where = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with _opened(f) as st:
             for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 where[key] = f
     for key in sorted(where):
-        with safe_open(str(where[key]), framework="pt") as st:
-            _update_tensor(h, key, st.get_tensor(key))
+        with _opened(where[key]) as st:
+            try:
+                tensor = st.get_tensor(key)
+            except Exception as exc:  # SafetensorError: the file changed or is cut short
+                raise ValueError(f"{str(where[key])!r}: tensor {key!r} unreadable: {exc}") from None
+            _update_tensor(h, key, tensor)
     return h.hexdigest()[:32]
+
+
+@contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """safetensors' reader of `file`; a file it cannot read is one line naming it."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as exc:  # SafetensorError (not an OSError), or an OSError
+        raise ValueError(f"{str(file)!r} is not a readable safetensors file: {exc}") from None
+    with handle as st:
+        yield st
 
 
 def _update_tensor(h: Any, key: str, tensor: torch.Tensor) -> None:

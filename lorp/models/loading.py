@@ -24,6 +24,7 @@ from lorp.models.architectures import architecture_for
 from lorp.models.fingerprint import fingerprint_checkpoint
 from lorp.models.gguf import convert_gguf
 from lorp.models.packaged import PACKAGED_MODELS, packaged_gguf
+from lorp.models.safetensors_index import check_weights
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,15 @@ def materialize(
     mref = ref if isinstance(ref, ModelRef) else parse_model_ref(ref)
     if mref.kind == "dir":
         path = Path(mref.ref)
-        if not allow_pickle and not any(path.glob("*.safetensors")):
+        if any(path.glob("*.safetensors")):
+            check_weights(path)  # a truncated shard: one line naming it, not a traceback
+        elif not allow_pickle:
             raise ValueError(
                 f"model directory {mref.ref!r} has no .safetensors weights (pickled .bin "
                 "weights load only when the spec allows them)"
             )
+        elif not any(path.glob("*.bin")):
+            raise ValueError(f"model directory {mref.ref!r} has no weights (.safetensors or .bin)")
         return path
     if mref.kind == "hub":
         from huggingface_hub import snapshot_download

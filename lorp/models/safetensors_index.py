@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -65,17 +66,47 @@ class TensorEntry:
 def read_header(file: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (tensor entries; `__metadata__` dropped) and the byte
     offset where its data starts. Reads the header only."""
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{str(file)!r} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        try:
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{str(file)!r} is not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                raise ValueError(
+                    f"{str(file)!r} is truncated or not a safetensors file (its header "
+                    f"claims {n:,} bytes, the file holds {size:,})"
+                )
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{str(file)!r} has no readable safetensors header: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(file)!r} has no readable safetensors header: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{str(file)!r} cannot be read: {exc.strerror or exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{str(file)!r} has no readable safetensors header (not an object)")
     header.pop("__metadata__", None)
     return header, 8 + n
+
+
+def check_weights(path: Path) -> None:
+    """One line naming the file when a checkpoint's weights are not whole: a shard its
+    index names but the directory lacks, a header that cannot be read, or a file shorter
+    than its header says (a copy cut off, a full disk). Reads the headers only."""
+    for file in weight_files(path):
+        header, base = read_header(file)
+        try:
+            need = base + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise ValueError(
+                f"{str(file)!r} has no readable safetensors header (an entry without data_offsets)"
+            ) from None
+        have = file.stat().st_size
+        if have < need:
+            raise ValueError(
+                f"{str(file)!r} is truncated: its header lists {need:,} bytes, the file "
+                f"holds {have:,}"
+            )
 
 
 def weight_files(path: Path) -> list[Path]:

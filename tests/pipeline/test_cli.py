@@ -4,10 +4,12 @@ exit code 2, nothing written; `lorp catalog ls` refuses what is not a catalog.""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -83,3 +85,88 @@ def test_catalog_ls_refuses_what_is_not_a_catalog(tmp_path: Path) -> None:
     out = lorp("catalog", "ls", str(tmp_path / "missing"))
     assert out.returncode != 0 and "catalog not found" in out.stderr
     assert os.path.exists(tmp_path / "x.parquet")
+
+
+def _cut_weights(model: Path) -> None:
+    """A copy cut off halfway (a full disk, a killed transfer)."""
+    f = model / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _garbled_header(model: Path) -> None:
+    f = model / "model.safetensors"
+    f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
+
+
+def _no_weights(model: Path) -> None:
+    (model / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_cut_weights, r"model\.safetensors' is truncated: its header lists [\d,]+ bytes, "
+                       r"the file holds [\d,]+$"),
+        (_garbled_header, r"model\.safetensors' is truncated or not a safetensors file \(its "
+                          r"header claims [\d,]+ bytes, the file holds [\d,]+\)$"),
+        (_no_weights, r"has no \.safetensors weights \(pickled \.bin weights load only when "
+                      r"the spec allows them\)$"),
+    ],
+)  # fmt: skip
+def test_a_damaged_checkpoint_is_one_line_naming_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, message: str
+) -> None:
+    """`lorp run` and `lorp plan` refuse a checkpoint whose weights are cut short, garbled
+    or missing in one line naming the file (it was a 29-line safetensors traceback)."""
+    from tests.helpers.tiny_models import save_tiny
+
+    model = save_tiny("llama", tmp_path / "model")
+    damage(model)
+    capsys.readouterr()  # transformers' progress bar while saving
+    data = GOOD | {"models": [{"ref": str(model)}], "budgets": [1],
+                   "output_dir": str(tmp_path / "run")}  # fmt: skip
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    assert main(["run", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("models[0].ref: "), err
+    assert re.search(message, err.strip()), err
+    assert main(["plan", str(spec)]) == 2
+    problems = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("problem: ")]
+    assert problems == [f"problem: {err.strip()}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_serving_longer_than_the_context_is_refused_while_planning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    serving = {"prompt_len": 8000, "output_len": 256}
+    data = GOOD | {"evaluation": {"serving": serving}, "output_dir": str(tmp_path / "run")}
+    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
+    # (the first use of the packaged model converts it, and says so above the error)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "evaluation.serving: prompt_len 8000 + output_len 256 exceeds smollm2-135m's "
+        "max_position_embeddings 8192"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("field", ["catalog", "storage", "output_dir"])
+def test_a_location_that_cannot_be_written_is_refused_before_any_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """A shared catalog (or storage, or run directory) below a file: one line naming the
+    field, the location and the file in the way; nothing written anywhere."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    where = str(blocker / "lorp" / field)
+    data = GOOD | {"output_dir": str(tmp_path / "run"), field: where}
+    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        err.strip()
+        == f"{field}: {where!r} cannot be written: {str(blocker)!r} is a file, not a directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "job.yaml"]
+    assert blocker.read_text() == "not a directory\n"
