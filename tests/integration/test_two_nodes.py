@@ -37,7 +37,14 @@ import pytest
 import yaml
 
 from tests.helpers.job_specs import tiny_job
-from tests.helpers.local_servers import free_port, wait_for_port
+from tests.helpers.local_servers import (
+    AWS_TEST_ENV,
+    create_bucket,
+    free_port,
+    s3_location,
+    start_moto,
+    wait_for_port,
+)
 from tests.helpers.paths import REPO
 from tests.helpers.processes import kill_started_by
 from tests.helpers.tiny_models import save_tiny_ptb
@@ -175,7 +182,6 @@ def _worker_node_script(port: int, hidden: list[Path], temp_dir: Path) -> str:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     reason = unshare_refused()
     assert reason is None, f"the two-node test needs its own mount namespaces: {reason}"
-    import moto.server  # noqa: F401  (make test installs it: a missing one fails)
     import ray
 
     from lorp.cache import cache_root
@@ -191,31 +197,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     mp = pytest.MonkeyPatch()
     try:
         moto_port = free_port()
-        moto_log = base / "moto.log"
-        moto = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
-            stdout=moto_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        procs.append(moto)
-        wait_for_port(moto_port, moto, moto_log, "moto server")
-        aws = {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}",
-        }
+        procs.append(start_moto(moto_port, base / "moto.log"))
+        aws = AWS_TEST_ENV | {"MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}"}
         env |= aws
         for key, value in (aws | AUTH_OFF).items():
             mp.setenv(key, value)
         for key in ("RAY_ADDRESS", *CACHE_VARS):
             mp.delenv(key, raising=False)
-        options = {"endpoint_override": f"127.0.0.1:{moto_port}", "scheme": "http"}
-        pafs.S3FileSystem(**options, allow_bucket_creation=True).create_dir(BUCKET)
-        s3 = (
-            f"s3://{BUCKET}/{{prefix}}?endpoint_override=127.0.0.1:{moto_port}"
-            "&scheme=http&region=us-east-1"
-        )
+        create_bucket(moto_port, BUCKET)
+        s3 = s3_location(moto_port, BUCKET, "{prefix}")
 
         port = free_port()
         head_log = base / "head.log"
