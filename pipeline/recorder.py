@@ -53,7 +53,7 @@ from pipeline.records.rows import (
     point_params,
     point_tags,
 )
-from pipeline.records.shared_catalog import SharedCatalog
+from pipeline.records.shared_catalog import JobPublisher, SharedCatalog
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.spec.job import JobSpec
 from pipeline.stages.statistics import ModelRepairStats, ModelStats, describe
@@ -77,7 +77,10 @@ class Recorder:
         here = self.storage.local_path() == self.run_dir.resolve()
         mirror = None if here else self.storage
         self.shared = SharedCatalog(spec.catalog) if spec.catalog else None
-        self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror, self.shared, spec.name)
+        self.publisher = None if self.shared is None else JobPublisher(
+            self.shared, spec.name, self.storage.uri(), lambda: self.catalog.rows, progress.note
+        )  # fmt: skip
+        self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror, self.publisher, spec.name)
         self.events = EventLog(self.run_dir / EventLog.NAME, mirror)
         ckpts, elsewhere = self.storage.uri(CHECKPOINTS), None if here else self.storage.uri()
         self.summary = RunSummary(self.run_dir, self.catalog.path, uri, ckpts, storage=elsewhere)
@@ -94,8 +97,8 @@ class Recorder:
     def open(self) -> frozenset[str]:
         """Repair what a killed predecessor left (stale MLflow runs, partial checkpoints)
         and return the grid keys already done (none with `force`)."""
-        if self.shared is not None:  # before publishing: never replace another job's rows
-            self.shared.check_owner(self.spec.name, self.storage.uri(), self.catalog.rows)
+        if self.publisher is not None:  # before publishing: never replace another job's rows
+            self.publisher.open()
         self.catalog.compact()  # what a killed predecessor recorded, folded in (and published)
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
         closed = self.tracker.close_stale_runs(self.spec.name, completed)
@@ -159,6 +162,8 @@ class Recorder:
     def close(self) -> None:
         """The job's end, however it ended: log lines closed, catalog parts folded."""
         self.progress.close()
+        if self.publisher is not None:
+            self.publisher.close()
         self.catalog.compact()
 
     def ended(self) -> RunSummary:
@@ -480,7 +485,10 @@ class Recorder:
     def _shared_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
         """The shared catalog's rows by (grid key, run id); none without one, or when it
         cannot be read (the aliases then rank by the versions' own tags)."""
-        if self.shared is None:
+        if self.shared is None or self.publisher is None:
+            return {}
+        if not self.publisher.reachable:  # a read would wait on the store for nothing
+            self.progress.note(f"shared catalog {self.shared.uri()} not read: not reachable")
             return {}
         try:
             rows = self.shared.read()

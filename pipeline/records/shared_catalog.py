@@ -24,8 +24,9 @@ storage, or a shared catalog.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,11 @@ SEP = "~"
 READ_TIMEOUT_S = 60.0
 """How long a read keeps trying while compactions overtake it (jobs compact at their
 start and end, so a real catalog settles in far less)."""
+ERROR_RETRY_S = 3.0
+"""How long a read keeps trying after the store's first error (pyarrow has retried each
+call already: an unreachable S3 endpoint takes about 6 s a call to refuse)."""
+CHECK_RETRY_S = 30.0
+"""How often a job whose shared catalog was unreachable checks it again (`JobPublisher`)."""
 
 
 class SharedCatalog:
@@ -94,10 +100,10 @@ class SharedCatalog:
 
     def read(self) -> list[dict[str, Any]]:
         """Every job's rows, folded (see the module docstring). A read that a compaction
-        overtook, or that failed (an object store's transient error), is tried again
-        for up to `READ_TIMEOUT_S`."""
+        overtook is tried again for up to `READ_TIMEOUT_S`; one that failed (an object
+        store's transient error) for up to `ERROR_RETRY_S`, then its error is raised."""
         deadline = time.monotonic() + READ_TIMEOUT_S
-        attempt, error = 0, None
+        attempt, error, first_error = 0, None, None
         while True:
             try:
                 before, parts = self._snapshots(), self._parts()
@@ -105,8 +111,9 @@ class SharedCatalog:
                     return self._fold(before, parts)
                 error = None
             except OSError as exc:
-                error = exc
-            if time.monotonic() > deadline:
+                error, first_error = exc, first_error or time.monotonic()
+            now = time.monotonic()
+            if now > deadline or (error is not None and now > first_error + ERROR_RETRY_S):
                 break
             attempt += 1
             time.sleep(min(0.05 * attempt, 0.5))
@@ -169,6 +176,111 @@ class SharedCatalog:
     def is_shared(self) -> bool:
         """Whether the location holds a shared catalog (or is empty)."""
         return bool(self.storage.list(JOBS) or self.storage.list(SHARED_PARTS))
+
+
+class JobPublisher:
+    """The shared catalog as one job publishes to it (`Catalog(publish=...)`): nothing is
+    published as the job until its name is checked there (`SharedCatalog.check_owner`).
+
+    `open` checks at the job's start: another job's rows under this name refuse the job
+    (ValueError, one line); an unreachable catalog does not stop it. The job records on
+    in its own catalog, a background thread checks again every `CHECK_RETRY_S`, and once
+    the name is checked the next change (or the job's end) publishes all its rows. A
+    foreign job found only then stops the publishing, never the job. Once checked, a
+    failed write is the caller's to report (`catalog._unpublished`), as before."""
+
+    def __init__(
+        self,
+        shared: SharedCatalog,
+        job: str,
+        storage: str,
+        rows: Callable[[], list[dict[str, Any]]],
+        note: Callable[[str], None],
+    ) -> None:
+        self.shared, self.job, self.storage, self.rows, self.note = (
+            shared, job, storage, rows, note)  # fmt: skip
+        self.state = "unchecked"
+        """unchecked; late (checked after an outage: all rows go out next); live
+        (publishing as the job); refused (another job owns the name: nothing goes out)."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def uri(self) -> str:
+        return self.shared.uri()
+
+    @property
+    def reachable(self) -> bool:
+        return self.state == "live"
+
+    def open(self) -> None:
+        """The start's check (see the class docstring)."""
+        try:
+            self.shared.check_owner(self.job, self.storage, self.rows())
+        except OSError as exc:
+            self.note(
+                f"shared catalog {self.uri()} not reachable ({_one_line(exc)}): this job's "
+                f"rows stay in its own catalog and are published once it is (checked every "
+                f"{CHECK_RETRY_S:.0f} s, and at the job's end)"
+            )
+            threading.Thread(target=self._check_until_done, daemon=True).start()
+            return
+        self.state = "live"
+
+    def close(self) -> None:
+        """The job ends: the background checks stop; its last compaction checks once more."""
+        self._stop.set()
+
+    def _check_until_done(self) -> None:
+        while not self._stop.wait(CHECK_RETRY_S) and self.state == "unchecked":
+            self.check_again()
+
+    def check_again(self) -> None:
+        """One more check of the job's name; any outcome but an unreachable catalog is final."""
+        try:
+            self.shared.check_owner(self.job, self.storage, self.rows())
+        except OSError:
+            return
+        except ValueError as exc:
+            outcome = "refused"
+            self.note(f"{exc}: this job's rows are not published there")
+        else:
+            outcome = "late"
+        with self._lock:
+            if self.state == "unchecked":
+                self.state = outcome
+
+    def _went_live(self) -> None:
+        with self._lock:
+            late, self.state = self.state == "late", "live"
+        if late:
+            self.note(f"shared catalog {self.uri()} reached: this job's rows published there")
+
+    def put_part(self, job: str, name: str, data: bytes) -> None:
+        if self.state == "late":  # everything so far, this change with it
+            self.shared.replace_rows(job, self.rows())
+            self._went_live()
+        elif self.state == "live":
+            self.shared.put_part(job, name, data)
+
+    def replace_rows(self, job: str, rows: Iterable[Mapping[str, Any]]) -> int:
+        """The job's rows whole (its compactions); at its end, one last check first."""
+        if self.state == "unchecked" and self._stop.is_set():
+            self.check_again()
+            if self.state == "unchecked":
+                self.note(
+                    f"shared catalog {self.uri()} still not reachable: this job's rows are "
+                    "published by its next start"
+                )
+        if self.state not in ("late", "live"):
+            return 0
+        n = self.shared.replace_rows(job, rows)
+        self._went_live()
+        return n
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- any catalog by location --------------------------------------------------------------

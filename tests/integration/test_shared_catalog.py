@@ -23,7 +23,14 @@ from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
 from tests.helpers.cli_runner import lorp
 from tests.helpers.job_specs import tiny_job, write_job
-from tests.helpers.local_servers import free_port, wait_for_port
+from tests.helpers.local_servers import (
+    AWS_TEST_ENV,
+    create_bucket,
+    free_port,
+    s3_location,
+    start_moto,
+    wait_for_port,
+)
 from tests.helpers.ray_cluster import local_ray
 from tests.helpers.tiny_models import save_tiny_ptb
 
@@ -247,3 +254,33 @@ def test_a_new_storage_gets_every_point(fleet, tmp_path: Path) -> None:  # type:
     assert {r["storage"] for r in old if r["job"] == "team-a"} == {
         str(Path(spec.storage).resolve())
     }
+
+
+def test_a_catalog_unreachable_at_the_start_never_stops_the_job(  # type: ignore[no-untyped-def]
+    fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose shared catalog is an S3 endpoint nothing serves: every point lands in
+    its own catalog (it was a traceback after 60 s); with the endpoint served, its next
+    start publishes all of them."""
+    port = free_port()
+    for key, value in AWS_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fleet["server"])
+    spec = parse_spec_with(
+        fleet["specs"]["a"], name="team-c", output_dir=str(tmp_path / "run"),
+        storage=str(tmp_path / "storage"), catalog=s3_location(port, "org", "catalog"),
+    )  # fmt: skip
+    summary = run_job(spec)
+    assert summary.done == 5 and not summary.failed
+    own = sorted(r["grid_key"] for r in open_catalog(str(tmp_path / "storage")))
+    assert len(own) == 5
+    moto = start_moto(port, tmp_path / "moto.log")
+    try:
+        create_bucket(port, "org")
+        again = run_job(spec)
+        assert again.done == 0 and again.skipped == 5
+        shared = SharedCatalog(spec.catalog)
+        assert sorted(r["grid_key"] for r in shared.rows_of("team-c")) == own
+    finally:
+        moto.terminate()
+        moto.wait(timeout=30)

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pipeline.records import shared_catalog
 from pipeline.records.catalog import Catalog
-from pipeline.records.shared_catalog import SharedCatalog, open_catalog
+from pipeline.records.shared_catalog import JobPublisher, SharedCatalog, open_catalog
 from pipeline.storage import Storage
+from tests.helpers.local_servers import (
+    AWS_TEST_ENV,
+    create_bucket,
+    free_port,
+    s3_location,
+    start_moto,
+)
 
 
 def shared_row(job: str, i: int) -> dict[str, Any]:
@@ -108,3 +117,112 @@ def test_a_broken_part_is_named_and_stops_no_reader(
     assert {r["grid_key"]: r.get("speedup") for r in shared.read() if r["job"] == "team-b"} == {
         "k000": None, "k001": None, "k002": 1.5,
     }  # fmt: skip
+
+
+# -- a job's publisher when the catalog is out of reach -----------------------------------
+
+
+@pytest.fixture
+def unreachable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A shared catalog on an S3 endpoint nothing listens on yet (`start` serves it with
+    moto), a job `j` publishing to it, and the notes the job printed."""
+    monkeypatch.setattr(shared_catalog, "CHECK_RETRY_S", 0.2)
+    monkeypatch.setattr(shared_catalog, "ERROR_RETRY_S", 0.0)  # one refused call a check
+    for key, value in AWS_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    port, servers = free_port(), []
+    shared = SharedCatalog(s3_location(port, "org", "catalog"))
+    notes: list[str] = []
+
+    def job(run: str) -> tuple[JobPublisher, Catalog]:
+        box: list[Catalog] = []
+        publisher = JobPublisher(shared, "j", "/store/j", lambda: box[0].rows, notes.append)
+        box.append(Catalog(tmp_path / run / Catalog.NAME, publish=publisher, job="j"))
+        return publisher, box[0]
+
+    def start() -> None:
+        servers.append(start_moto(port, tmp_path / "moto.log"))
+        create_bucket(port, "org")
+
+    yield {"shared": shared, "notes": notes, "job": job, "start": start}
+    for server in servers:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def wait_for(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_catalog_unreachable_at_start_gets_every_row_once_it_is_back(
+    unreachable: dict[str, Any],
+) -> None:
+    """The start goes on with one note (it was a traceback after 60 s); the changes wait
+    in the job's own catalog; once the endpoint serves, the background check finds it and
+    the next change publishes all of them, and later ones as parts."""
+    shared, notes = unreachable["shared"], unreachable["notes"]
+    publisher, cat = unreachable["job"]("run")
+    publisher.open()
+    assert publisher.state == "unchecked" and len(notes) == 1, notes
+    assert notes[0].startswith(f"shared catalog {shared.uri()} not reachable (")
+    for i in range(3):
+        cat.put(shared_row("j", i))
+    assert len(cat.rows) == 3
+    unreachable["start"]()
+    wait_for(lambda: publisher.state == "late", "the background check never found the catalog")
+    assert shared.read() == []  # checked, not yet published: that is the next change's
+    cat.put(shared_row("j", 3))
+    assert publisher.state == "live" and notes[-1].endswith("this job's rows published there")
+    assert sorted(r["grid_key"] for r in shared.read()) == ["k000", "k001", "k002", "k003"]
+    cat.update("k001", {"ppl_ptb": 99.0})  # from here on, one part per change
+    assert {r["grid_key"]: r["ppl_ptb"] for r in shared.read()}["k001"] == 99.0
+    publisher.close()
+    cat.compact()
+    assert len(shared.read()) == 4 and len(notes) == 2, notes
+
+
+def test_a_catalog_unreachable_to_the_end_is_published_by_the_next_start(
+    unreachable: dict[str, Any],
+) -> None:
+    shared, notes = unreachable["shared"], unreachable["notes"]
+    publisher, cat = unreachable["job"]("run")
+    publisher.open()
+    cat.put(shared_row("j", 0))
+    cat.put(shared_row("j", 1))
+    publisher.close()
+    cat.compact()  # the job's end: one last check, refused
+    assert notes[-1].endswith(
+        "still not reachable: this job's rows are published by its next start"
+    )
+    unreachable["start"]()
+    again, cat = unreachable["job"]("run")  # the next start, from the job's own catalog
+    again.open()
+    assert again.state == "live"
+    cat.compact()
+    assert sorted(r["grid_key"] for r in shared.read()) == ["k000", "k001"]
+
+
+def test_another_job_found_late_stops_the_publishing_not_the_job(
+    unreachable: dict[str, Any],
+) -> None:
+    """Another team's job of the same name (another storage) already in the catalog when
+    it comes back: this job publishes nothing there and records on in its own catalog."""
+    shared, notes = unreachable["shared"], unreachable["notes"]
+    publisher, cat = unreachable["job"]("run")
+    shared_catalog.CHECK_RETRY_S = 3600  # no background check: theirs lands first
+    publisher.open()
+    cat.put(shared_row("j", 0))
+    unreachable["start"]()
+    theirs = shared_row("j", 7) | {"storage": "s3://theirs/j"}
+    shared.replace_rows("j", [theirs])
+    publisher.check_again()  # what the background check does
+    assert publisher.state == "refused"
+    assert "already holds 1 row(s) of another job named 'j'" in notes[-1]
+    cat.put(shared_row("j", 1))
+    publisher.close()
+    cat.compact()
+    assert [r["grid_key"] for r in shared.read()] == ["k007"]
+    assert sorted(r["grid_key"] for r in cat.rows) == ["k000", "k001"]
