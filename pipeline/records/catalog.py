@@ -2,7 +2,8 @@
 
 A finished point costs one small file, whatever the catalog's size: each change (a row
 put, figures added to a row) is a JSON *part* in `catalog.parts/`, written by atomic
-rename (or, in a remote storage, as one object), named by time so parts apply in order.
+rename (or, in a remote storage, as one object), named by the writer's start and its
+count of changes, so parts apply in order whatever the clock does.
 `read_catalog` reads the parquet file and applies the parts after it; every reader
 (`lorp status`, the dashboard, `lorp catalog merge`) goes through it. `Catalog.compact`
 folds the parts into `catalog.parquet` (atomic rename) and then deletes them, at the
@@ -177,11 +178,58 @@ def apply_parts(
 
 
 def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
-    metric_names = sorted({k for r in rows for k in r if k not in CORE})
-    fields = list(CORE_SCHEMA) + [pa.field(m, pa.float64()) for m in metric_names]
-    schema = pa.schema(fields)
-    columns = {f.name: [r.get(f.name) for r in rows] for f in fields}
-    return pa.Table.from_pydict(columns, schema=schema)
+    """The rows as a table: the core columns typed (`CORE_SCHEMA`), every other column
+    float64 when its values are numbers (the metrics), else the type its values share: a
+    column a newer lorp added (text, say) is kept, not refused. A value that does not fit
+    its column's type is one line naming the column and the row."""
+    extra = sorted({k for r in rows for k in r if k not in CORE})
+    arrays, fields = [], []
+    for name in [*CORE_SCHEMA.names, *extra]:
+        values = [r.get(name) for r in rows]
+        typ = CORE_SCHEMA.field(name).type if name in CORE else _extra_type(values)
+        try:
+            arrays.append(pa.array(values, type=typ))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+            raise ValueError(_misfit(name, typ, rows, exc)) from None
+        fields.append(pa.field(name, arrays[-1].type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _extra_type(values: Sequence[Any]) -> pa.DataType | None:
+    """float64 for numbers (bools included, as metrics always were); None (pyarrow's
+    inference) for anything else."""
+    present = [v for v in values if v is not None]
+    if all(isinstance(v, int | float) for v in present):
+        return pa.float64()
+    return None
+
+
+def _misfit(
+    name: str, typ: pa.DataType | None, rows: Sequence[Mapping[str, Any]], exc: Exception
+) -> str:
+    """The first value of column `name` that does not fit it, in one line: against the
+    column's type, or (a type inferred) against the type of the column's first value."""
+    present = [(r.get("grid_key"), r[name]) for r in rows if r.get(name) is not None]
+    for key, value in present:
+        if typ is None:
+            first = present[0][1]
+            fits, want = type(value) is type(first), f"{type(first).__name__}, as its first value"
+        else:
+            fits, want = _fits(value, typ), str(typ)
+        if not fits:
+            return (
+                f"catalog column {name!r}: row {key!r} holds {type(value).__name__} "
+                f"{value!r}; the column is {want}"
+            )
+    return f"catalog column {name!r}: {str(exc).splitlines()[0]}"
+
+
+def _fits(value: Any, typ: pa.DataType) -> bool:
+    try:
+        pa.array([value], type=typ)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return False
+    return True
 
 
 def write_catalog(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]]) -> Path:
@@ -230,6 +278,8 @@ class Catalog:
         self.path, self.mirror, self.publish, self.job = path, mirror, publish, job
         self.parts = parts_dir(path)
         self.n = 0
+        self.started = time.time_ns()
+        """Every part's name starts with it and ends with its count (`_record`)."""
         if mirror is not None:
             mirror.get_file(self.NAME, path)
             shutil.rmtree(self.parts, ignore_errors=True)
@@ -253,7 +303,10 @@ class Catalog:
 
     def _record(self, part: dict[str, Any]) -> None:
         self.n += 1
-        name = f"{time.time_ns():020d}-{os.getpid()}-{self.n:06d}.json"
+        # Ordered by the count, not by the clock at each change: a clock stepped back
+        # would sort an update before its put. (Another process's parts never interleave:
+        # each start folds its predecessors' parts before it records a change.)
+        name = f"{self.started:020d}-{os.getpid()}-{self.n:09d}.json"
         data = json.dumps(part, default=_plain).encode()
         with atomic_file(self.parts / name) as tmp:
             tmp.write_bytes(data)

@@ -4,7 +4,10 @@ parts applied and folded idempotently, mirrored to the job's storage and to a sh
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+
+import pytest
 
 from pipeline.records.catalog import PARTS, Catalog, read_catalog, write_catalog
 from pipeline.records.shared_catalog import SharedCatalog
@@ -114,3 +117,58 @@ def test_a_shared_catalog_outage_loses_nothing(tmp_path: Path) -> None:
     cat.put(row(5))
     cat.compact()
     assert view(shared.read()) == view(read_catalog(cat.path)) and len(shared.read()) == 6
+
+
+def test_a_clock_stepped_back_keeps_the_changes_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An update recorded after its put, with the clock set back between them (NTP, a VM
+    restored): it was named by the time and applied first, so the put undid it."""
+    clock = iter(range(10**18, 0, -(10**15)))  # every reading earlier than the last
+    monkeypatch.setattr(time, "time_ns", lambda: next(clock))
+    cat = Catalog(tmp_path / Catalog.NAME)
+    cat.put(row(0))
+    cat.update("k00000", {"ppl_ptb": 99.0})
+    cat.put(row(1))
+    assert [r["ppl_ptb"] for r in view(read_catalog(cat.path))] == [99.0, 11.0]
+    cat.compact()
+    assert [r["ppl_ptb"] for r in view(read_catalog(cat.path))] == [99.0, 11.0]
+
+
+def test_a_column_a_newer_lorp_added_is_kept(tmp_path: Path) -> None:
+    """A text column this version does not know (a newer lorp's) survives the fold, the
+    compaction and the shared catalog's snapshot (it stopped a resume: "Could not convert
+    ... with type str: tried to convert to double")."""
+    shared = SharedCatalog(str(tmp_path / "shared"))
+    cat = Catalog(tmp_path / "run" / Catalog.NAME, publish=shared, job="j")
+    cat.put(row(0) | {"owner_team": "search", "tokens_seen": 12})
+    cat.put(row(1))
+    cat.compact()
+    for rows in (read_catalog(cat.path), shared.read()):
+        by_key = {r["grid_key"]: r for r in rows}
+        assert by_key["k00000"]["owner_team"] == "search" and by_key["k00001"]["owner_team"] is None
+        assert by_key["k00000"]["tokens_seen"] == 12.0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"budget": "four"},
+         "catalog column 'budget': row 'k00001' holds str 'four'; the column is int64"),
+        ({"ppl_ptb": "n/a"},
+         "catalog column 'ppl_ptb': row 'k00001' holds str 'n/a'; the column is float, as its "
+         "first value"),
+    ],
+)  # fmt: skip
+def test_a_value_of_another_type_is_one_line_naming_the_column(
+    tmp_path: Path,
+    change: dict,
+    message: str,  # type: ignore[type-arg]
+) -> None:
+    cat = Catalog(tmp_path / Catalog.NAME)
+    cat.put(row(0))
+    cat.put(row(1) | change)
+    with pytest.raises(ValueError) as err:
+        cat.compact()
+    assert str(err.value) == message
+    assert len(read_catalog(cat.path)) == 2  # nothing lost: the parts are still there
