@@ -115,7 +115,7 @@ def job_spec(root: Path, model: Path, memory_gib: float | None) -> dict[str, Any
                         "batch_size": 2},
         "evaluation": {"perplexity": ["lee"], "seq_len": 128, "max_windows": 2,
                        "batch_size": 2, "speed": True},
-        "save_checkpoints": False,
+        "checkpoints": "none",
         "ray": {"num_cpus": 2},
     }  # fmt: skip
 

@@ -153,7 +153,7 @@ def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None
         "ratios with its distribution-free 95% interval, published when its half-width is "
         "within the spec's `speed_half_width` and the figure lies in 0.97-1.05 x N/(N-k); a "
         "repaired twin has its pruned twin's speed (the same shapes). Stored: the variant's "
-        "directory (`checkpoint_format: manifest`: its base by reference and the tensors "
+        "directory (`checkpoints: manifest`: its base by reference and the tensors "
         "its repair changed).",
         "",
     ]

@@ -87,7 +87,7 @@ def fleet_spec(
         "budgets": [1, 2],
         "methods": [{"name": "lorp"}, {"name": "shortgpt"}, {"name": "sleb"}],
         "repair": ["none"],
-        "save_checkpoints": False,
+        "checkpoints": "none",
         "calibration": {
             "dataset": "ptb",
             "samples": 8,

@@ -344,7 +344,7 @@ class Fleet:
             spec.resources,
             self.storage,
             points,
-            save_checkpoints=spec.save_checkpoints,
+            save_checkpoints=spec.saves_checkpoints,
         )
         res = task.resources
         ref = run_speed.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(task)

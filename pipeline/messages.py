@@ -55,7 +55,8 @@ class PointTask:
     checkpoint: str | None
     """Where the pruned checkpoint goes below `storage`; None: not saved."""
     checkpoint_format: str = "full"
-    """full (a standard checkpoint) or manifest (`lorp.models.variant_manifest`)."""
+    """The job's `checkpoints`: manifest (`lorp.models.variant_manifest`) or full (a
+    standard checkpoint); unused without a `checkpoint`."""
     provenance: dict[str, Any] = field(default_factory=dict)
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
     resources: Resources = field(default_factory=Resources)

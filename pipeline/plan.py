@@ -336,7 +336,7 @@ def resolve_backend(spec: JobSpec, vllm_installed: bool) -> str:
     if ev.backend != "auto":
         return ev.backend
     gpu = spec.resources.grid.num_gpus > 0
-    return "vllm" if gpu and vllm_installed and spec.save_checkpoints else "transformers"
+    return "vllm" if gpu and vllm_installed and spec.saves_checkpoints else "transformers"
 
 
 # -- points ------------------------------------------------------------------------------

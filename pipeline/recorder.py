@@ -338,7 +338,7 @@ class Recorder:
 
     def point_done(self, point: GridPoint, result: PointResult, backend: str) -> None:
         run_id = self.run_ids[point.key]
-        rel = checkpoint(self.spec.save_checkpoints, point)
+        rel = checkpoint(self.spec.saves_checkpoints, point)
         ckpt = self.storage.uri(rel) if rel else None
         ctx = RowContext(
             self.tracker.display_uri, self.tracker.experiment_id, run_id, ckpt, backend,

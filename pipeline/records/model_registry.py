@@ -109,7 +109,8 @@ def source_uri(source: Path | str) -> str:
 
 
 def variant_entry(point: GridPoint, row: Mapping[str, Any]) -> Entry | None:
-    """A pruned row's version, when its checkpoint was saved completely (save_checkpoints)."""
+    """A pruned row's version, when its checkpoint was saved completely (`checkpoints:`
+    manifest or full)."""
     ckpt = row.get("checkpoint")
     if not ckpt or not Storage(ckpt).complete() or not row.get("mlflow_run_id"):
         return None

@@ -7,6 +7,7 @@ with a one-line ValueError naming the field path (`calibration.samples`) and the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from pipeline.spec.tracking import TrackingSpec
 
 REPAIRS = ("none", "linear")
 CHECKPOINT_FORMATS = ("full", "manifest")
+CHECKPOINTS = ("manifest", "full", "none")
+
+
+def notice(text: str) -> None:
+    """One line about a spec that still runs as written (an older field's spelling)."""
+    logging.getLogger("pipeline").warning("job spec: %s", text)
 
 
 @dataclass(frozen=True)
@@ -50,15 +57,20 @@ class JobSpec:
     (as parts, safe when many jobs write at once; a rerun replaces this job's rows only),
     and the registry's aliases rank over every job's rows in it. Default: none, the
     job's own catalog only."""
-    save_checkpoints: bool = True
-    """Write each pruned variant under <storage>/checkpoints (in `checkpoint_format`)."""
-    checkpoint_format: str = "full"
-    """How a pruned variant is stored: `full`, a standard checkpoint (safetensors, config,
-    tokenizer) that vLLM and transformers load as it is; or `manifest`, what the variant
-    changes (`lorp.models.variant_manifest`): its base model by reference and fingerprint,
-    the blocks it drops and the tensors its repair rewrote (SmolLM2-135M: kilobytes
-    unrepaired, 3.5 MB a repaired run, against 540 MB a full copy). `lorp pull` and
-    the registry's loading write a manifest back as a standard checkpoint."""
+    checkpoints: str = "manifest"
+    """How each pruned variant is stored under <storage>/checkpoints: `manifest` (the
+    default), what the variant changes (`lorp.models.variant_manifest`): its base model by
+    reference and fingerprint, the blocks it drops and the tensors its repair rewrote
+    (SmolLM2-135M: a few KiB unrepaired, 3.5 MB a repaired run, against 540 MB a full
+    copy), which `lorp pull`, the registry's loading and vLLM evaluation write back as a
+    standard checkpoint; `full`, a standard checkpoint (safetensors, config, tokenizer)
+    that vLLM and transformers load as it is; `none`, no checkpoint (the variant is
+    measured and catalogued, not registered)."""
+    save_checkpoints: bool | None = None
+    """Before `checkpoints`: false is `checkpoints: none`, true the default. Still read,
+    with a one-line notice."""
+    checkpoint_format: str | None = None
+    """Before `checkpoints`: `full` or `manifest`. Still read, with a one-line notice."""
     cache_dir: str | None = None
     """Where merged S files are cached by content key (default: <storage>/stats when
     storage is set, else $LORP_CACHE/stats)."""
@@ -142,10 +154,10 @@ class JobSpec:
             if r not in REPAIRS:
                 raise SpecError(f"repair[{i}]: must be one of {', '.join(REPAIRS)}, got {r!r}")
         unique("repair", list(self.repair))
-        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+        self._read_older_checkpoint_fields()
+        if self.checkpoints not in CHECKPOINTS:
             raise SpecError(
-                f"checkpoint_format: must be one of {', '.join(CHECKPOINT_FORMATS)}, "
-                f"got {self.checkpoint_format!r}"
+                f"checkpoints: must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoints!r}"
             )
         positive("repair_rounds", self.repair_rounds)
         positive("repair_followers", self.repair_followers, minimum=0)
@@ -158,6 +170,31 @@ class JobSpec:
             raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
         self._check_labels()
         self._check_vllm()
+
+    def _read_older_checkpoint_fields(self) -> None:
+        """`save_checkpoints` and `checkpoint_format` as `checkpoints` (once: cleared after)."""
+        fields = {"save_checkpoints": self.save_checkpoints,
+                  "checkpoint_format": self.checkpoint_format}  # fmt: skip
+        old = {k: v for k, v in fields.items() if v is not None}
+        if not old:
+            return
+        if self.checkpoints != "manifest":
+            raise SpecError(f"checkpoints: set it alone ({', '.join(old)} is its older spelling)")
+        fmt = old.get("checkpoint_format", "manifest")
+        if fmt not in CHECKPOINT_FORMATS:
+            raise SpecError(
+                f"checkpoint_format: must be one of {', '.join(CHECKPOINT_FORMATS)}, got {fmt!r}"
+            )
+        value = "none" if old.get("save_checkpoints") is False else fmt
+        for key in old:
+            object.__setattr__(self, key, None)
+        object.__setattr__(self, "checkpoints", value)
+        spelled = ", ".join(f"{k}: {str(v).lower()}" for k, v in old.items())
+        notice(f"{spelled}: read as `checkpoints: {value}`, the field that replaces it")
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        return self.checkpoints != "none"
 
     def _check_labels(self) -> None:
         """Each model and method label names one thing: once in the spec, and once where
@@ -182,12 +219,13 @@ class JobSpec:
     def _check_vllm(self) -> None:
         """vLLM scores saved checkpoints, with at most its evaluator's GPUs as shards."""
         ev = self.evaluation
-        if ev.enabled and ev.backend == "vllm" and not self.save_checkpoints:
+        if ev.enabled and ev.backend == "vllm" and not self.saves_checkpoints:
             raise SpecError(
-                "evaluation.backend: vllm scores saved checkpoints; set save_checkpoints: true"
+                "evaluation.backend: vllm scores saved checkpoints; set checkpoints: manifest "
+                "or full"
             )
         tp, gpus = ev.tensor_parallel_size, self.resources.grid.num_gpus
-        vllm = ev.backend == "vllm" or (ev.backend == "auto" and self.save_checkpoints)
+        vllm = ev.backend == "vllm" or (ev.backend == "auto" and self.saves_checkpoints)
         if isinstance(tp, int) and ev.enabled and vllm and 0 < gpus < tp:
             raise SpecError(
                 f"evaluation.tensor_parallel_size: {tp} needs as many GPUs per vLLM evaluator, "

@@ -49,7 +49,7 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
         # Speed off: the pipeline's speed pass is checked by the CLI test; here its columns
         # are written in by `with_gate_and_accuracy`, as accuracy is.
         "evaluation": {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
-        "save_checkpoints": False,
+        "checkpoints": "none",
         "repair": ["none"],
     }
     with local_ray():

@@ -41,7 +41,9 @@ def model(tmp_path_factory) -> Path:
 def perplexity_job(tmp_path: Path, model: Path, name: str, **extra) -> Path:  # type: ignore[no-untyped-def]
     """A tiny job judged on PTB perplexity, written as YAML."""
     evaluation = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
-    spec = tiny_job(tmp_path, model, name, evaluation=evaluation, ray={"num_cpus": 2})
+    spec = tiny_job(
+        tmp_path, model, name, evaluation=evaluation, ray={"num_cpus": 2}, checkpoints="full"
+    )  # fmt: skip  (the saved variants are loaded below)
     return write_job(tmp_path, spec | extra)
 
 

@@ -35,6 +35,7 @@ def spec_for(root: Path, model: Path, name: str, **overrides: Any) -> Any:
     spec = tiny_job(root, model, name=name, budgets=[1, 2], evaluation=EVALUATION)
     spec["methods"] = [{"name": "lorp"}, {"name": "shortgpt"}]
     spec["cache_dir"] = str(root / "cache")  # one S for every job of the module
+    spec["checkpoints"] = "full"  # loaded and compared as files below; manifests: their test
     return parse_spec(spec | overrides)
 
 
@@ -165,10 +166,10 @@ def test_lorp_pull_writes_the_checkpoint_directory(store, tmp_path: Path) -> Non
 
 
 def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The module's job again with `checkpoint_format: manifest` and repaired twins (S
+    """The module's job again with `checkpoints: manifest` and repaired twins (S
     from the module's cache): every variant is stored as a few kilobytes or the tensors its
     repair changed, registered, and pulled back tensor-identical to the full copy a job
-    with `checkpoint_format: full` writes for the same point."""
+    with `checkpoints: full` writes for the same point."""
     from lorp.models.variant_manifest import variant_bytes
     from tests.helpers.model_checks import tensors
 
@@ -178,7 +179,7 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
         cache = str(store["root"] / "cache")
         runs = {
             fmt: run_job(spec_for(tmp_path / fmt, model, "fmt", budgets=[2], cache_dir=cache,
-                                  checkpoint_format=fmt, repair=["none", "linear"]))
+                                  checkpoints=fmt, repair=["none", "linear"]))
             for fmt in ("manifest", "full")
         }  # fmt: skip
     full = {r["grid_key"]: r for r in read_catalog(runs["full"].catalog) if r["checkpoint"]}
@@ -260,9 +261,7 @@ def test_rerun_registers_nothing_twice_and_force_replaces_versions(store, tmp_pa
     assert aliases == expected_aliases(rows)
 
 
-@pytest.mark.parametrize(
-    "overrides", [{"tracking": {"register": False}}, {"save_checkpoints": False}]
-)
+@pytest.mark.parametrize("overrides", [{"tracking": {"register": False}}, {"checkpoints": "none"}])
 def test_nothing_registered_when_off_or_without_checkpoints(store, overrides) -> None:  # type: ignore[no-untyped-def]
     root = store["root"]
     name = "off" if "tracking" in overrides else "nockpt"

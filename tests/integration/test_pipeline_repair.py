@@ -59,6 +59,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         repair=["none", "linear"],
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         ray={"num_cpus": 2},
+        checkpoints="full",  # each variant's config and weights read back below
     )
     with local_ray():
         summary = run_job(parse_spec(spec))
@@ -188,7 +189,7 @@ def test_distilled_maps_are_what_the_checkpoint_holds(
         methods=[{"name": "shortgpt", "repair_distill": 3}, {"name": "streamline"}],
         repair=["linear"], repair_distill_lr=3e-3,
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
-        ray={"num_cpus": 2},
+        ray={"num_cpus": 2}, checkpoints="full",
     )  # fmt: skip
     with local_ray():
         summary = run_job(parse_spec(spec))

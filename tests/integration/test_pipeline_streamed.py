@@ -37,6 +37,7 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         "repair": ["none", "linear"],
         "evaluation": EVAL,
         "ray": {"num_cpus": 2},
+        "checkpoints": "full",  # both variants loaded as standard checkpoints below
     }
     # Held whole, the job is the reference for the figures; its speed pass is not needed.
     whole = tiny_job(

@@ -75,7 +75,7 @@ def test_vllm_spans_as_many_gpus_as_the_model_needs(tmp_path: Path) -> None:
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     gpu_gib = 0.6 * size.total / HEADROOM / GIB  # 60% of the weights per GPU
     grid = {"num_gpus": 1, "memory_gib": gpu_gib}
-    job = {"save_checkpoints": True, "evaluation": EVAL | {"backend": "vllm"},
+    job = {"checkpoints": "full", "evaluation": EVAL | {"backend": "vllm"},
            "resources": {"grid": grid}}  # fmt: skip
     spec = parse_spec(tiny_job(tmp_path, model, **job))
     (plan,) = plan_models(spec)

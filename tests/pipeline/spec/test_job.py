@@ -3,6 +3,8 @@ distillation settings."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -65,11 +67,54 @@ def test_bad_repair_lists_fail_with_the_field(tmp_path: Path, repair: list, mess
     assert str(info.value) == message
 
 
-def test_the_checkpoint_format_is_full_or_manifest() -> None:
-    base = {"name": "c", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}]}
-    assert parse_spec(base).checkpoint_format == "full"
-    assert parse_spec(base | {"checkpoint_format": "manifest"}).checkpoint_format == "manifest"
+CHECKPOINT_BASE = {
+    "name": "c", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}],
+}  # fmt: skip
+
+
+def test_checkpoints_are_manifests_unless_the_spec_says_otherwise() -> None:
+    assert parse_spec(CHECKPOINT_BASE).checkpoints == "manifest"
+    for value in ("full", "none", "manifest"):
+        spec = parse_spec(CHECKPOINT_BASE | {"checkpoints": value})
+        assert spec.checkpoints == value and spec.saves_checkpoints == (value != "none")
+    with pytest.raises(
+        SpecError, match="^checkpoints: must be one of manifest, full, none, got 'delta'$"
+    ):
+        parse_spec(CHECKPOINT_BASE | {"checkpoints": "delta"})
+
+
+@pytest.mark.parametrize(
+    ("older", "read_as"),
+    [
+        ({"save_checkpoints": False}, "none"),
+        ({"save_checkpoints": True}, "manifest"),
+        ({"checkpoint_format": "full"}, "full"),
+        ({"save_checkpoints": True, "checkpoint_format": "full"}, "full"),
+        ({"save_checkpoints": False, "checkpoint_format": "manifest"}, "none"),
+    ],
+)
+def test_the_older_checkpoint_fields_still_run_with_one_notice(
+    older: dict,
+    read_as: str,
+    caplog: pytest.LogCaptureFixture,  # type: ignore[type-arg]
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        spec = parse_spec(CHECKPOINT_BASE | older)
+        again = dataclasses.replace(spec, name="d")  # checked again: no second notice
+    assert spec.checkpoints == again.checkpoints == read_as
+    assert spec.save_checkpoints is None and spec.checkpoint_format is None
+    spelled = ", ".join(f"{k}: {str(v).lower()}" for k, v in older.items())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"job spec: {spelled}: read as `checkpoints: {read_as}`, the field that replaces it"
+    ]
+
+
+def test_checkpoints_beside_an_older_spelling_or_a_bad_older_value_is_refused() -> None:
+    with pytest.raises(
+        SpecError, match=r"^checkpoints: set it alone \(save_checkpoints is its older spelling\)$"
+    ):
+        parse_spec(CHECKPOINT_BASE | {"checkpoints": "full", "save_checkpoints": True})
     with pytest.raises(
         SpecError, match="^checkpoint_format: must be one of full, manifest, got 'delta'$"
     ):
-        parse_spec(base | {"checkpoint_format": "delta"})
+        parse_spec(CHECKPOINT_BASE | {"checkpoint_format": "delta"})

@@ -59,6 +59,7 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     from transformers import AutoTokenizer
 
     from lorp.cache import cache_root
+    from lorp.models.variant_manifest import is_manifest, read_manifest
     from pipeline.cluster.model_source import model_source
     from pipeline.plan import plan_models
     from pipeline.prepare import Preparer
@@ -97,7 +98,7 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
         ),
         *[task(p) for p in points],
         speed_task(
-            spec.evaluation, spec.resources, where, points, save_checkpoints=spec.save_checkpoints
+            spec.evaluation, spec.resources, where, points, save_checkpoints=spec.saves_checkpoints
         ),
     ]
     assert all(isinstance(s.windows, np.ndarray) for s in shards)
@@ -113,7 +114,8 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
     pruned = next(p for p in points if p.method_name == "shortgpt")
     result = ray.get(run_point.remote(task(pruned)))
     saved = tmp_path / "shared" / "checkpoints" / "tiny" / "shortgpt-b1"
-    assert (saved / "model.safetensors").is_file() and np.isfinite(result.metrics["ppl_ptb"])
+    assert is_manifest(saved) and np.isfinite(result.metrics["ppl_ptb"])  # `checkpoints:`'s default
+    assert read_manifest(saved)["base"]["ref"] == str(model)
     assert not (spec.run_dir / "checkpoints").exists()
 
     elsewhere = dataclasses.replace(source, ref=str(tmp_path / "gone"))
