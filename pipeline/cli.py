@@ -1,6 +1,6 @@
-"""`lorp run`, `lorp status`, `lorp catalog merge` and `lorp pull`: the pipeline's
-subcommands, plugged into the `lorp` console script through the `lorp.commands` entry-point
-group. Heavy imports (Ray, MLflow) happen inside the commands, so `lorp select` stays fast."""
+"""`lorp run`, `plan`, `status`, `catalog`, `pull` and `gc`: the pipeline's subcommands,
+plugged into the `lorp` console script through the `lorp.commands` entry-point group. Heavy
+imports (Ray, MLflow) happen inside the commands, so `lorp select` stays fast."""
 
 from __future__ import annotations
 
@@ -285,4 +285,47 @@ def pull(args: argparse.Namespace) -> int:
     )
     method, budget = mv.tags.get("method_label", "?"), mv.tags.get("budget", "?")
     print(f"wrote {out}: {mv.name} version {mv.version} ({method}, budget {budget})")
+    return 0
+
+
+def add_gc(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gc",
+        help="find (or with --delete remove) stored variants no catalog row references",
+        description="List the variant directories of a job's storage that no row of its "
+        "catalog, nor of any shared catalog named, references: checkpoints of points whose "
+        "rows are gone, copies a killed writer left. A dry run unless --delete; nothing of a "
+        "job that may be running is touched.",
+    )
+    p.add_argument("location", metavar="JOB.yaml|STORAGE",
+                   help="a job spec (its storage and shared catalog) or a storage")  # fmt: skip
+    p.add_argument("--catalog", action="append", default=[], metavar="CATALOG",
+                   help="a shared catalog whose rows count too (repeatable)")  # fmt: skip
+    p.add_argument("--delete", action="store_true", help="remove what is found")
+    p.set_defaults(func=gc)
+
+
+def gc(args: argparse.Namespace) -> int:
+    from pipeline.cleanup import find_garbage, remove
+    from pipeline.spec.parse import load_spec
+
+    location, catalogs = args.location, list(args.catalog)
+    if location.endswith((".yaml", ".yml")):
+        spec = load_spec(location)
+        location = spec.storage or spec.output_dir
+        catalogs += [spec.catalog] if spec.catalog else []
+    found = find_garbage(location, catalogs)
+    where = found.storage.uri()
+    if found.running:
+        print(f"gc {where}: its job is {found.running}; nothing removed")
+        return 0
+    verb = "removed" if args.delete else "would remove"
+    for rel, size in found.unreferenced:
+        print(f"{verb} {rel} ({size / 2**20:.1f} MiB)")
+    total = f"{len(found.unreferenced)} not referenced ({found.bytes / 2**20:.1f} MiB)"
+    print(f"gc {where}: {found.referenced} variant(s) referenced by catalog rows, {total}")
+    if args.delete:
+        remove(found)
+    elif found.unreferenced:
+        print("dry run: nothing removed; --delete removes them")
     return 0

@@ -274,6 +274,52 @@ class Storage:
             names.append(name)
         return sorted(names)
 
+    def subdirs(self, rel: str = "") -> list[str]:
+        """Every directory (prefix) directly under `rel`, incomplete and hidden ones
+        included (a writer that died, a `.partial` copy): what `lorp gc` looks at."""
+        if not self.remote:
+            d = self._local(rel)
+            return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+        selector = pafs.FileSelector(self._path(rel), allow_not_found=True)
+        infos = self.fs.get_file_info(selector)
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+    def tree_bytes(self, rel: str) -> int:
+        """Bytes of every file below the directory `rel`."""
+        if not self.remote:
+            return sum(p.stat().st_size for p in self._local(rel).rglob("*") if p.is_file())
+        selector = pafs.FileSelector(self._path(rel), allow_not_found=True, recursive=True)
+        infos = self.fs.get_file_info(selector)
+        return sum(i.size or 0 for i in infos if i.type == pafs.FileType.File)
+
+    def delete_dir(self, rel: str) -> None:
+        """Remove the directory `rel` and everything below it (the marker first, so a
+        reader never takes a half-removed directory for a complete one)."""
+        if not self.remote:
+            shutil.rmtree(self._local(rel), ignore_errors=True)
+            return
+        self._delete(f"{self._path(rel)}/{MARKER}")
+        with suppress(FileNotFoundError):
+            self.fs.delete_dir(self._path(rel))
+
+    def rel_of(self, location: str) -> str | None:
+        """`location` (a path or URI a record holds) relative to this storage, or None
+        when it lies elsewhere. Parsed, not opened."""
+        if is_remote(location) != self.remote:
+            return None
+        if not self.remote:
+            text = urlsplit(location).path if location.startswith("file:") else location
+            try:
+                return Path(text).expanduser().resolve().relative_to(self.root_path).as_posix()
+            except ValueError:
+                return None
+        p, mine = urlsplit(location), self._parts
+        host = p.netloc.rpartition("@")[2]
+        if (p.scheme, host) != (mine.scheme, mine.netloc.rpartition("@")[2]):
+            return None
+        full, prefix = f"{host}{p.path}".rstrip("/"), f"{self.root}/"
+        return full[len(prefix) :] if full.startswith(prefix) else None
+
     # -- single files --------------------------------------------------------------------
 
     @contextmanager

@@ -22,7 +22,7 @@ PIPELINE_LAYERS = [
     {"stages"},
     {"prepare", "recorder"},
     {"fleet"},
-    {"run", "job_plan"},
+    {"run", "job_plan", "cleanup"},
     {"cli"},
 ]
 """`pipeline/`, bottom to top: a module imports only modules of its own layer and below."""

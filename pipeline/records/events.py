@@ -11,6 +11,9 @@ from typing import Any
 from pipeline.records.rows import now
 from pipeline.storage import Storage
 
+NAME = "events.jsonl"
+"""The log's file, in the run directory and in the job's storage."""
+
 
 class EventLog:
     """Append-only JSON lines in the run directory: what this job did, and when.
@@ -19,7 +22,7 @@ class EventLog:
     log replaces the local one at the start and the whole file is copied back after each
     event, except the frequent `losses` batches, which travel with the next one."""
 
-    NAME = "events.jsonl"
+    NAME = NAME
     UNSYNCED = frozenset({"losses", "span", "begin", "finish"})
 
     def __init__(self, path: Path, mirror: Storage | None = None) -> None:
@@ -43,12 +46,15 @@ class EventLog:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
+    return parse_events(path.read_text()) if path.is_file() else []
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    """The events of an event log's text (a line cut by a killed writer left out)."""
     events = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             events.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a killed writer
+        except json.JSONDecodeError:
             continue
     return events

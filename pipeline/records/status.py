@@ -114,11 +114,21 @@ def _read_attempt(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
     # it ran counts as planned
     points_failed = sum(e["event"] == "point_failed" for e in attempt)
     st.planned = max(st.planned, st.done + points_failed)
+    st.state = attempt_state(attempt)
+
+
+def attempt_state(events: list[dict[str, Any]]) -> str:
+    """The state of the latest attempt in a job's `events`: not started, finished,
+    running, interrupted, or `running or interrupted` (its driver runs on another host,
+    where this one cannot look)."""
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+    if not starts:
+        return "not started"
+    attempt = events[starts[-1] :]
     if attempt[-1]["event"] == "end":
-        st.state = "finished"
-    else:
-        alive = _driver_alive(attempt[0].get("pid"), attempt[0].get("host"))
-        st.state = {True: "running", False: "interrupted", None: "running or interrupted"}[alive]
+        return "finished"
+    alive = _driver_alive(attempt[0].get("pid"), attempt[0].get("host"))
+    return {True: "running", False: "interrupted", None: "running or interrupted"}[alive]
 
 
 def _read_timeline(st: RunStatus, attempt: list[dict[str, Any]]) -> None:
