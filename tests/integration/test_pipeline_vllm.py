@@ -69,10 +69,13 @@ def test_vllm_backend_through_the_pipeline(ray_cluster, models, tmp_path: Path) 
     # (to vLLM's float32 kernels) and the same items right (lm-eval's vllm backend, shimmed).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lorp.models.variant_manifest import is_manifest, materialize_variant
     from pipeline.evaluation.backends import TransformersBackend, evaluate
 
     for r in rows:
         where = r["checkpoint"] or str(models["llama"])
+        if is_manifest(where):  # `checkpoints: manifest`, the default: what `lorp pull` writes
+            where = str(materialize_variant(where, tmp_path / "pulled" / r["grid_key"]))
         model = AutoModelForCausalLM.from_pretrained(where).eval()
         tokenizer = AutoTokenizer.from_pretrained(where)
         hf = evaluate(TransformersBackend(model, tokenizer), tokenizer, parsed.evaluation)

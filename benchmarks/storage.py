@@ -1,0 +1,242 @@
+"""What a stored variant costs: a manifest (`checkpoints: manifest`) against the full copy
+(`checkpoints: full`), in bytes, write time and `lorp pull` time.
+
+    python benchmarks/storage.py --json storage.json --page docs/results/storage.md
+    python benchmarks/storage.py --models /tmp/tiny --big none --json s.json   # seconds
+
+For each model (the packaged ones by default, and a random-init Llama checkpoint of
+`benchmarks/big_model.py`'s shape, `--big 13b`: about 26 GB, written first and counted as
+the base) and a quarter of its blocks removed, three variants:
+
+- unrepaired, the blocks as one run in the middle of the stack;
+- repaired, that run with its map folded and one follower map (the job's default,
+  `repair_followers: 1`): two rewritten `down_proj` (and, post-norm families, their norm);
+- repaired worst case, every removed block a run of its own (every other block from the
+  middle), each with its follower: the most tensors a repair at that budget rewrites.
+
+Each is written as a manifest from the base's files (`lorp.models.variant_manifest`: the
+fold computed there, as a grid point does), timed; then pulled (written back as a standard
+checkpoint, `materialize_variant`), timed, and compared tensor for tensor with the full
+copy `lorp.models.file_surgery` writes from the same base (also timed). The maps are an
+identity plus noise, not fitted: what is stored depends on which tensors a repair rewrites
+and their shapes, never on the values. The base itself is stored once per model (a
+packaged model's converted files, a hub snapshot, a directory): the one-time cost beside
+every variant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lorp.models.architectures import architecture_for  # noqa: E402
+from lorp.models.file_surgery import write_pruned_files  # noqa: E402
+from lorp.models.fingerprint import fingerprint_checkpoint  # noqa: E402
+from lorp.models.loading import materialize, parse_model_ref, read_config  # noqa: E402
+from lorp.models.safetensors_index import tensor_index  # noqa: E402
+from lorp.models.variant_manifest import (  # noqa: E402
+    BaseRef,
+    materialize_variant,
+    variant_bytes,
+    write_manifest,
+)
+from lorp.repair.fold import file_folds  # noqa: E402
+from lorp.repair.maps import RunFit  # noqa: E402
+from lorp.repair.stats import contiguous_runs  # noqa: E402
+
+MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
+BEGIN, END = "<!-- storage:begin -->", "<!-- storage:end -->"
+COPY_LIMIT = 4 * 2**30
+"""Above it (the big checkpoint) only the one-run repaired variant is pulled and copied:
+each copy is most of the model's size again."""
+LIMITS = {"unrepaired": 0.001, "repaired": 0.05}
+"""The issue's bounds: a variant's bytes over its model's weights."""
+
+
+def layouts(n: int, share: float) -> dict[str, tuple[int, ...]]:
+    """The removed blocks of each variant: one run in the middle; every other block."""
+    k = max(1, round(share * n))
+    start = max(1, (n - k) // 2)
+    spread = tuple(range(max(1, n // 2 - k), n - 1, 2))[:k]
+    return {"one run": tuple(range(start, start + k)), "spread": spread}
+
+
+def synthetic_fits(layers: tuple[int, ...], n: int, d: int, post_norm: bool) -> list[RunFit]:
+    """A map per run and one follower per run (the block after it, where one is kept),
+    shaped as fitted ones are: d x d float64, identity plus noise."""
+    gen = torch.Generator().manual_seed(0)
+    fits = []
+    for s, e in contiguous_runs(layers, n):
+        runs = [(s, e)] + ([(e + 2, e + 1)] if e + 1 < n - 1 else [])  # (f + 1, f): a follower
+        for run in runs:
+            matrix = torch.eye(d, dtype=torch.float64)
+            matrix += 1e-3 * torch.randn(d, d, generator=gen, dtype=torch.float64)
+            normed = post_norm and run[0] > 0
+            scale = torch.ones(d, dtype=torch.float64) if normed else None
+            fits.append(RunFit(run, "normed" if normed else "full", matrix, scale, 0.0, 0.0, 1.0))
+    return fits
+
+
+def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
+    mref = parse_model_ref(ref)
+    base = materialize(mref)
+    config = read_config(base)
+    n, d = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    arch = architecture_for(str(config["model_type"]))
+    index = tensor_index(base)
+    weights = sum(e.end - e.start for e in index.values())
+    dtype = str(next(iter(index.values())).dtype)
+    t0 = time.perf_counter()
+    fingerprint = fingerprint_checkpoint(base)
+    out: dict[str, Any] = {
+        "model": ref if mref.kind == "alias" else Path(ref).name, "n_blocks": n,
+        "hidden": d, "weights_bytes": weights, "dtype": dtype,
+        "fingerprint_s": round(time.perf_counter() - t0, 3), "variants": [],
+    }  # fmt: skip
+    torch_dtype = {"BF16": "bfloat16", "F16": "float16"}.get(dtype, "float32")
+    ref_base = BaseRef(mref.ref, mref.kind, fingerprint)
+    if weights <= COPY_LIMIT:  # untimed: the first pull pays for the imports (tokenizers)
+        _store_and_pull(base, ref_base, layouts(n, share)["one run"], None, torch_dtype, work, True)
+    cases = [("unrepaired", "one run", False), ("repaired", "one run", True),
+             ("repaired", "spread", True)]  # fmt: skip
+    for kind, layout, repaired in cases:
+        layers = layouts(n, share)[layout]
+        fits = synthetic_fits(layers, n, d, arch.post_mlp_norm is not None) if repaired else []
+        changes = file_folds(fits) if fits else None
+        row = {"kind": kind, "layout": layout, "removed": len(layers),
+               "runs": len(contiguous_runs(layers, n)), "maps": len(fits)}  # fmt: skip
+        copies = weights <= COPY_LIMIT or (kind, layout) == ("repaired", "one run")
+        row |= _store_and_pull(base, ref_base, layers, changes, torch_dtype, work, copies)
+        row["share"] = row["manifest_bytes"] / weights
+        row["within"] = row["share"] <= LIMITS[kind]
+        out["variants"].append(row)
+        print(f"{out['model']} {kind} ({layout}, {len(layers)} blocks, {len(fits)} maps): "
+              f"{row['manifest_bytes'] / 2**20:.2f} MiB = {100 * row['share']:.4f}% of the "
+              f"weights; write {row['manifest_s']:.2f} s, pull {row.get('pull_s', '-')} s, "
+              f"full copy {row.get('full_s', '-')} s", flush=True)  # fmt: skip
+    return out
+
+
+def _store_and_pull(
+    base: Path,
+    ref: BaseRef,
+    layers: tuple[int, ...],
+    changes: Any,
+    dtype: str,
+    work: Path,
+    copies: bool,
+) -> dict[str, Any]:
+    """The manifest written (timed, sized); with `copies`, also pulled and the full copy
+    written (timed), and whether the two are the same tensor for tensor."""
+    manifest, pulled, full = work / "manifest", work / "pulled", work / "full"
+    t0 = time.perf_counter()
+    write_manifest(base, manifest, ref, layers, {}, changes=changes, dtype=dtype, overwrite=True)
+    row: dict[str, Any] = {"manifest_bytes": variant_bytes(manifest),
+                           "manifest_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    if copies:
+        t1 = time.perf_counter()
+        materialize_variant(manifest, pulled, base_dir=base, overwrite=True)
+        t2 = time.perf_counter()
+        write_pruned_files(base, full, layers, {}, changes=changes,
+                           dtype=getattr(torch, dtype), overwrite=True)  # fmt: skip
+        row |= {"pull_s": round(t2 - t1, 3), "full_bytes": variant_bytes(full),
+                "full_s": round(time.perf_counter() - t2, 3),
+                "pulled_equals_full": same_tensors(pulled, full)}  # fmt: skip
+    for d in (manifest, pulled, full):
+        shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    from safetensors import safe_open
+
+    ia, ib = tensor_index(a), tensor_index(b)
+    if sorted(ia) != sorted(ib):
+        return False
+    for key in sorted(ia):
+        with safe_open(str(ia[key].file), "pt") as fa, safe_open(str(ib[key].file), "pt") as fb:
+            if not torch.equal(fa.get_tensor(key), fb.get_tensor(key)):
+                return False
+    return True
+
+
+def page(results: list[dict[str, Any]], share: float) -> str:
+    lines = [
+        f"A quarter of the blocks removed ({share:g} of N); maps an identity plus noise (the "
+        "bytes depend only on which tensors a repair rewrites). Limits: an unrepaired "
+        "variant at most 0.1% of its model's weights, a repaired one at most 5%.",
+        "",
+        "| model | weights | variant | blocks (runs, maps) | manifest | share | within | "
+        "write | full copy | its write | pull | pulled = full |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in results:
+        for v in m["variants"]:
+            copied = "pull_s" in v
+            lines.append(
+                f"| {m['model']} | {m['weights_bytes'] / 2**30:.2f} GiB {m['dtype']} | "
+                f"{v['kind']} ({v['layout']}) | {v['removed']} ({v['runs']}, {v['maps']}) | "
+                f"{_size(v['manifest_bytes'])} | {100 * v['share']:.4f}% | "
+                f"{'yes' if v['within'] else '**no**'} | {v['manifest_s']:.2f} s | "
+                + (f"{_size(v['full_bytes'])} | {v['full_s']:.2f} s | {v['pull_s']:.2f} s | "
+                   f"{'yes' if v['pulled_equals_full'] else '**no**'} |" if copied
+                   else "- | - | - | - |")
+            )  # fmt: skip
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", nargs="*", default=list(MODELS),
+                   help="packaged aliases or checkpoint directories")  # fmt: skip
+    p.add_argument("--big", default="none", help="big_model.py's shape to add (13b, small) or none")
+    p.add_argument("--share", type=float, default=0.25, help="the blocks removed, a share of N")
+    p.add_argument("--work", type=Path, help="where the variants and the big checkpoint go")
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--page", type=Path, help="the results page to write the table into")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.big_model import SHAPES, write_checkpoint
+    from benchmarks.run import replace_section
+
+    args = parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="lorp-storage-"))
+    models = list(args.models)
+    if args.big != "none":
+        if args.big not in SHAPES:
+            raise SystemExit(f"--big: one of {', '.join(SHAPES)} or none, got {args.big!r}")
+        big = work / f"big-{args.big}"
+        if not (big / "config.json").is_file():
+            write_checkpoint(big, SHAPES[args.big])
+        models.append(str(big))
+    results = [measure_model(ref, args.share, work / "variant") for ref in models]
+    args.json.write_text(json.dumps({"share": args.share, "models": results}, indent=2))
+    if args.page is not None:
+        replace_section(args.page, BEGIN, END, page(results, args.share), "Measured")
+    ok = all(v["within"] and v.get("pulled_equals_full", True)
+             for m in results for v in m["variants"])  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
