@@ -12,12 +12,15 @@ the base) and a quarter of its blocks removed, three variants:
 - repaired, that run with its map folded and one follower map (the job's default,
   `repair_followers: 1`): two rewritten `down_proj` (and, post-norm families, their norm);
 - repaired worst case, every removed block a run of its own (every other block from the
-  middle), each with its follower: the most tensors a repair at that budget rewrites.
+  middle; a follower only after the last, the others' next block carrying the next run's
+  map): the most tensors a repair at that budget rewrites.
 
 Each is written as a manifest from the base's files (`lorp.models.variant_manifest`: the
 fold computed there, as a grid point does), timed; then pulled (written back as a standard
 checkpoint, `materialize_variant`), timed, and compared tensor for tensor with the full
-copy `lorp.models.file_surgery` writes from the same base (also timed). The maps are an
+copy `lorp.models.file_surgery` writes from the same base (also timed); for a model over
+4 GiB (the big checkpoint) only the repaired variant is pulled, no full copy is written and
+the worst case is left out (see `COPY_LIMIT`). The maps are an
 identity plus noise, not fitted: what is stored depends on which tensors a repair rewrites
 and their shapes, never on the values. The base itself is stored once per model (a
 packaged model's converted files, a hub snapshot, a directory): the one-time cost beside
@@ -52,14 +55,16 @@ from lorp.models.variant_manifest import (  # noqa: E402
     write_manifest,
 )
 from lorp.repair.fold import file_folds  # noqa: E402
+from lorp.repair.followers import follower_blocks  # noqa: E402
 from lorp.repair.maps import RunFit  # noqa: E402
 from lorp.repair.stats import contiguous_runs  # noqa: E402
 
 MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 BEGIN, END = "<!-- storage:begin -->", "<!-- storage:end -->"
 COPY_LIMIT = 4 * 2**30
-"""Above it (the big checkpoint) only the one-run repaired variant is pulled and copied:
-each copy is most of the model's size again."""
+"""Above it (the big checkpoint) no full copy is written and only the repaired variant is
+pulled (each is most of the model's size again, on a disk that holds the model already),
+and the worst case is left out (each of its maps a d x d by d x MLP product in float64)."""
 LIMITS = {"unrepaired": 0.001, "repaired": 0.05}
 """The issue's bounds: a variant's bytes over its model's weights."""
 
@@ -73,18 +78,19 @@ def layouts(n: int, share: float) -> dict[str, tuple[int, ...]]:
 
 
 def synthetic_fits(layers: tuple[int, ...], n: int, d: int, post_norm: bool) -> list[RunFit]:
-    """A map per run and one follower per run (the block after it, where one is kept),
-    shaped as fitted ones are: d x d float64, identity plus noise."""
+    """A map per run and per follower (`follower_blocks`: the kept block after each run,
+    unless it carries the next run's map), shaped as fitted ones are: d x d float64,
+    identity plus noise."""
     gen = torch.Generator().manual_seed(0)
+    runs = contiguous_runs(layers, n)
+    runs += [(f + 1, f) for f in follower_blocks(n, layers, 1)]  # a follower's "run"
     fits = []
-    for s, e in contiguous_runs(layers, n):
-        runs = [(s, e)] + ([(e + 2, e + 1)] if e + 1 < n - 1 else [])  # (f + 1, f): a follower
-        for run in runs:
-            matrix = torch.eye(d, dtype=torch.float64)
-            matrix += 1e-3 * torch.randn(d, d, generator=gen, dtype=torch.float64)
-            normed = post_norm and run[0] > 0
-            scale = torch.ones(d, dtype=torch.float64) if normed else None
-            fits.append(RunFit(run, "normed" if normed else "full", matrix, scale, 0.0, 0.0, 1.0))
+    for run in runs:
+        matrix = torch.eye(d, dtype=torch.float64)
+        matrix += 1e-3 * torch.randn(d, d, generator=gen, dtype=torch.float64)
+        normed = post_norm and run[0] > 0
+        scale = torch.ones(d, dtype=torch.float64) if normed else None
+        fits.append(RunFit(run, "normed" if normed else "full", matrix, scale, 0.0, 0.0, 1.0))
     return fits
 
 
@@ -109,15 +115,16 @@ def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
     if weights <= COPY_LIMIT:  # untimed: the first pull pays for the imports (tokenizers)
         _store_and_pull(base, ref_base, layouts(n, share)["one run"], None, torch_dtype, work, True)
     cases = [("unrepaired", "one run", False), ("repaired", "one run", True),
-             ("repaired", "spread", True)]  # fmt: skip
+             ("repaired", "spread", True)][: 3 if weights <= COPY_LIMIT else 2]  # fmt: skip
     for kind, layout, repaired in cases:
         layers = layouts(n, share)[layout]
         fits = synthetic_fits(layers, n, d, arch.post_mlp_norm is not None) if repaired else []
         changes = file_folds(fits) if fits else None
         row = {"kind": kind, "layout": layout, "removed": len(layers),
                "runs": len(contiguous_runs(layers, n)), "maps": len(fits)}  # fmt: skip
-        copies = weights <= COPY_LIMIT or (kind, layout) == ("repaired", "one run")
-        row |= _store_and_pull(base, ref_base, layers, changes, torch_dtype, work, copies)
+        row |= _store_and_pull(base, ref_base, layers, changes, torch_dtype, work,
+                               pull=weights <= COPY_LIMIT or repaired,
+                               full=weights <= COPY_LIMIT)  # fmt: skip
         row["share"] = row["manifest_bytes"] / weights
         row["within"] = row["share"] <= LIMITS[kind]
         out["variants"].append(row)
@@ -135,25 +142,27 @@ def _store_and_pull(
     changes: Any,
     dtype: str,
     work: Path,
-    copies: bool,
+    pull: bool = True,
+    full: bool = True,
 ) -> dict[str, Any]:
-    """The manifest written (timed, sized); with `copies`, also pulled and the full copy
-    written (timed), and whether the two are the same tensor for tensor."""
-    manifest, pulled, full = work / "manifest", work / "pulled", work / "full"
+    """The manifest written (timed, sized); with `pull` written back as a checkpoint
+    (timed), with `full` the full copy written (timed) and compared tensor for tensor."""
+    manifest, pulled, copy = work / "manifest", work / "pulled", work / "full"
     t0 = time.perf_counter()
     write_manifest(base, manifest, ref, layers, {}, changes=changes, dtype=dtype, overwrite=True)
     row: dict[str, Any] = {"manifest_bytes": variant_bytes(manifest),
                            "manifest_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
-    if copies:
+    if pull:
         t1 = time.perf_counter()
         materialize_variant(manifest, pulled, base_dir=base, overwrite=True)
+        row["pull_s"] = round(time.perf_counter() - t1, 3)
+    if full:
         t2 = time.perf_counter()
-        write_pruned_files(base, full, layers, {}, changes=changes,
+        write_pruned_files(base, copy, layers, {}, changes=changes,
                            dtype=getattr(torch, dtype), overwrite=True)  # fmt: skip
-        row |= {"pull_s": round(t2 - t1, 3), "full_bytes": variant_bytes(full),
-                "full_s": round(time.perf_counter() - t2, 3),
-                "pulled_equals_full": same_tensors(pulled, full)}  # fmt: skip
-    for d in (manifest, pulled, full):
+        row |= {"full_bytes": variant_bytes(copy), "full_s": round(time.perf_counter() - t2, 3),
+                "pulled_equals_full": same_tensors(pulled, copy)}  # fmt: skip
+    for d in (manifest, pulled, copy):
         shutil.rmtree(d, ignore_errors=True)
     return row
 
@@ -183,16 +192,17 @@ def page(results: list[dict[str, Any]], share: float) -> str:
     ]
     for m in results:
         for v in m["variants"]:
-            copied = "pull_s" in v
+            full = (f"{_size(v['full_bytes'])} | {v['full_s']:.2f} s" if "full_s" in v
+                    else "- | -")  # fmt: skip
+            pull = f"{v['pull_s']:.2f} s" if "pull_s" in v else "-"
+            same = {True: "yes", False: "**no**", None: "-"}[v.get("pulled_equals_full")]
             lines.append(
                 f"| {m['model']} | {m['weights_bytes'] / 2**30:.2f} GiB {m['dtype']} | "
                 f"{v['kind']} ({v['layout']}) | {v['removed']} ({v['runs']}, {v['maps']}) | "
                 f"{_size(v['manifest_bytes'])} | {100 * v['share']:.4f}% | "
                 f"{'yes' if v['within'] else '**no**'} | {v['manifest_s']:.2f} s | "
-                + (f"{_size(v['full_bytes'])} | {v['full_s']:.2f} s | {v['pull_s']:.2f} s | "
-                   f"{'yes' if v['pulled_equals_full'] else '**no**'} |" if copied
-                   else "- | - | - | - |")
-            )  # fmt: skip
+                f"{full} | {pull} | {same} |"
+            )
     return "\n".join(lines)
 
 
