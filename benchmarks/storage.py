@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' checkpoint checks
 
 from lorp.models.architectures import architecture_for  # noqa: E402
 from lorp.models.file_surgery import write_pruned_files  # noqa: E402
@@ -168,15 +168,13 @@ def _store_and_pull(
 
 
 def same_tensors(a: Path, b: Path) -> bool:
-    from safetensors import safe_open
+    """The tests' check of two checkpoints: the same tensors bit for bit, the same config."""
+    from tests.helpers.model_checks import assert_same_checkpoint
 
-    ia, ib = tensor_index(a), tensor_index(b)
-    if sorted(ia) != sorted(ib):
+    try:
+        assert_same_checkpoint(a, b)
+    except AssertionError:
         return False
-    for key in sorted(ia):
-        with safe_open(str(ia[key].file), "pt") as fa, safe_open(str(ib[key].file), "pt") as fb:
-            if not torch.equal(fa.get_tensor(key), fb.get_tensor(key)):
-                return False
     return True
 
 
