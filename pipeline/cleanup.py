@@ -6,7 +6,12 @@ full copy), or a copy its writer never finished (a `.partial` directory, or on a
 store a prefix without its completion marker). One is referenced when a row of the job's
 own catalog, or of any shared catalog named, holds it as its `checkpoint`: the rows of
 every job that wrote there, whatever its name. Registered versions point at what rows
-reference, so they keep their files too.
+reference, so they keep their files too. A variant written out for serving
+(`materialized/<model>/best-<budget>`, `tracking.materialize`) is kept while the variant
+it was written from is referenced (or lies in another storage, which this one cannot
+judge); one without its marker is a copy its writer never finished. The stored bases
+(`bases/`, `pipeline.stored_bases`) are never removed: any variant, of any storage, may
+name one.
 
 Nothing of a job that may be running is removed: its storage's event log says whether its
 latest attempt ended; a driver on another host, which this one cannot look at, counts as
@@ -23,6 +28,7 @@ from typing import Any
 from pipeline.plan import CHECKPOINTS
 from pipeline.records.events import NAME as EVENTS
 from pipeline.records.events import parse_events
+from pipeline.records.materialized import MATERIALIZED, materialized_source
 from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.records.status import attempt_state
 from pipeline.storage import Storage
@@ -55,13 +61,23 @@ def find_garbage(location: str, catalogs: Sequence[str] = ()) -> Garbage:
         found.running = state
         return found
     models = storage.subdirs(CHECKPOINTS)
-    if not models:
+    written_out = storage.subdirs(MATERIALIZED)
+    if not (models or written_out):
         return found
     keep = _referenced(storage, catalogs)
     for model in models:
         for point in storage.subdirs(f"{CHECKPOINTS}/{model}"):
             rel = f"{CHECKPOINTS}/{model}/{point}"
             if rel in keep and not point.startswith("."):
+                found.referenced += 1
+            else:
+                found.unreferenced.append((rel, storage.tree_bytes(rel)))
+    for model in written_out:  # `tracking.materialize`: kept while their variant is
+        for alias in storage.subdirs(f"{MATERIALIZED}/{model}"):
+            rel = f"{MATERIALIZED}/{model}/{alias}"
+            source = materialized_source(storage, rel) if not alias.startswith(".") else None
+            origin = storage.rel_of(source) if source is not None else ""
+            if source is not None and (origin is None or origin in keep):  # None: elsewhere
                 found.referenced += 1
             else:
                 found.unreferenced.append((rel, storage.tree_bytes(rel)))

@@ -63,6 +63,8 @@ class PrepareRecords(Protocol):
 
     def span(self, stage: str, model: str, start: float, end: float) -> None: ...
 
+    def store_base(self, plan: ModelPlan) -> None: ...
+
 
 @dataclass(frozen=True)
 class PreparedModel:
@@ -152,6 +154,8 @@ class _Preparation:
         prof = lorp_profile(ms.stats.matrix())
         key = self.plan.model_key(ms.stats.calibration_fingerprint)
         self.emit("prepared", PreparedModel(self.plan, ms, prof, key, [], [], 0))
+        if self.spec.checkpoints == "manifest":  # before a point's manifest names the copy
+            self.job.records.store_base(self.plan)
         points = self._select(ms, prof, key)
         todo = self._pending([p for p in points if p.key not in self.emitted])
         rest, refs = self._repairs(ms.shards, todo)

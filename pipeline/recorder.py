@@ -59,6 +59,7 @@ from pipeline.spec.job import JobSpec
 from pipeline.stages.statistics import ModelRepairStats, ModelStats, describe
 from pipeline.stages.tasks import checkpoint, twins
 from pipeline.storage import Storage
+from pipeline.stored_bases import store_base
 
 
 class Recorder:
@@ -108,16 +109,10 @@ class Recorder:
             for partial in ckpt_root.glob("*/.*.partial"):
                 shutil.rmtree(partial, ignore_errors=True)
         self.events(
-            "start",
-            job=self.spec.name,
-            force=self.force,
-            closed_stale_runs=closed,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            storage=self.storage.uri(),
-            catalog=self.shared.uri() if self.shared else None,
-            redo_elsewhere=len(elsewhere),
-        )
+            "start", job=self.spec.name, force=self.force, closed_stale_runs=closed,
+            pid=os.getpid(), host=socket.gethostname(), storage=self.storage.uri(),
+            catalog=self.shared.uri() if self.shared else None, redo_elsewhere=len(elsewhere),
+        )  # fmt: skip
         self._warn_unjudged()
         for where, keys in sorted(row_updates.by_value(elsewhere).items()):
             self.progress.note(
@@ -149,12 +144,9 @@ class Recorder:
     def fleet(self, models: int, points: int, driver_s: float) -> None:
         """The fleet's loop ended: how much of the driver's time recording took."""
         self.events(
-            "fleet",
-            models=models,
-            points=points,
-            driver_s=round(driver_s, 3),
+            "fleet", models=models, points=points, driver_s=round(driver_s, 3),
             driver_ms_per_point=round(1000 * driver_s / max(points, 1), 3),
-        )
+        )  # fmt: skip
 
     def stopped(self, signal: str) -> None:
         self.events("stopped", signal=signal, done=self.summary.done)
@@ -204,6 +196,13 @@ class Recorder:
     def captured(self, plan: ModelPlan, ms: ModelStats) -> None:
         self.events("capture", model=plan.label, **describe(ms))
         self.progress.capture(plan.label, ms.source, ms.seconds, ms.stats.tokens)
+
+    def store_base(self, plan: ModelPlan) -> None:
+        """The model's base below the storage once (`pipeline.stored_bases`)."""
+        got = store_base(self.storage, plan.ref, plan.kind, plan.fingerprint, plan.path)
+        if got is not None:
+            self.events("base_stored", model=plan.label, **got.record())
+            self.progress.note(got.line(plan.label))
 
     def repair_scored(self, plan: ModelPlan, rs: ModelRepairStats, runs: int) -> None:
         self.events(
@@ -461,8 +460,9 @@ class Recorder:
                 if rows[key].get("model_uri") != uri:
                     self._update(key, {"model_uri": uri})
             aliases, moves = registry_aliases.move_aliases(
-                self.tracker.client, reg.name, self.spec.name, self._shared_rows
-            )
+                self.tracker.client, reg.name, self.spec.name,
+                self.publisher.ranking_rows if self.publisher is not None else None,
+            )  # fmt: skip
         except MlflowException as exc:
             cause = str(exc).splitlines()[0][:500]
             self.summary.failed.append(f"{plan.label}/registry: {cause}")
@@ -471,28 +471,28 @@ class Recorder:
         for m in moves:
             self.events("alias", model=plan.label, name=reg.name, alias=m.alias,
                         version=m.version, previous=m.previous, job=self.spec.name)  # fmt: skip
-        versions = len(reg.versions)
-        self.events(
-            "register", model=plan.label, name=reg.name, versions=versions,
-            created=reg.created, aliases=aliases,
-        )  # fmt: skip
         shown = ", ".join(f"{a}=v{v}" for a, v in sorted(aliases.items()))
-        self.progress.note(
-            f"registry {reg.name}: {versions} versions of this job ({reg.created} new), "
-            f"{len(moves)} alias move(s); {shown}"
-        )
+        self.events("register", model=plan.label, name=reg.name, versions=len(reg.versions),
+                    created=reg.created, aliases=aliases)  # fmt: skip
+        self.progress.note(f"registry {reg.name}: {len(reg.versions)} versions of this job "
+                           f"({reg.created} new), {len(moves)} alias move(s); {shown}")  # fmt: skip
+        if self.spec.tracking.materialize == "best":
+            self._materialize(plan, reg.name, aliases)
 
-    def _shared_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """The shared catalog's rows by (grid key, run id); none without one, or when it
-        cannot be read (the aliases then rank by the versions' own tags)."""
-        if self.shared is None or self.publisher is None:
-            return {}
-        if not self.publisher.reachable:  # a read would wait on the store for nothing
-            self.progress.note(f"shared catalog {self.shared.uri()} not read: not reachable")
-            return {}
+    def _materialize(self, plan: ModelPlan, name: str, aliases: dict[str, str]) -> None:
+        """`tracking.materialize: best` (`pipeline.records.materialized`); a failure fails
+        this step only."""
+        from mlflow.exceptions import MlflowException
+
+        from pipeline.records.materialized import materialize_aliases
+
+        client, store = self.tracker.client, self.tracker.uri
         try:
-            rows = self.shared.read()
-        except OSError as exc:
-            self.progress.note(f"shared catalog {self.shared.uri()} not read: {first_line(exc)}")
-            return {}
-        return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in rows}
+            done = materialize_aliases(client, name, plan.label, aliases, self.storage, store)
+        except (MlflowException, OSError, ValueError) as exc:
+            self.summary.failed.append(f"{plan.label}/materialize: {first_line(exc)[:500]}")
+            self.events("materialize_failed", model=plan.label, cause=first_line(exc)[:500])
+            return
+        for m in done:
+            self.events("materialized", model=plan.label, **m.record())
+            self.progress.note(m.line(name))

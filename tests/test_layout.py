@@ -15,7 +15,7 @@ from tests.helpers.paths import REPO
 
 ROOT = REPO
 PIPELINE_LAYERS = [
-    {"storage"},
+    {"storage", "stored_bases"},
     {"spec"},
     {"evaluation", "plan"},
     {"records", "cluster", "messages"},

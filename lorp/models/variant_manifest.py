@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,9 @@ class BaseRef:
     kind: str
     fingerprint: str
     revision: str | None = None
+    stored: str | None = None
+    """Where the job stored a copy of the base that every node that pulls reaches (a
+    storage URI, `pipeline.stored_bases`); None for a hub id pinned to `revision`."""
 
 
 def is_manifest(path: str | os.PathLike[str]) -> bool:
@@ -121,23 +124,34 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
-def resolve_base(base: BaseRef) -> Path:
-    """The base's local directory on this node (converted or downloaded here if needed),
-    refused in one line when its content is not the fingerprint the manifest names."""
+def resolve_base(base: BaseRef, fetch: Callable[[str], Path] | None = None) -> Path:
+    """The base's local directory on this node, refused in one line naming the base unless
+    its content is the fingerprint the manifest names. Tried in turn: the reference as the
+    job resolved it (converted or downloaded here if needed: nothing fetched where this node
+    has it), then the stored copy, through `fetch` (its URI -> a local directory)."""
     from lorp.models.fingerprint import fingerprint_checkpoint
     from lorp.models.loading import ModelRef, materialize
 
-    try:
-        local = materialize(ModelRef(base.ref, base.kind), revision=base.revision)  # type: ignore[arg-type]
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"base {base.ref!r} of the variant is not available ({exc})") from None
-    have = fingerprint_checkpoint(local)
-    if have != base.fingerprint:
-        raise ValueError(
-            f"base {base.ref!r} changed: {str(local)!r} has fingerprint {have[:12]}, "
-            f"the variant was made from {base.fingerprint[:12]}"
-        )
-    return local
+    routes: list[tuple[str, Callable[[], Path]]] = [
+        ("as named", lambda: materialize(ModelRef(base.ref, base.kind), revision=base.revision))  # type: ignore[arg-type]
+    ]
+    if base.stored and fetch is not None:
+        routes.append((f"stored at {base.stored}", lambda: fetch(base.stored)))  # type: ignore[arg-type]
+    tried = []
+    for how, get in routes:
+        try:
+            local = get()
+        except (OSError, ValueError) as exc:
+            tried.append(f"{how}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+            continue
+        have = fingerprint_checkpoint(local)
+        if have == base.fingerprint:
+            return local
+        tried.append(f"{how}: {str(local)!r} has fingerprint {have[:12]}")
+    raise ValueError(
+        f"base {base.ref!r} of the variant is not available or changed (the variant was made "
+        f"from fingerprint {base.fingerprint[:12]}): " + "; ".join(tried)
+    )
 
 
 def materialize_variant(
@@ -145,17 +159,19 @@ def materialize_variant(
     out_dir: str | os.PathLike[str],
     *,
     base_dir: str | os.PathLike[str] | None = None,
+    fetch: Callable[[str], Path] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write variant `path` as a standard checkpoint to `out_dir` (safetensors, config,
     tokenizer, provenance), streamed tensor by tensor from its base: `base_dir` when the
-    caller has it (trusted), else the base the manifest names, resolved and checked."""
+    caller has it (trusted), else the base the manifest names, resolved and checked
+    (`resolve_base`; `fetch` reaches its stored copy)."""
     from safetensors.torch import load_file
 
     from lorp.models.loading import parse_dtype
 
     doc = read_manifest(path)
-    base = Path(base_dir) if base_dir is not None else resolve_base(BaseRef(**doc["base"]))
+    base = Path(base_dir) if base_dir is not None else resolve_base(BaseRef(**doc["base"]), fetch)
     stored = load_file(str(Path(path) / CHANGES_FILE))
     provenance = json.loads((Path(path) / PROVENANCE_FILE).read_text())
     return write_pruned_files(

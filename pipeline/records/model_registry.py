@@ -241,15 +241,37 @@ def create_version(client: MlflowClient, name: str, e: Entry) -> ModelVersion:
     refuses a local source outside the run's artifacts gets the files published there."""
     description = f"{e.label} at budget {e.budget}" if e.budget else "the dense base model"
     try:
-        return client.create_model_version(
+        mv = client.create_model_version(
             name, source_uri(e.source), e.run_id, tags=e.tags, description=description
         )
     except MlflowException as exc:
         if "Invalid model version source" not in str(exc):
             raise
-    with Storage(str(e.source)).fetched() as path:
-        source = publish_checkpoint(client, e.run_id, path)
-    return client.create_model_version(name, source, e.run_id, tags=e.tags, description=description)
+        with Storage(str(e.source)).fetched() as path:
+            source = publish_checkpoint(client, e.run_id, path)
+        mv = client.create_model_version(
+            name, source, e.run_id, tags=e.tags, description=description
+        )
+    if is_manifest_source(str(e.source)):  # says how to get a loadable checkpoint
+        how = (
+            f"{description}. Stored as a lorp manifest (its base by reference and the "
+            f"tensors it changes): `lorp pull models:/{name}/{mv.version} --out DIR` writes "
+            "it out as a standard checkpoint."
+        )
+        mv = client.update_model_version(name, mv.version, description=how)
+    return mv
+
+
+def is_manifest_source(source: str) -> bool:
+    """Whether a version's source directory (a local path or storage URI) holds a variant
+    manifest (`lorp.models.variant_manifest`) rather than a standard checkpoint."""
+    from lorp.models.variant_manifest import MANIFEST_FILE
+
+    storage = Storage(source)
+    local = storage.local_path()
+    if local is not None:
+        return (local / MANIFEST_FILE).is_file()
+    return storage.read_bytes(MANIFEST_FILE) is not None
 
 
 def publish_checkpoint(client: MlflowClient, run_id: str, path: Path) -> str:

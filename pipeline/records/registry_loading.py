@@ -68,15 +68,17 @@ def version_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterato
     """The directory holding a version's standard checkpoint: the checkpoint itself for a
     local source (nothing copied), else a temporary copy (from the job's storage, or
     MLflow's artifact store), removed on exit. A variant stored as a manifest is written
-    out from its base, checked by fingerprint (`lorp.models.variant_manifest`)."""
+    out from its base (as named, else the job's stored copy: `pipeline.stored_bases`),
+    checked by fingerprint (`lorp.models.variant_manifest`)."""
     from lorp.models.variant_manifest import is_manifest, materialize_variant
+    from pipeline.stored_bases import fetch_base
 
     with _stored_files(client, mv, store) as path:
         if not is_manifest(path):
             yield path
             return
         with tempfile.TemporaryDirectory(prefix="lorp-variant-") as tmp:
-            yield materialize_variant(path, Path(tmp) / "checkpoint")
+            yield materialize_variant(path, Path(tmp) / "checkpoint", fetch=fetch_base)
 
 
 @contextmanager

@@ -159,6 +159,7 @@ class JobSpec:
             raise SpecError(
                 f"checkpoints: must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoints!r}"
             )
+        self._check_materialize()
         positive("repair_rounds", self.repair_rounds)
         positive("repair_followers", self.repair_followers, minimum=0)
         positive("repair_distill", self.repair_distill, minimum=0)
@@ -170,6 +171,19 @@ class JobSpec:
             raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
         self._check_labels()
         self._check_vllm()
+
+    def _check_materialize(self) -> None:
+        """`tracking.materialize` writes out the registry's stored variants: it needs both."""
+        if self.tracking.materialize != "none" and not self.tracking.register:
+            raise SpecError(
+                "tracking.materialize: needs tracking.register: true (it writes out the "
+                "registry's aliases)"
+            )
+        if self.tracking.materialize != "none" and self.checkpoints == "none":
+            raise SpecError(
+                "tracking.materialize: needs stored variants (checkpoints: manifest or full), "
+                "got checkpoints: none"
+            )
 
     def _read_older_checkpoint_fields(self) -> None:
         """`save_checkpoints` and `checkpoint_format` as `checkpoints` (once: cleared after)."""

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.spec.checks import SpecError
+
+MATERIALIZE = ("none", "best")
+
 
 @dataclass(frozen=True)
 class TrackingSpec:
@@ -20,3 +24,15 @@ class TrackingSpec:
     """Make this job's evaluation protocol the reference of its models: the one their
     `best-<budget>` aliases rank in (default: the protocol of the first job that
     registered the model)."""
+    materialize: str = "none"
+    """`best`: write each `best-<budget>` alias out as a standard checkpoint at
+    `<storage>/materialized/<model>/best-<budget>` when the job registers the model (a
+    variant stored as a manifest is otherwise one `lorp pull` away from loadable), so a
+    serving team can point vLLM at a directory; replaced when the alias moves. `none`:
+    nothing written out."""
+
+    def __post_init__(self) -> None:
+        if self.materialize not in MATERIALIZE:
+            raise SpecError(
+                f"materialize: must be one of {', '.join(MATERIALIZE)}, got {self.materialize!r}"
+            )

@@ -219,9 +219,11 @@ def _save_checkpoint(
     if task.checkpoint_format == "manifest":  # the base by reference, the changed tensors
         from lorp.models.variant_manifest import BaseRef, write_manifest
         from lorp.repair.fold import file_folds
+        from pipeline.stored_bases import stored_base_uri
 
         m = task.model
-        base = BaseRef(m.ref, m.kind, m.fingerprint, m.revision)
+        stored = stored_base_uri(task.storage, m.kind, m.fingerprint)  # the preparation's copy
+        base = BaseRef(m.ref, m.kind, m.fingerprint, m.revision, stored)
         write_manifest(
             lm.path, local, base, task.layers, provenance,
             changes=file_folds(fits) if fits else None, dtype=m.dtype, overwrite=True,

@@ -47,8 +47,13 @@ def test_manifests_are_small_and_pull_back_as_the_full_copy(tmp_path: Path) -> N
         # a tiny model's maps are d x d against little else: the bound is a real model's
         assert unrepaired["manifest_bytes"] < 8 * 1024
         assert one_run["manifest_bytes"] > unrepaired["manifest_bytes"]
+        # the base stored once, as its files (a directory), and a node that never had it
+        # pulls the repaired variant from that copy, equal to the pull from the base
+        files = sum(f.stat().st_size for f in (tmp_path / m["model"]).iterdir())
+        assert m["base_stored_as"] == "files" and m["base_stored_bytes"] > files
+        assert one_run["first_pull_same"] and "first_pull_same" not in spread
     assert code == (0 if all(v["within"] for m in result["models"] for v in m["variants"]) else 1)
     text = page.read_text()
-    assert "<!-- storage:begin -->" in text and text.count("| llama |") == 3
-    assert text.count("| gemma3_text |") == 3
+    assert "<!-- storage:begin -->" in text and text.count("| llama |") == 4  # 3 variants, the base
+    assert text.count("| gemma3_text |") == 4
     assert not list((tmp_path / "work").rglob("*.safetensors"))  # every variant removed

@@ -18,6 +18,7 @@ from lorp import SimilarityStats
 from pipeline.records.catalog import read_catalog
 from pipeline.records.model_registry import tag_value
 from pipeline.records.registry_loading import load_variant, parse_models_uri, pull
+from pipeline.records.tracking import GRID_KEY
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
 from tests.helpers.job_specs import tiny_job
@@ -174,12 +175,14 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
     from tests.helpers.model_checks import tensors
 
     model = store["model"]
+    served = {"manifest": {"materialize": "best"}, "full": {}}  # `tracking.materialize`
     with pytest.MonkeyPatch.context() as mp:  # on the module's Ray
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         cache = str(store["root"] / "cache")
         runs = {
             fmt: run_job(spec_for(tmp_path / fmt, model, "fmt", budgets=[2], cache_dir=cache,
-                                  checkpoints=fmt, repair=["none", "linear"]))
+                                  checkpoints=fmt, repair=["none", "linear"],
+                                  tracking=served[fmt]))
             for fmt in ("manifest", "full")
         }  # fmt: skip
     full = {r["grid_key"]: r for r in read_catalog(runs["full"].catalog) if r["checkpoint"]}
@@ -200,6 +203,43 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
         assert sorted(a) == sorted(b)
         assert all(torch.equal(a[k], b[k]) for k in a), row["grid_key"]
         assert row["ppl_ptb"] == pytest.approx(full[row["grid_key"]]["ppl_ptb"], rel=1e-5)
+
+    # The base is stored once below the job's storage, named by every manifest; a variant
+    # pulls from it when the directory the job read is gone (a node that never had it).
+    from lorp.models.variant_manifest import read_manifest
+    from pipeline.stored_bases import base_rel
+
+    fp = rows[0]["fingerprint"]
+    stored = {read_manifest(Path(r["checkpoint"]))["base"]["stored"] for r in rows}
+    storage = Path(rows[0]["checkpoint"]).parents[2]  # <storage>/checkpoints/<model>/<point>
+    assert stored == {str(storage / base_rel(fp))} and (storage / base_rel(fp)).is_dir()
+    row = next(r for r in rows if r["repair"] == "linear")
+    away = model.with_name(model.name + "-away")
+    model.rename(away)
+    try:
+        out, _ = pull(row["model_uri"], tmp_path / "from-stored",
+                      tracking_uri=runs["manifest"].tracking_uri)  # fmt: skip
+    finally:
+        away.rename(model)
+    a, b = tensors(out), tensors(Path(full[row["grid_key"]]["checkpoint"]))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    # `tracking.materialize: best`: the best-2 alias written out as a standard checkpoint
+    # at a fixed place, the full copy's tensors; the version says how to pull the rest.
+    from pipeline.cleanup import find_garbage
+
+    client = client_of(runs["manifest"])
+    best = client.get_model_version_by_alias(NAME, "best-2")
+    key = best.tags[GRID_KEY]
+    served = storage / "materialized" / "tiny" / "best-2"
+    a, b = tensors(served), tensors(Path(full[key]["checkpoint"]))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    marker = json.loads((served / "lorp_materialized.json").read_text())
+    assert marker["version"] == str(best.version) and marker["alias"] == "best-2"
+    assert best.tags["materialized"] == str(served)
+    assert f"lorp pull models:/{NAME}/{best.version} --out DIR" in best.description
+    garbage = find_garbage(str(storage))
+    assert garbage.referenced == len(rows) + 1 and not garbage.unreferenced
 
 
 def test_dashboard_links_each_variant_to_its_version(store) -> None:  # type: ignore[no-untyped-def]

@@ -85,7 +85,10 @@ def test_a_changed_base_is_refused_in_one_line(
     config = json.loads((base / "config.json").read_text())
     config["rms_norm_eps"] = 1e-3  # another model under the same path
     (base / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"base .*base' changed: .* has fingerprint") as exc:
+    refused = (
+        r"base .*base' of the variant is not available or changed .*as named: .* has fingerprint"
+    )
+    with pytest.raises(ValueError, match=refused) as exc:
         materialize_variant(variant, tmp_path / "out")
     assert "\n" not in str(exc.value)
     assert not (tmp_path / "out").exists()

@@ -118,3 +118,26 @@ def test_checkpoints_beside_an_older_spelling_or_a_bad_older_value_is_refused() 
         SpecError, match="^checkpoint_format: must be one of full, manifest, got 'delta'$"
     ):
         parse_spec(CHECKPOINT_BASE | {"checkpoint_format": "delta"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tracking": {"materialize": "all"}},
+         "tracking.materialize: must be one of none, best, got 'all'"),
+        ({"tracking": {"materialize": "best", "register": False}},
+         "tracking.materialize: needs tracking.register: true (it writes out the registry's "
+         "aliases)"),
+        ({"tracking": {"materialize": "best"}, "checkpoints": "none"},
+         "tracking.materialize: needs stored variants (checkpoints: manifest or full), got "
+         "checkpoints: none"),
+    ],
+)  # fmt: skip
+def test_materialize_is_refused_where_it_has_nothing_to_write(
+    overrides: dict, message: str
+) -> None:
+    assert parse_spec(CHECKPOINT_BASE).tracking.materialize == "none"
+    assert parse_spec(CHECKPOINT_BASE | {"tracking": {"materialize": "best"}}).tracking
+    with pytest.raises(SpecError) as info:
+        parse_spec(CHECKPOINT_BASE | overrides)
+    assert str(info.value) == message

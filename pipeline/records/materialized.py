@@ -1,0 +1,120 @@
+"""`tracking.materialize: best`: each `best-<budget>` alias of a model, written out as a
+standard checkpoint at a fixed place in the job's storage, so a serving team points vLLM
+(or `from_pretrained`) at a directory, not at a manifest.
+
+The place is `materialized/<model>/best-<budget>` below the storage. It holds the version
+the alias points at when the job registers the model (a manifest written out from its
+base, `lorp.models.variant_manifest`; a full copy copied as it is) and
+`lorp_materialized.json`, which names that version and the variant directory it came from.
+When the alias moves, the next job that registers the model replaces the directory
+(atomically on a filesystem; on an object store the completion marker goes first, so a
+reader never takes a half-written one for whole); a directory that already holds the
+alias's version is left alone. The version is tagged `materialized` with the directory,
+and the registered model `lorp.materialized.<alias>`.
+
+`lorp gc` removes a materialisation whose variant directory no catalog row references
+any more (`pipeline.cleanup`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.spec.names import safe_name
+from pipeline.storage import Storage
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+MATERIALIZED = "materialized"
+MARKER_FILE = "lorp_materialized.json"
+BEST = re.compile(r"best-\d+")
+"""The aliases `best` materialises: one per budget, ranked in the reference protocol."""
+
+
+@dataclass(frozen=True)
+class Materialized:
+    alias: str
+    version: str
+    uri: str
+    written: bool
+    """False when the directory held the alias's version already."""
+
+    def record(self) -> dict[str, object]:
+        """The event's fields (`materialized`)."""
+        return {"alias": self.alias, "version": self.version, "uri": self.uri,
+                "written": self.written}  # fmt: skip
+
+    def line(self, name: str) -> str:
+        how = "written" if self.written else "already there"
+        return f"materialized {name}@{self.alias} (v{self.version}): {self.uri} ({how})"
+
+
+def materialized_rel(label: str, alias: str) -> str:
+    return f"{MATERIALIZED}/{safe_name(label)}/{alias}"
+
+
+def materialize_aliases(
+    client: MlflowClient,
+    name: str,
+    label: str,
+    aliases: dict[str, str],
+    storage: Storage,
+    store: str,
+) -> list[Materialized]:
+    """Write out every `best-<budget>` alias of registered model `name` (`aliases`: alias
+    -> version) below `storage`; `store`: the tracking store's URI."""
+    out = []
+    for alias, version in sorted(aliases.items()):
+        if BEST.fullmatch(alias):
+            out.append(_materialize(client, name, label, alias, str(version), storage, store))
+    return out
+
+
+def _materialize(
+    client: MlflowClient,
+    name: str,
+    label: str,
+    alias: str,
+    version: str,
+    storage: Storage,
+    store: str,
+) -> Materialized:
+    from pipeline.records.registry_loading import check_provenance, version_files
+
+    rel = materialized_rel(label, alias)
+    source = client.get_model_version_download_uri(name, version)
+    want = {"name": name, "version": version, "alias": alias, "source": source}
+    held = storage.read_bytes(f"{rel}/{MARKER_FILE}")
+    if held is not None and storage.complete(rel) and json.loads(held) == want:
+        return Materialized(alias, version, storage.uri(rel), written=False)
+    mv = client.get_model_version(name, version)
+    with version_files(client, mv, store) as path, tempfile.TemporaryDirectory() as tmp:
+        check_provenance(path, mv)  # a variant redone since it was registered is refused
+        staged = Path(tmp) / "staged"
+        staged.mkdir()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            target = staged / f.relative_to(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(f.resolve(), target)  # the copy reads the files where they are
+        (staged / MARKER_FILE).write_text(json.dumps(want, indent=2))
+        uri = storage.put_dir(staged, rel)
+    client.set_model_version_tag(name, version, "materialized", uri)
+    client.set_registered_model_tag(name, f"lorp.materialized.{alias}", uri)
+    return Materialized(alias, version, uri, written=True)
+
+
+def materialized_source(storage: Storage, rel: str) -> str | None:
+    """The variant directory (its `source` URI) the materialisation at `rel` was written
+    from; None when it has no readable marker (a copy its writer never finished)."""
+    held = storage.read_bytes(f"{rel}/{MARKER_FILE}")
+    try:
+        return str(json.loads(held)["source"]) if held is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
