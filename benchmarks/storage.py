@@ -28,7 +28,9 @@ The base itself is stored once per model and fingerprint, as a job that writes m
 stores it (`pipeline.stored_bases`: a packaged model as its GGUF, a directory as its
 files): its bytes and time are the one-time cost beside every variant's. A node that never
 had the base pulls the repaired variant from that copy: fetched, converted where it is a
-GGUF, checked by fingerprint and written out (`first pull`, in a cache of its own).
+GGUF, checked by fingerprint and written out (`first pull`, in a cache of its own; not for
+the big checkpoint, whose stored copy is removed once timed: the disk holds the model and
+one variant).
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
     out |= {"base_stored_bytes": stored.bytes, "base_stored_s": round(time.perf_counter() - t0, 3),
             "base_stored_as": "GGUF" if mref.kind in ("alias", "gguf") else "files"}  # fmt: skip
     ref_base = BaseRef(mref.ref, mref.kind, fingerprint, None, stored.uri)
+    if weights > COPY_LIMIT:  # measured; the disk holds the model and one variant, not more
+        shutil.rmtree(work.parent / "storage", ignore_errors=True)
     if weights <= COPY_LIMIT:  # untimed: the first pull pays for the imports (tokenizers)
         _store_and_pull(base, ref_base, layouts(n, share)["one run"], None, torch_dtype, work, True)
     cases = [("unrepaired", "one run", False), ("repaired", "one run", True),
@@ -136,7 +140,8 @@ def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
         row |= _store_and_pull(base, ref_base, layers, changes, torch_dtype, work,
                                pull=weights <= COPY_LIMIT or repaired,
                                full=weights <= COPY_LIMIT,
-                               first_pull=(kind, layout) == ("repaired", "one run"))  # fmt: skip
+                               first_pull=(kind, layout) == ("repaired", "one run")
+                               and weights <= COPY_LIMIT)  # fmt: skip
         if "first_pull_s" in row:
             out["first_pull_s"] = row["first_pull_s"]
         row["share"] = row["manifest_bytes"] / weights
