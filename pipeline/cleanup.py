@@ -9,9 +9,9 @@ every job that wrote there, whatever its name. Registered versions point at what
 reference, so they keep their files too. A variant written out for serving
 (`materialized/<model>/best-<budget>`, `tracking.materialize`) is kept while the variant
 it was written from is referenced (or lies in another storage, which this one cannot
-judge); one without its marker is a copy its writer never finished. The stored bases
-(`bases/`, `pipeline.stored_bases`) are never removed: any variant, of any storage, may
-name one.
+judge); one without its marker is a copy its writer never finished. A complete stored
+base (`bases/`, `pipeline.stored_bases`) is never removed: any variant, of any storage, may
+name one; a copy a killed job never finished is.
 
 Nothing of a job that may be running is removed: its storage's event log says whether its
 latest attempt ended; a driver on another host, which this one cannot look at, counts as
@@ -32,6 +32,7 @@ from pipeline.records.materialized import MATERIALIZED, materialized_source
 from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.records.status import attempt_state
 from pipeline.storage import Storage
+from pipeline.stored_bases import BASES
 
 
 @dataclass
@@ -62,6 +63,10 @@ def find_garbage(location: str, catalogs: Sequence[str] = ()) -> Garbage:
         return found
     models = storage.subdirs(CHECKPOINTS)
     written_out = storage.subdirs(MATERIALIZED)
+    for base in storage.subdirs(BASES):  # a copy a killed job left unfinished; never a whole one
+        rel = f"{BASES}/{base}"
+        if base.startswith(".") or not storage.complete(rel):
+            found.unreferenced.append((rel, storage.tree_bytes(rel)))
     if not (models or written_out):
         return found
     keep = _referenced(storage, catalogs)
@@ -75,7 +80,8 @@ def find_garbage(location: str, catalogs: Sequence[str] = ()) -> Garbage:
     for model in written_out:  # `tracking.materialize`: kept while their variant is
         for alias in storage.subdirs(f"{MATERIALIZED}/{model}"):
             rel = f"{MATERIALIZED}/{model}/{alias}"
-            source = materialized_source(storage, rel) if not alias.startswith(".") else None
+            whole = not alias.startswith(".") and storage.complete(rel)
+            source = materialized_source(storage, rel) if whole else None
             origin = storage.rel_of(source) if source is not None else ""
             if source is not None and (origin is None or origin in keep):  # None: elsewhere
                 found.referenced += 1

@@ -192,16 +192,24 @@ class Storage:
             return self._local(rel).exists()
         return self._read(f"{self._path(rel)}/{MARKER}") is not None
 
-    def put_dir(self, src: str | os.PathLike[str], rel: str = "") -> str:
-        """Copy the local directory `src` to `rel`, replacing what is there; its URI."""
+    def put_dir(self, src: str | os.PathLike[str], rel: str = "", *, replace: bool = True) -> str:
+        """Copy the local directory `src` to `rel`, replacing what is there; its URI.
+        `replace=False`, for content-addressed directories (the same name, the same
+        bytes): what another writer put there is never removed, on a filesystem the first
+        complete copy stays, on an object store each file is written again as it is."""
         src = Path(src)
         if not self.remote:
-            with atomic_dir(self._local(rel), overwrite=True) as tmp:
-                shutil.copytree(src, tmp, dirs_exist_ok=True)
+            try:
+                with atomic_dir(self._local(rel), overwrite=replace) as tmp:
+                    shutil.copytree(src, tmp, dirs_exist_ok=True)
+            except FileExistsError:
+                if replace:
+                    raise
             return self.uri(rel)
         target = self._path(rel)
-        self._delete(f"{target}/{MARKER}")  # a rewrite: incomplete from here on
-        self.fs.delete_dir_contents(target, missing_dir_ok=True)
+        if replace:
+            self._delete(f"{target}/{MARKER}")  # a rewrite: incomplete from here on
+            self.fs.delete_dir_contents(target, missing_dir_ok=True)
         files: dict[str, int] = {}
         for path in sorted(p for p in src.rglob("*") if p.is_file()):
             name = path.relative_to(src).as_posix()
@@ -215,17 +223,18 @@ class Storage:
         """The marker, written after every file: from here on the prefix is complete."""
         self._write(f"{target}/{MARKER}", json.dumps({"files": files}, sort_keys=True).encode())
 
-    def get_dir(self, rel: str, dest: str | os.PathLike[str]) -> Path:
-        """Copy the complete directory `rel` to the local `dest` (replaced atomically)."""
+    def get_dir(self, rel: str, dest: str | os.PathLike[str], *, replace: bool = True) -> Path:
+        """Copy the complete directory `rel` to the local `dest` (replaced atomically;
+        `replace=False`: FileExistsError when another copy got there first)."""
         dest = Path(dest)
         if not self.remote:
             if not self._local(rel).is_dir():
                 raise FileNotFoundError(f"{self.uri(rel)!r} does not exist")
-            with atomic_dir(dest, overwrite=True) as tmp:
+            with atomic_dir(dest, overwrite=replace) as tmp:
                 shutil.copytree(self._local(rel), tmp, dirs_exist_ok=True)
             return dest
         target, files = self._path(rel), self._listing(rel)
-        with atomic_dir(dest, overwrite=True) as tmp:
+        with atomic_dir(dest, overwrite=replace) as tmp:
             for name, size in files.items():
                 out = tmp / name
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,21 +5,25 @@ reference and content fingerprint. A hub id pinned to a commit is reachable wher
 hub is, so it is only named. Anything else lives on the node that planned the job: a
 packaged model or a .gguf file is converted into that node's cache, a local directory is
 a path on its disk or a mount. So a job that writes manifests stores such a base below its
-storage once, at `bases/<fingerprint>`, before the model's first point runs:
+storage once, at `bases/<the fingerprint's first 16 hex digits>`, before the model's first
+point runs:
 
 - a packaged model or a .gguf file as the GGUF it is converted from (SmolLM2-135M: 98 MB,
   against 517 MB converted to float32), which any node converts the same way;
-- a directory as its files.
+- a directory as the files loading it reads (`MODEL_FILES`: weights, config, tokenizer).
 
 Beside them, `lorp_base.json` says what the copy is. A node that pulls a variant fetches
 the copy into its cache once (`fetch_base`), converts it as the job did, and refuses it
-unless its fingerprint is the manifest's. Two jobs of the same base share one copy; a copy
-is written completely or not at all (`Storage.put_dir`), so a job killed while it wrote
-one writes it again at its next start. `lorp gc` never removes one.
+unless its fingerprint is the manifest's. Two jobs of the same base share one copy, and
+neither removes what the other wrote (`put_dir(replace=False)`); a copy is complete only
+with its marker (or once renamed into place), so a job killed while it wrote one writes
+it again at its next start, and `lorp gc` removes what it left. `lorp gc` never removes
+a complete copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -87,24 +91,34 @@ def store_base(
     with tempfile.TemporaryDirectory(prefix="lorp-base-") as tmp:
         staged = Path(tmp)
         for f in files:  # links: the copy reads the source's bytes, nothing is duplicated
-            target = staged / (f.relative_to(local_dir) if kind == "dir" else f.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(f.resolve(), target)
+            os.symlink(f.resolve(), staged / f.name)
         (staged / META).write_text(json.dumps(meta, indent=2))
-        uri = storage.put_dir(staged, rel)
+        uri = storage.put_dir(staged, rel, replace=False)  # another writer's copy stays
     return StoredBase(uri, storage.tree_bytes(rel), time.monotonic() - start, written=True)
+
+
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.tiktoken", "*.jinja",
+               "tokenizer*")  # fmt: skip
+"""A directory base's files a copy holds: what loading it reads (weights, config, tokenizer,
+remote code). Not its subdirectories (`original/` consolidated weights, training
+checkpoints, `.git`), nor hidden files."""
 
 
 def _source_files(ref: str, kind: str, local_dir: Path) -> list[Path]:
     """What a copy of the base holds: the GGUF a packaged model or .gguf file is converted
-    from, or every file of a directory (its weights, config and tokenizer)."""
+    from, or a directory's `MODEL_FILES` (its pickled `*.bin` weights where it has no
+    safetensors)."""
     if kind == "alias":
         from lorp.models.packaged import packaged_gguf
 
         return [packaged_gguf(ref)]
     if kind == "gguf":
         return [Path(ref)]
-    return sorted(p for p in Path(local_dir).rglob("*") if p.is_file())
+    top = [p for p in Path(local_dir).iterdir() if p.is_file() and not p.name.startswith(".")]
+    patterns = (
+        MODEL_FILES if any(p.suffix == ".safetensors" for p in top) else (*MODEL_FILES, "*.bin")
+    )
+    return sorted(p for p in top if p.name != META and any(p.match(g) for g in patterns))
 
 
 def fetch_base(uri: str) -> Path:
@@ -118,7 +132,8 @@ def fetch_base(uri: str) -> Path:
     if local is None:
         local = cache_root() / BASES / Path(storage.uri().split("?")[0]).name
         if not (local / META).is_file():
-            storage.get_dir("", local)
+            with contextlib.suppress(FileExistsError):  # another pull here fetched it first
+                storage.get_dir("", local, replace=False)
     meta = json.loads((local / META).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{storage.uri()!r}: format {meta.get('format')!r}, expected {FORMAT!r}")

@@ -38,15 +38,18 @@ LORP_LAYERS = [
 """`lorp/`, bottom to top: checkpoints and text below the paper's core (`locality`), the core
 below the repair, the repair below the selection methods (`window` ranks by it), and the
 command line (and the package's public API, "") on top."""
-WRITERS = {"Tracker", "Catalog", "EventLog", "register_model", "move_aliases"}
+WRITERS = {
+    "Tracker", "Catalog", "EventLog", "register_model", "move_aliases", "materialize_aliases",
+}  # fmt: skip
 """What writes a job's records: catalog parts, MLflow runs, events, registry versions and
-aliases."""
+aliases, the aliases written out (and their tags)."""
 WRITER_MODULES = {
     "pipeline.records.tracking",
     "pipeline.records.catalog",
     "pipeline.records.events",
     "pipeline.records.model_registry",
     "pipeline.records.registry_aliases",
+    "pipeline.records.materialized",
 }
 """The modules that define them: importing one whole (`import ... as c`, `from ... import
 catalog`) counts as a use; importing a reader from one (`read_events`) does not."""

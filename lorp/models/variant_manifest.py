@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,13 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
+def base_ref(doc: Mapping[str, Any]) -> BaseRef:
+    """A manifest's base; fields a newer lorp added are left out (the format's version
+    changes when one must be understood)."""
+    known = {f.name for f in fields(BaseRef)}
+    return BaseRef(**{k: v for k, v in doc["base"].items() if k in known})
+
+
 def resolve_base(base: BaseRef, fetch: Callable[[str], Path] | None = None) -> Path:
     """The base's local directory on this node, refused in one line naming the base unless
     its content is the fingerprint the manifest names. Tried in turn: the reference as the
@@ -141,10 +148,10 @@ def resolve_base(base: BaseRef, fetch: Callable[[str], Path] | None = None) -> P
     for how, get in routes:
         try:
             local = get()
-        except (OSError, ValueError) as exc:
+            have = fingerprint_checkpoint(local)
+        except Exception as exc:  # noqa: BLE001 (whatever fails, the next route is tried)
             tried.append(f"{how}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
             continue
-        have = fingerprint_checkpoint(local)
         if have == base.fingerprint:
             return local
         tried.append(f"{how}: {str(local)!r} has fingerprint {have[:12]}")
@@ -171,7 +178,7 @@ def materialize_variant(
     from lorp.models.loading import parse_dtype
 
     doc = read_manifest(path)
-    base = Path(base_dir) if base_dir is not None else resolve_base(BaseRef(**doc["base"]), fetch)
+    base = Path(base_dir) if base_dir is not None else resolve_base(base_ref(doc), fetch)
     stored = load_file(str(Path(path) / CHANGES_FILE))
     provenance = json.loads((Path(path) / PROVENANCE_FILE).read_text())
     return write_pruned_files(

@@ -12,8 +12,9 @@ reader never takes a half-written one for whole); a directory that already holds
 alias's version is left alone. The version is tagged `materialized` with the directory,
 and the registered model `lorp.materialized.<alias>`.
 
-`lorp gc` removes a materialisation whose variant directory no catalog row references
-any more (`pipeline.cleanup`).
+An alias that is gone (its budget left the spec, or every variant of it degraded) takes
+its directory with it. `lorp gc` removes a materialisation whose variant directory no
+catalog row references any more, or one its writer never finished (`pipeline.cleanup`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.spec.names import safe_name
-from pipeline.storage import Storage
+from pipeline.storage import Storage, scratch_dir
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -45,13 +45,18 @@ class Materialized:
     uri: str
     written: bool
     """False when the directory held the alias's version already."""
+    removed: bool = False
+    """The alias is gone (its budget left the spec, or every variant of it degraded): so
+    is its directory."""
 
     def record(self) -> dict[str, object]:
         """The event's fields (`materialized`)."""
         return {"alias": self.alias, "version": self.version, "uri": self.uri,
-                "written": self.written}  # fmt: skip
+                "written": self.written, "removed": self.removed}  # fmt: skip
 
     def line(self, name: str) -> str:
+        if self.removed:
+            return f"materialized {name}@{self.alias}: removed (the alias is gone)"
         how = "written" if self.written else "already there"
         return f"materialized {name}@{self.alias} (v{self.version}): {self.uri} ({how})"
 
@@ -74,6 +79,11 @@ def materialize_aliases(
     for alias, version in sorted(aliases.items()):
         if BEST.fullmatch(alias):
             out.append(_materialize(client, name, label, alias, str(version), storage, store))
+    for alias in storage.subdirs(f"{MATERIALIZED}/{safe_name(label)}"):
+        if BEST.fullmatch(alias) and alias not in aliases:  # the alias is gone: so is its copy
+            storage.delete_dir(materialized_rel(label, alias))
+            client.delete_registered_model_tag(name, f"lorp.materialized.{alias}")
+            out.append(Materialized(alias, "", "", written=False, removed=True))
     return out
 
 
@@ -95,11 +105,11 @@ def _materialize(
     if held is not None and storage.complete(rel) and json.loads(held) == want:
         return Materialized(alias, version, storage.uri(rel), written=False)
     mv = client.get_model_version(name, version)
-    with version_files(client, mv, store) as path, tempfile.TemporaryDirectory() as tmp:
+    with version_files(client, mv, store) as path, scratch_dir() as tmp:
         check_provenance(path, mv)  # a variant redone since it was registered is refused
         staged = Path(tmp) / "staged"
         staged.mkdir()
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MARKER_FILE):
             target = staged / f.relative_to(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(f.resolve(), target)  # the copy reads the files where they are

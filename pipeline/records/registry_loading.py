@@ -26,7 +26,7 @@ from lorp.atomic import atomic_dir
 from lorp.models.surgery import PROVENANCE_FILE
 from pipeline.records.model_registry import DENSE
 from pipeline.records.tracking import GRID_KEY, redact
-from pipeline.storage import Storage, is_remote
+from pipeline.storage import Storage, is_remote, scratch_dir
 
 URI_FORMS = "models:/<name>/<version> or models:/<name>@<alias>"
 
@@ -77,8 +77,8 @@ def version_files(client: MlflowClient, mv: ModelVersion, store: str) -> Iterato
         if not is_manifest(path):
             yield path
             return
-        with tempfile.TemporaryDirectory(prefix="lorp-variant-") as tmp:
-            yield materialize_variant(path, Path(tmp) / "checkpoint", fetch=fetch_base)
+        with scratch_dir() as tmp:  # $LORP_SCRATCH: a checkpoint's size, not /tmp's
+            yield materialize_variant(path, tmp / "checkpoint", fetch=fetch_base)
 
 
 @contextmanager

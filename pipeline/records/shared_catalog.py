@@ -68,21 +68,6 @@ class SharedCatalog:
 
     # -- one job's writes --------------------------------------------------------------
 
-    def ranking_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """The shared catalog's rows by (grid key, run id), for the registry's ranking;
-        none when it is not reachable or cannot be read (the aliases then rank by the
-        versions' own tags), with a line saying so."""
-        if not self.reachable:  # a read would wait on the store for nothing
-            self.note(f"shared catalog {self.uri()} not read: not reachable")
-            return {}
-        try:
-            rows = self.shared.read()
-        except OSError as exc:
-            line = (str(exc).splitlines() or [type(exc).__name__])[0]
-            self.note(f"shared catalog {self.uri()} not read: {line}")
-            return {}
-        return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in rows}
-
     def put_part(self, job: str, name: str, data: bytes) -> None:
         """One change of `job`'s rows (a part of its own catalog, same bytes)."""
         self.storage.write_bytes(f"{SHARED_PARTS}/{job}{SEP}{name}", data)
@@ -269,6 +254,21 @@ class JobPublisher:
             late, self.state = self.state == "late", "live"
         if late:
             self.note(f"shared catalog {self.uri()} reached: this job's rows published there")
+
+    def ranking_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """The shared catalog's rows by (grid key, run id), for the registry's ranking;
+        none when it is not reachable or cannot be read (the aliases then rank by the
+        versions' own tags), with a line saying so."""
+        if not self.reachable:  # a read would wait on the store for nothing
+            self.note(f"shared catalog {self.uri()} not read: not reachable")
+            return {}
+        try:
+            rows = self.shared.read()
+        except OSError as exc:
+            line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            self.note(f"shared catalog {self.uri()} not read: {line}")
+            return {}
+        return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in rows}
 
     def put_part(self, job: str, name: str, data: bytes) -> None:
         if self.state == "late":  # everything so far, this change with it

@@ -79,6 +79,39 @@ def test_only_what_no_row_references_goes(store: Storage, variants: dict[str, st
     assert find_garbage(store.location, [variants["shared"]]).unreferenced == []
 
 
+def test_written_out_aliases_follow_their_variant_and_whole_bases_stay(
+    store: Storage, variants: dict[str, str], tmp_path: Path
+) -> None:
+    """`materialized/` (`tracking.materialize`) goes with the variant it was written from;
+    one from another storage, which this one cannot judge, stays. A stored base stays
+    whole; a copy of one a killed job never finished goes."""
+    src = tmp_path / "served"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"z" * 512)
+    sources = {"best-1": store.uri(KEPT), "best-2": store.uri(GONE), "best-3": "/elsewhere/v"}
+    for alias, source in sources.items():
+        (src / "lorp_materialized.json").write_text(json.dumps({"source": source}))
+        store.put_dir(src, f"materialized/m/{alias}")
+    store.put_dir(src, "bases/0123456789abcdef")
+    if store.remote:  # the files, and no completion marker
+        half = "bases/fedcba9876543210"
+        store.write_bytes(f"{half}/model.gguf", b"g" * 700)
+    else:
+        half = "bases/.fedcba9876543210.partial"
+        store.local_path(half).mkdir(parents=True)
+        store.local_path(half).joinpath("model.gguf").write_bytes(b"g" * 700)
+    found = find_garbage(store.location, [variants["shared"]])
+    assert sorted(rel for rel, _ in found.unreferenced) == sorted(
+        [GONE, variants["half"], "materialized/m/best-2", half]
+    )
+    assert found.referenced == 2 + 2  # KEPT, ELSEWHERE; best-1, best-3
+    remove(found)
+    assert store.subdirs("materialized/m") == ["best-1", "best-3"]
+    assert store.subdirs("bases") == ["0123456789abcdef"] and store.complete(
+        "bases/0123456789abcdef"
+    )
+
+
 def events(store: Storage, *records: dict) -> None:  # type: ignore[type-arg]
     store.write_bytes("events.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
 

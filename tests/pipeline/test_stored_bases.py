@@ -121,3 +121,29 @@ def test_a_packaged_model_is_stored_as_its_gguf(tmp_path: Path) -> None:
     }  # fmt: skip
     digest = hashlib.sha256((copy / gguf.name).read_bytes()).hexdigest()
     assert digest == hashlib.sha256(gguf.read_bytes()).hexdigest()
+
+
+def test_a_directory_base_is_stored_as_what_loading_reads_and_never_replaced(
+    store: Storage, tmp_path: Path
+) -> None:
+    """Its weights, config and tokenizer files; not its subdirectories (a training
+    checkpoint, `original/` weights, `.git`) nor hidden files. A second writer of the same
+    fingerprint (another job, or the same base under two labels) leaves the copy as it is."""
+    base = save_tiny("llama", tmp_path / "base")
+    (base / "checkpoint-100").mkdir()
+    (base / "checkpoint-100" / "optimizer.pt").write_bytes(b"x" * 4096)
+    (base / ".lock").write_text("")
+    (base / "tokenizer_config.json").write_text("{}")
+    fp = fingerprint_checkpoint(base)
+    first = store_base(store, str(base), "dir", fp, base)
+    assert first is not None
+    with store.fetched(base_rel(fp)) as copy:
+        names = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
+    own = sorted(p.name for p in base.iterdir() if p.is_file() and not p.name.startswith("."))
+    assert [n for n in names if n != MARKER] == sorted([*own, META])
+    # A writer that found no copy yet (it checked before the first finished) writes one
+    # without removing anything: the copy stays whole, its marker included.
+    with store.fetched(base_rel(fp)) as copy:
+        shutil.copytree(copy, tmp_path / "same", ignore=shutil.ignore_patterns(MARKER))
+    store.put_dir(tmp_path / "same", base_rel(fp), replace=False)
+    assert store.complete(base_rel(fp)) and got_bytes(store, fp) == first.bytes

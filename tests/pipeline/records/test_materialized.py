@@ -61,3 +61,8 @@ def test_best_aliases_are_written_out_and_follow_their_alias(tmp_path: Path) -> 
     assert moved.written and moved.version == str(v2)
     assert_same_checkpoint(Path(full), served)  # the alias's new version, replaced whole
     assert json.loads((served / MARKER_FILE).read_text())["version"] == str(v2)
+
+    # The alias is gone (its budget left the spec): so are its directory and its tag.
+    (gone,) = materialize_aliases(client, NAME, "tiny", {"dense": str(v2)}, storage, store)
+    assert gone.removed and gone.alias == "best-1" and not served.exists()
+    assert "lorp.materialized.best-1" not in client.get_registered_model(NAME).tags

@@ -168,6 +168,8 @@ def test_a_catalog_unreachable_at_start_gets_every_row_once_it_is_back(
     publisher.open()
     assert publisher.state == "unchecked" and len(notes) == 1, notes
     assert notes[0].startswith(f"shared catalog {shared.uri()} not reachable (")
+    assert publisher.ranking_rows() == {}  # the registry ranks by its own tags meanwhile
+    assert notes[-1] == f"shared catalog {shared.uri()} not read: not reachable"
     for i in range(3):
         cat.put(shared_row("j", i))
     assert len(cat.rows) == 3
@@ -177,11 +179,14 @@ def test_a_catalog_unreachable_at_start_gets_every_row_once_it_is_back(
     cat.put(shared_row("j", 3))
     assert publisher.state == "live" and notes[-1].endswith("this job's rows published there")
     assert sorted(r["grid_key"] for r in shared.read()) == ["k000", "k001", "k002", "k003"]
+    ranked = publisher.ranking_rows()
+    assert sorted(ranked) == [(f"k00{i}", "") for i in range(4)]
+    assert ranked[("k002", "")]["ppl_ptb"] == 12.0
     cat.update("k001", {"ppl_ptb": 99.0})  # from here on, one part per change
     assert {r["grid_key"]: r["ppl_ptb"] for r in shared.read()}["k001"] == 99.0
     publisher.close()
     cat.compact()
-    assert len(shared.read()) == 4 and len(notes) == 2, notes
+    assert len(shared.read()) == 4 and len(notes) == 3, notes
 
 
 def test_a_catalog_unreachable_to_the_end_is_published_by_the_next_start(
