@@ -40,6 +40,7 @@ from pipeline.plan import CHECKPOINTS, GridPoint, ModelPlan
 from pipeline.records import model_registry, registry_aliases, row_updates
 from pipeline.records.catalog import Catalog, slot
 from pipeline.records.events import EventLog
+from pipeline.records.materialized import AliasWriter
 from pipeline.records.progress import Progress
 from pipeline.records.rows import (
     ModelFacts,
@@ -92,6 +93,9 @@ class Recorder:
         """model label -> its parent MLflow run."""
         self.run_ids: dict[str, str] = {}
         """grid key -> its point's MLflow run (this start)."""
+        self.writing_out = None if spec.tracking.materialize == "none" else AliasWriter(
+            uri, self.storage, self.events, progress.note, self.summary.failed
+        )  # fmt: skip
 
     # -- the job -----------------------------------------------------------------------
 
@@ -152,7 +156,10 @@ class Recorder:
         self.events("stopped", signal=signal, done=self.summary.done)
 
     def close(self) -> None:
-        """The job's end, however it ended: log lines closed, catalog parts folded."""
+        """The job's end, however it ended: aliases written out, log lines closed, catalog
+        parts folded."""
+        if self.writing_out is not None:
+            self.writing_out.join()
         self.progress.close()
         if self.publisher is not None:
             self.publisher.close()
@@ -476,21 +483,5 @@ class Recorder:
                     created=reg.created, aliases=aliases)  # fmt: skip
         self.progress.note(f"registry {reg.name}: {len(reg.versions)} versions of this job "
                            f"({reg.created} new), {len(moves)} alias move(s); {shown}")  # fmt: skip
-        if self.spec.tracking.materialize == "best":
-            self._materialize(plan, reg.name, aliases)
-
-    def _materialize(self, plan: ModelPlan, name: str, aliases: dict[str, str]) -> None:
-        """`tracking.materialize: best` (`pipeline.records.materialized`); a failure fails
-        this step only."""
-        from pipeline.records.materialized import materialize_aliases
-
-        client, store = self.tracker.client, self.tracker.uri
-        try:
-            done = materialize_aliases(client, name, plan.label, aliases, self.storage, store)
-        except Exception as exc:  # noqa: BLE001 (the job's records are done: it ends well)
-            self.summary.failed.append(f"{plan.label}/materialize: {first_line(exc)[:500]}")
-            self.events("materialize_failed", model=plan.label, cause=first_line(exc)[:500])
-            return
-        for m in done:
-            self.events("materialized", model=plan.label, **m.record())
-            self.progress.note(m.line(name))
+        if self.writing_out is not None:  # beside the fleet: a checkpoint per budget
+            self.writing_out.start(plan.label, reg.name, aliases)

@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.spec.names import safe_name
 from pipeline.storage import Storage, scratch_dir
@@ -128,3 +130,47 @@ def materialized_source(storage: Storage, rel: str) -> str | None:
         return str(json.loads(held)["source"]) if held is not None else None
     except (ValueError, KeyError, TypeError):
         return None
+
+
+class AliasWriter:
+    """The recorder's `tracking.materialize: best`: each model's aliases written out on a
+    thread of their own (a checkpoint per budget: minutes for a 70B model, while the fleet
+    goes on), joined at the job's end. A failure fails this step only: one line in the
+    run's failures and a `materialize_failed` event."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        storage: Storage,
+        events: Callable[..., Any],
+        note: Callable[[str], None],
+        failed: list[str],
+    ) -> None:
+        self.uri, self.storage, self.events = tracking_uri, storage, events
+        self.note, self.failed = note, failed
+        self.threads: list[threading.Thread] = []
+
+    def start(self, label: str, name: str, aliases: dict[str, str]) -> None:
+        thread = threading.Thread(target=self._write, args=(label, name, dict(aliases)),
+                                  name=f"materialize {label}")  # fmt: skip
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+
+    def _write(self, label: str, name: str, aliases: dict[str, str]) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)  # this thread's
+        try:
+            done = materialize_aliases(client, name, label, aliases, self.storage, self.uri)
+        except Exception as exc:  # noqa: BLE001 (the job's records are complete: it ends well)
+            cause = (str(exc).splitlines() or [type(exc).__name__])[0][:500]
+            self.failed.append(f"{label}/materialize: {cause}")
+            self.events("materialize_failed", model=label, cause=cause)
+            return
+        for m in done:
+            self.events("materialized", model=label, **m.record())
+            self.note(m.line(name))

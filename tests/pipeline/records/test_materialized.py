@@ -66,3 +66,33 @@ def test_best_aliases_are_written_out_and_follow_their_alias(tmp_path: Path) -> 
     (gone,) = materialize_aliases(client, NAME, "tiny", {"dense": str(v2)}, storage, store)
     assert gone.removed and gone.alias == "best-1" and not served.exists()
     assert "lorp.materialized.best-1" not in client.get_registered_model(NAME).tags
+
+
+def test_a_write_out_that_fails_is_one_line_and_the_job_goes_on(tmp_path: Path) -> None:
+    """On its own thread (the fleet goes on), joined at the job's end: a version whose
+    files are gone is one line in the run's failures and an event, not a traceback."""
+    from pipeline.records.materialized import AliasWriter
+
+    gone = save_tiny("llama", tmp_path / "gone")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    client.create_registered_model(NAME)
+    run = client.create_run(client.create_experiment("e")).info.run_id
+    version = client.create_model_version(NAME, gone.resolve().as_uri(), run).version
+    for f in gone.iterdir():
+        f.unlink()
+    gone.rmdir()
+    events: list[tuple[str, dict]] = []
+    notes: list[str] = []
+    failed: list[str] = []
+
+    def event(kind: str, **fields: object) -> None:
+        events.append((kind, fields))
+
+    writer = AliasWriter(store, Storage(tmp_path / "storage"), event, notes.append, failed)
+    writer.start("tiny", NAME, {"best-2": str(version)})
+    writer.join()
+    assert len(failed) == 1 and failed[0].startswith("tiny/materialize: ") and "\n" not in failed[0]
+    assert str(gone) in failed[0]
+    assert events == [("materialize_failed", {"model": "tiny", "cause": failed[0][18:]})]
+    assert notes == [] and not (tmp_path / "storage" / "materialized").exists()
