@@ -153,10 +153,27 @@ def status(args: argparse.Namespace) -> int:
 def add_catalog(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("catalog", help="work with catalogs")
     csub = p.add_subparsers(dest="catalog_command", required=True, parser_class=type(p))
-    m = csub.add_parser("merge", help="combine the catalogs of many jobs into one")
-    m.add_argument("catalogs", nargs="+", metavar="CATALOG.parquet")
+    m = csub.add_parser(
+        "merge",
+        help="combine catalogs (files, jobs' storages, shared ones) into one parquet file",
+    )
+    m.add_argument("catalogs", nargs="+", metavar="CATALOG")
     m.add_argument("--out", required=True, metavar="OUT.parquet")
     m.set_defaults(func=merge)
+    g = csub.add_parser(
+        "migrate",
+        help="turn a shared catalog of the format before Delta (jobs/, parts/) into a Delta table",
+        description="Its rows take the run id legacy:<job>; each job's next run takes its "
+        "own over. The old files stay (no Delta reader reads them); remove them once no "
+        "older lorp writes there.",
+    )
+    g.add_argument("catalog", metavar="CATALOG")
+    g.set_defaults(func=catalog_migrate)
+    _add_catalog_reads(csub)
+
+
+def _add_catalog_reads(csub: argparse._SubParsersAction) -> None:
+    """`lorp catalog ls` and `lorp catalog best`."""
     ls = csub.add_parser(
         "ls",
         help="the rows of a catalog (a job's or the shared one), folded and filtered",
@@ -171,6 +188,10 @@ def add_catalog(sub: argparse._SubParsersAction) -> None:
         "--degraded", choices=("yes", "no"), default=None, help="only degraded rows, or none"
     )
     ls.add_argument("--json", action="store_true", help="one JSON object per row")
+    ls.add_argument(
+        "--as-of", default=None, metavar="VERSION|TIME",
+        help="a shared catalog as it was: a table version (a number) or a time (ISO 8601)",
+    )  # fmt: skip
     ls.set_defaults(func=catalog_ls)
     b = csub.add_parser(
         "best",
@@ -183,15 +204,38 @@ def add_catalog(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--budget", type=int, required=True)
     b.add_argument("--protocol", default=None, help="default: the model's reference protocol")
     b.add_argument("--json", action="store_true", help="the row as one JSON object")
+    b.add_argument(
+        "--as-of", default=None, metavar="VERSION|TIME",
+        help="a shared catalog as it was: a table version (a number) or a time (ISO 8601)",
+    )  # fmt: skip
     b.set_defaults(func=catalog_best)
 
 
 def merge(args: argparse.Namespace) -> int:
-    from pipeline.records.catalog import merge_catalogs, write_catalog
+    from pipeline.records.catalog import merge_catalogs, newest_per_key, write_catalog
+    from pipeline.records.shared_catalog import open_catalog
 
-    rows = merge_catalogs(args.catalogs)
+    rows = []
+    for location in args.catalogs:  # a file as before (its checks), anything else by location
+        got = merge_catalogs([location]) if location.endswith(".parquet") else None
+        rows += got if got is not None else open_catalog(location)
+    rows = newest_per_key(rows)
     write_catalog(args.out, rows)
     print(f"wrote {args.out}: {len(rows)} rows from {len(args.catalogs)} catalogs")
+    return 0
+
+
+def catalog_migrate(args: argparse.Namespace) -> int:
+    """`lorp catalog migrate CATALOG`."""
+    from pipeline.records.shared_catalog import SharedCatalog
+
+    shared = SharedCatalog(args.catalog)
+    n = shared.migrate()
+    version = shared.table.version()
+    if version is None:
+        raise FileNotFoundError(f"no shared catalog at {shared.uri()!r}: nothing to migrate")
+    said = f"{n} row(s) migrated" if n else "already a Delta table: nothing migrated"
+    print(f"{shared.uri()}: {said} (table version {version})")
     return 0
 
 
@@ -212,7 +256,7 @@ def catalog_ls(args: argparse.Namespace) -> int:
     """`lorp catalog ls CATALOG`: rows, filtered; a table, or JSON lines with --json."""
     from pipeline.records.shared_catalog import matches, open_catalog
 
-    rows = open_catalog(args.catalog)
+    rows = open_catalog(args.catalog, args.as_of)
     degraded = None if args.degraded is None else args.degraded == "yes"
     want = {k: getattr(args, k) for k in ("model", "family", "method", "repair", "protocol")}
     want |= {"job": args.job, "budget": args.budget, "degraded": degraded}
@@ -235,7 +279,7 @@ def catalog_best(args: argparse.Namespace) -> int:
     from pipeline.records import ranking
     from pipeline.records.shared_catalog import open_catalog
 
-    rows = [r for r in open_catalog(args.catalog) if r["model"] == args.model]
+    rows = [r for r in open_catalog(args.catalog, args.as_of) if r["model"] == args.model]
     if not rows:
         raise ValueError(f"--model: {args.model!r} has no rows in {args.catalog}")
     protocol = args.protocol or ranking.reference_protocol(rows)

@@ -54,6 +54,7 @@ from pipeline.records.rows import (
     point_params,
     point_tags,
 )
+from pipeline.records.run_identity import run_identity
 from pipeline.records.shared_catalog import JobPublisher, SharedCatalog
 from pipeline.records.tracking import Tracker, default_tracking_uri
 from pipeline.spec.job import JobSpec
@@ -78,9 +79,11 @@ class Recorder:
         self.storage = Storage(spec.storage or self.run_dir)
         here = self.storage.local_path() == self.run_dir.resolve()
         mirror = None if here else self.storage
+        self.run_id = run_identity(self.storage, spec.name)
         self.shared = SharedCatalog(spec.catalog) if spec.catalog else None
         self.publisher = None if self.shared is None else JobPublisher(
-            self.shared, spec.name, self.storage.uri(), lambda: self.catalog.rows, progress.note
+            self.shared, spec.name, self.storage.uri(), self.run_id, lambda: self.catalog.rows,
+            progress.note,
         )  # fmt: skip
         self.catalog = Catalog(self.run_dir / Catalog.NAME, mirror, self.publisher, spec.name)
         self.events = EventLog(self.run_dir / EventLog.NAME, mirror)
@@ -102,7 +105,7 @@ class Recorder:
     def open(self) -> frozenset[str]:
         """Repair what a killed predecessor left (stale MLflow runs, partial checkpoints)
         and return the grid keys already done (none with `force`)."""
-        if self.publisher is not None:  # before publishing: never replace another job's rows
+        if self.publisher is not None:
             self.publisher.open()
         self.catalog.compact()  # what a killed predecessor recorded, folded in (and published)
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
@@ -115,6 +118,7 @@ class Recorder:
         self.events(
             "start", job=self.spec.name, force=self.force, closed_stale_runs=closed,
             pid=os.getpid(), host=socket.gethostname(), storage=self.storage.uri(),
+            run_id=self.run_id,
             catalog=self.shared.uri() if self.shared else None, redo_elsewhere=len(elsewhere),
         )  # fmt: skip
         self._warn_unjudged()
@@ -158,12 +162,14 @@ class Recorder:
     def close(self) -> None:
         """The job's end, however it ended: aliases written out, log lines closed, catalog
         parts folded."""
+        self.catalog.compact()
+        if self.publisher is not None:
+            self.publisher.close(
+                self.spec.catalog_retention_hours, self.spec.catalog_maintenance_hours
+            )
         if self.writing_out is not None:
             self.writing_out.join()
         self.progress.close()
-        if self.publisher is not None:
-            self.publisher.close()
-        self.catalog.compact()
 
     def ended(self) -> RunSummary:
         s = self.summary
@@ -351,6 +357,7 @@ class Recorder:
             self.storage.uri(),
         )  # fmt: skip
         row = catalog_row(self.spec, point, self.facts[point.model.label], result, ctx)
+        row["run_id"] = self.run_id
         metrics, tags = point_metrics(point, result), point_tags(row, ckpt, backend)
         self.tracker.log(run_id, metrics=metrics, tags=tags)
         self.tracker.log_evaluation_inputs(run_id, self.spec.evaluation, result.zero_shot)

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -102,6 +102,53 @@ def unwritable(location: str) -> str | None:
     if not os.access(nearest, os.W_OK | os.X_OK):
         return f"no permission to write in {str(nearest)!r}"
     return None
+
+
+STORE_TIMEOUTS = {
+    "timeout": "30s",
+    "connect_timeout": "5s",
+    "max_retries": "2",
+    "retry_timeout": "10s",
+}
+"""Bounds on one call to an object store (delta-rs retries for 3 min by default): an
+unreachable shared catalog costs a job's publisher seconds, not minutes."""
+_S3_KEYS = {
+    "endpoint_override": "AWS_ENDPOINT_URL",
+    "region": "AWS_REGION",
+    "access_key": "AWS_ACCESS_KEY_ID",
+    "secret_key": "AWS_SECRET_ACCESS_KEY",
+    "session_token": "AWS_SESSION_TOKEN",
+}
+"""pyarrow's S3 URI parameters (what lorp's storage URIs carry) as delta-rs options."""
+
+
+def delta_location(location: str) -> tuple[str, dict[str, str]]:
+    """delta-rs's URI and storage options for a storage location (the shared catalog,
+    `pipeline.records.delta_table`); ValueError, one line, for a scheme Delta is not
+    written to."""
+    text = str(location)
+    if "://" not in text or text.startswith("file://"):
+        return str(Path(text.removeprefix("file://")).expanduser().resolve()), {}
+    p = urlsplit(text)
+    if p.scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"):
+        raise ValueError(
+            f"catalog: {redact(text)!r}: Delta tables are not written to {p.scheme}://"
+        )
+    query = dict(parse_qsl(p.query))
+    options = dict(STORE_TIMEOUTS)
+    if p.scheme in ("s3", "s3a"):
+        scheme = query.pop("scheme", "https")
+        for key, value in query.items():
+            name = _S3_KEYS.get(key, key)
+            if name == "AWS_ENDPOINT_URL" and "://" not in value:
+                value = f"{scheme}://{value}"
+            options[name] = value
+        if scheme == "http":
+            options["AWS_ALLOW_HTTP"] = "true"
+    else:
+        options.update(query)
+    netloc = p.netloc.rpartition("@")[2]
+    return urlunsplit((p.scheme, netloc, p.path.rstrip("/"), "", "")), options
 
 
 @functools.lru_cache(maxsize=32)

@@ -29,6 +29,7 @@ SLOW_FILES = (
     "integration/test_fleet.py",
     "integration/test_pipeline_streamed.py",
     "integration/test_shared_catalog.py",
+    "integration/test_catalog_writers.py",
     "integration/test_dashboard.py",
     "integration/test_real_model.py",
     "pipeline/cluster/test_connect.py",

@@ -38,17 +38,18 @@ if TYPE_CHECKING:
 
 class Publisher(Protocol):
     """Where a job's changes are published besides its own catalog: the shared catalog
-    (`pipeline.records.shared_catalog.SharedCatalog`)."""
+    (`pipeline.records.shared_catalog.JobPublisher`). Both calls return at once."""
 
-    def put_part(self, job: str, name: str, data: bytes) -> None: ...
+    def changed(self, row: Mapping[str, Any], removed: Iterable[str] = ()) -> None: ...
 
-    def replace_rows(self, job: str, rows: Iterable[Mapping[str, Any]]) -> int: ...
+    def whole(self) -> None: ...
 
 
 CORE_SCHEMA = pa.schema(
     [
         ("grid_key", pa.string()),
         ("job", pa.string()),
+        ("run_id", pa.string()),
         ("model", pa.string()),
         ("model_ref", pa.string()),
         ("family", pa.string()),
@@ -263,8 +264,8 @@ class Catalog:
     job resumes from storage on any machine, and every part is copied to storage.
 
     With `publish` (the organisation's shared catalog, `pipeline.records.shared_catalog`)
-    every part is published there too, under the job's name, and `compact` replaces the
-    job's rows there with all of its rows here."""
+    every change is handed to it too (it publishes in the background), and `compact`
+    hands it all of the job's rows."""
 
     NAME = NAME
 
@@ -291,14 +292,19 @@ class Catalog:
         return {r["grid_key"]: r for r in self.rows}
 
     def put(self, row: Mapping[str, Any]) -> None:
+        before = {r["grid_key"] for r in self.rows}
         self.rows = upsert(self.rows, row)
         self._record({"op": "put", "row": dict(row)})
+        if self.publish is not None:
+            self.publish.changed(row, before - {r["grid_key"] for r in self.rows})
 
     def update(self, grid_key: str, values: Mapping[str, Any]) -> dict[str, Any]:
         """Add or replace columns of one row (figures measured after the point)."""
         row = self.by_key()[grid_key]
         row.update(values)
         self._record({"op": "update", "key": grid_key, "values": dict(values)})
+        if self.publish is not None:
+            self.publish.changed(row)
         return row
 
     def _record(self, part: dict[str, Any]) -> None:
@@ -312,21 +318,13 @@ class Catalog:
             tmp.write_bytes(data)
         if self.mirror is not None:
             self.mirror.put_file(self.parts / name, f"{PARTS}/{name}")
-        if self.publish is not None:
-            try:
-                self.publish.put_part(self.job, name, data)
-            except OSError as exc:  # the job's own records are whole; the next compact repairs
-                _unpublished(self.publish, self.job, exc)
 
     def compact(self) -> None:
-        """Fold the parts into the parquet file (atomically), then delete them; the
-        job's rows in the shared catalog are replaced with all of them."""
+        """Fold the parts into the parquet file (atomically), then delete them; all the
+        job's rows go to the shared catalog."""
         done = sorted(self.parts.glob("*.json")) if self.parts.is_dir() else []
         if self.publish is not None:
-            try:
-                self.publish.replace_rows(self.job, self.rows)
-            except OSError as exc:
-                _unpublished(self.publish, self.job, exc)
+            self.publish.whole()
         if not done:
             return
         write_catalog(self.path, self.rows)
@@ -336,21 +334,6 @@ class Catalog:
             if self.mirror is not None:
                 self.mirror.delete(f"{PARTS}/{f.name}")
             f.unlink(missing_ok=True)
-
-
-def _unpublished(publish: Publisher, job: str, exc: OSError) -> None:
-    """The shared catalog could not be written: said once per failure, never fatal. The
-    job's own catalog has every row; its next compaction (the job's end, or its next
-    start) publishes all of them again."""
-    import logging
-
-    logging.getLogger("pipeline").warning(
-        "shared catalog %s not written (%s): job %s's rows are published again at its "
-        "next start or end",
-        getattr(publish, "uri", lambda: "?")(),
-        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-        job,
-    )
 
 
 def _plain(value: Any) -> Any:

@@ -1,60 +1,63 @@
-"""The organisation's shared catalog: every job's rows in one place (`catalog:` in a job
-spec), written by many jobs at once, read folded.
+"""The organisation's shared catalog (`catalog:` in a job spec): every job's rows in one
+Delta Lake table at that location (its `_delta_log/` there), written by many jobs at once
+and read by any tool that reads Delta (`pipeline.records.delta_table`).
 
-Layout, in any storage (`pipeline.storage`: a directory, a shared mount, `s3://...`):
+A row's key is (`run_id`, `grid_key`): `run_id` is the job's identity, minted at its first
+start and kept in its storage (`pipeline.records.run_identity`), so two jobs never write
+each other's rows, whatever their names and paths. Every change is a MERGE on that key,
+one transaction per batch of a job's changes, retried on a conflict with another job's
+commit (optimistic concurrency, no lock on a filesystem, conditional writes on S3).
 
-    jobs/<job>.parquet               the job's rows, folded (replaced whole, atomically)
-    parts/<job>~<time>-<pid>-<n>.json the job's changes since (one `put` or `update` each)
+A job publishes from a background thread (`JobPublisher`): a point only hands its row
+over and never waits on the catalog; the thread publishes what has changed since its
+last commit, so changes reach the table within seconds however many jobs write. At the
+job's start and end it publishes the job's rows whole (its own catalog is the truth: a
+row the job no longer holds is deleted there). An unreachable catalog never stops a job:
+the changes wait in the job's own catalog and go out once the catalog answers.
 
-Each job writes only its own names, so jobs never contend: no lock, no row lost, none
-doubled. A job publishes every change of its own catalog as a part at once
-(`pipeline.records.catalog.Catalog`), and at its start and end replaces its snapshot
-with all its rows and then deletes the parts the snapshot holds: a rerun replaces that
-job's rows and no one else's. A reader folds each job's snapshot and parts; it reads
-every snapshot again after the parts, and starts over when one changed meanwhile (a
-job compacted under it), so it never misses the parts a compaction folded away.
-
-Rows are identified by (job, grid key); two jobs that measured the same point both keep
-their row (each with its checkpoint and run). The job name is a job's identity here, as
-it is in MLflow's experiments.
+A catalog in the format before Delta (`jobs/*.parquet` + `parts/`,
+`pipeline.records.legacy_catalog`) is migrated into the table by `lorp catalog migrate`,
+or by the first job that writes there; its rows take the run id `legacy:<job>`, and that
+job's first publish takes them over (same name, same storage). The old files are left
+where they were (Delta reads only what its log names).
 
 `open_catalog` reads any catalog by location: a catalog file, a job's run directory or
-storage, or a shared catalog.
+storage, or a shared catalog (optionally as of a version or a time).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from pipeline.records.catalog import (
-    NAME,
-    PARTS,
-    apply_parts,
-    parse_part,
-    read_catalog,
-    to_table,
+from pipeline.records.catalog import NAME, PARTS, apply_parts, parse_part, read_catalog, to_table
+from pipeline.records.delta_table import (
+    DELTA_LOG,
+    DeltaTable,
+    check_commits_are_safe,
+    rows_of,
+    sql_text,
 )
+from pipeline.records.legacy_catalog import is_legacy, read_legacy
 from pipeline.records.protocol import row_protocol
+from pipeline.records.run_identity import LEGACY_PREFIX
 from pipeline.storage import Storage, is_remote
 
-JOBS, SHARED_PARTS = "jobs", "parts"
-SEP = "~"
-"""Between a part's job name and its own name; job names cannot hold it."""
-READ_TIMEOUT_S = 60.0
-"""How long a read keeps trying while compactions overtake it (jobs compact at their
-start and end, so a real catalog settles in far less)."""
-ERROR_RETRY_S = 3.0
-"""How long a read keeps trying after the store's first error (pyarrow has retried each
-call already: an unreachable S3 endpoint takes about 6 s a call to refuse)."""
+KEY = ("run_id", "grid_key")
+DELETED = "_lorp_deleted"
+"""A source column of a MERGE only: the row deletes its key."""
 CHECK_RETRY_S = 30.0
-"""How often a job whose shared catalog was unreachable checks it again (`JobPublisher`)."""
+"""The longest a publisher waits before trying an unreachable catalog again."""
+CLOSE_WAIT_S = 30.0
+"""How long a job's end waits for its last changes to be published."""
+MAINTENANCE = "_lorp_maintenance.json"
 
 
 class SharedCatalog:
@@ -62,148 +65,132 @@ class SharedCatalog:
 
     def __init__(self, location: str | Storage) -> None:
         self.storage = location if isinstance(location, Storage) else Storage(location)
+        self.table = DeltaTable(self.storage.location)
 
     def uri(self) -> str:
         return self.storage.uri()
 
-    # -- one job's writes --------------------------------------------------------------
-
-    def put_part(self, job: str, name: str, data: bytes) -> None:
-        """One change of `job`'s rows (a part of its own catalog, same bytes)."""
-        self.storage.write_bytes(f"{SHARED_PARTS}/{job}{SEP}{name}", data)
-
-    def replace_rows(self, job: str, rows: Iterable[Mapping[str, Any]]) -> int:
-        """`job`'s rows, whole: its snapshot replaced, then the parts it folds deleted
-        (only the ones listed before the snapshot was written). Returns the row count."""
-        mine = [dict(r) for r in rows if r.get("job") == job]
-        done = self._part_names(job)
-        with self.storage.writer(f"{JOBS}/{job}.parquet") as fh:
-            pq.write_table(to_table(mine), fh)
-        for name in done:
-            self.storage.delete(f"{SHARED_PARTS}/{name}")
-        return len(mine)
-
-    def _part_names(self, job: str | None = None) -> list[str]:
-        names = [n for n in self.storage.list(SHARED_PARTS) if n.endswith(".json")]
-        return [n for n in names if job is None or n.split(SEP, 1)[0] == job]
+    def is_shared(self) -> bool:
+        """Whether the location holds a shared catalog, in either format."""
+        return bool(self.storage.list(DELTA_LOG)) or is_legacy(self.storage)
 
     # -- reading -----------------------------------------------------------------------
 
-    def _snapshots(self) -> dict[str, bytes]:
-        out = {}
-        for name in self.storage.list(JOBS):
-            if name.endswith(".parquet"):
-                data = self.storage.read_bytes(f"{JOBS}/{name}")
-                if data is not None:
-                    out[name.removesuffix(".parquet")] = data
-        return out
-
-    def read(self) -> list[dict[str, Any]]:
-        """Every job's rows, folded (see the module docstring). A read that a compaction
-        overtook is tried again for up to `READ_TIMEOUT_S`; one that failed (an object
-        store's transient error) for up to `ERROR_RETRY_S`, then its error is raised."""
-        deadline = time.monotonic() + READ_TIMEOUT_S
-        attempt, error, first_error = 0, None, None
-        while True:
-            try:
-                before, parts = self._snapshots(), self._parts()
-                if self._snapshots() == before:
-                    return self._fold(before, parts)
-                error = None
-            except OSError as exc:
-                error, first_error = exc, first_error or time.monotonic()
-            now = time.monotonic()
-            if now > deadline or (error is not None and now > first_error + ERROR_RETRY_S):
-                break
-            attempt += 1
-            time.sleep(min(0.05 * attempt, 0.5))
-        if error is not None:
-            raise error
-        raise RuntimeError(f"{self.uri()}: the catalog kept changing while it was read")
-
-    def _parts(self) -> dict[str, list[dict[str, Any]]]:
-        """job -> its parts, in order."""
-        parts: dict[str, list[dict[str, Any]]] = {}
-        for name in sorted(self._part_names()):
-            try:
-                data = self.storage.read_bytes(f"{SHARED_PARTS}/{name}")
-            except OSError:  # an object store cut the read of a part deleted under it
-                if name in self._part_names():
-                    raise
-                data = None
-            if data is None:  # folded away meanwhile: the snapshot check sees it
-                continue
-            part = parse_part(data, self.storage.uri(f"{SHARED_PARTS}/{name}"))
-            if part is not None:
-                parts.setdefault(name.split(SEP, 1)[0], []).append(part)
-        return parts
-
-    @staticmethod
-    def _fold(
-        snapshots: dict[str, bytes], parts: dict[str, list[dict[str, Any]]]
-    ) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        for job in sorted(set(snapshots) | set(parts)):
-            data = snapshots.get(job)
-            base = pq.read_table(pa.BufferReader(data)).to_pylist() if data is not None else []
-            rows.extend(apply_parts(base, parts.get(job, [])))
-        return rows
+    def read(self, as_of: int | str | datetime | None = None) -> list[dict[str, Any]]:
+        """Every row, as of now or of a version or a time; a catalog not yet migrated is
+        read in its old format (it keeps no versions)."""
+        table = self.table.read(as_of)
+        if table is not None:
+            return rows_of(table)
+        if as_of is not None:
+            raise ValueError(f"--as-of: {self.uri()} is not a Delta table: it keeps no versions")
+        return _legacy_rows(self.storage) if is_legacy(self.storage) else []
 
     def rows_of(self, job: str) -> list[dict[str, Any]]:
-        """`job`'s rows in the shared catalog, folded."""
         return [r for r in self.read() if r.get("job") == job]
 
-    def check_owner(self, job: str, storage: str, own: Iterable[Mapping[str, Any]]) -> None:
-        """Refuse (one line) to publish as `job` when the shared catalog holds rows of a
-        job of that name that this job does not know: another team's job of the same
-        name, writing to another storage, whose rows this job would replace. A job that
-        moved its storage still holds its old rows in its working copy: not refused."""
-        mine = {(r["grid_key"], r.get("mlflow_run_id")) for r in own}
-        foreign = [
-            r
-            for r in self.rows_of(job)
-            if r.get("storage") not in (None, storage)
-            and (r["grid_key"], r.get("mlflow_run_id")) not in mine
-        ]
-        if foreign:
-            where = sorted({str(r["storage"]) for r in foreign})[0]
-            raise ValueError(
-                f"catalog: {self.uri()} already holds {len(foreign)} row(s) of another job "
-                f"named {job!r} (storage {where}); give this job another name, or remove "
-                f"those rows there first"
-            )
+    # -- writing -----------------------------------------------------------------------
 
-    def is_shared(self) -> bool:
-        """Whether the location holds a shared catalog (or is empty)."""
-        return bool(self.storage.list(JOBS) or self.storage.list(SHARED_PARTS))
+    def migrate(self) -> int:
+        """Create the table from a catalog in the old format (the module docstring);
+        the number of rows it took, 0 where there is a table already or nothing to take."""
+        if self.table.exists() or not is_legacy(self.storage):
+            return 0
+        check_commits_are_safe(self.storage.location)
+        rows = _legacy_rows(self.storage)
+        self.table.merge(_source(rows, []), KEY, delete_flag=DELETED, partition="run_id")
+        return len(rows)
+
+    def publish(
+        self,
+        run_id: str,
+        rows: Iterable[Mapping[str, Any]],
+        deleted: Iterable[str] = (),
+        *,
+        whole: tuple[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """One transaction: `rows` upserted under `run_id`, the `deleted` grid keys
+        removed; with `whole` = (job, storage) the rows are all of the job's, so the
+        job's other rows go, and then (a second transaction, needed once after a
+        migration) that job's migrated rows (`legacy:<job>`) of that storage."""
+        check_commits_are_safe(self.storage.location)
+        if not self.table.exists():
+            self.migrate()
+        rows = [{**r, "run_id": run_id} for r in rows]
+        deleted = list(deleted)
+        if whole is not None:  # the keys of this run the job no longer holds
+            held = {r["grid_key"] for r in rows}
+            deleted += [k for k in self.table.keys("grid_key", "run_id", run_id) if k not in held]
+        scope = f"t.run_id = {sql_text(run_id)}"  # its own partition: no other job conflicts
+        report = self.table.merge(
+            _source(rows, [(run_id, k) for k in deleted]), KEY, delete_flag=DELETED,
+            partition="run_id", scope=scope,
+        )  # fmt: skip
+        if whole is not None:
+            job, storage = whole
+            self.table.delete_where(
+                f"run_id = {sql_text(LEGACY_PREFIX + job)} AND storage = {sql_text(storage)}"
+            )
+        return report
+
+    def maintain(self, retention_hours: int, every_hours: float) -> dict[str, Any] | None:
+        """Compaction, a log checkpoint and vacuum (`DeltaTable.maintain`), at most once
+        every `every_hours` whoever asks; None when not due."""
+        data = self.storage.read_bytes(MAINTENANCE)
+        last = json.loads(data)["at"] if data else 0.0
+        if time.time() - last < every_hours * 3600:
+            return None
+        self.storage.write_bytes(MAINTENANCE, json.dumps({"at": time.time()}).encode())
+        return self.table.maintain(retention_hours)
+
+
+def _source(rows: list[dict[str, Any]], deleted: list[tuple[str, str]]) -> pa.Table:
+    tombstones = [{"run_id": r, "grid_key": k} for r, k in deleted]
+    table = to_table([*rows, *tombstones])
+    flag = pa.array([False] * len(rows) + [True] * len(tombstones), pa.bool_())
+    return table.append_column(DELETED, flag)
+
+
+def _legacy_rows(storage: Storage) -> list[dict[str, Any]]:
+    return [
+        {**r, "run_id": r.get("run_id") or LEGACY_PREFIX + r["job"]} for r in read_legacy(storage)
+    ]
 
 
 class JobPublisher:
-    """The shared catalog as one job publishes to it (`Catalog(publish=...)`): nothing is
-    published as the job until its name is checked there (`SharedCatalog.check_owner`).
-
-    `open` checks at the job's start: another job's rows under this name refuse the job
-    (ValueError, one line); an unreachable catalog does not stop it. The job records on
-    in its own catalog, a background thread checks again every `CHECK_RETRY_S`, and once
-    the name is checked the next change (or the job's end) publishes all its rows. A
-    foreign job found only then stops the publishing, never the job. Once checked, a
-    failed write is the caller's to report (`catalog._unpublished`), as before."""
+    """The shared catalog as one job publishes to it (`Catalog(publish=...)`, and the
+    module docstring): `changed` and `whole` hand changes over and return at once; a
+    thread of its own publishes them, batching what came meanwhile; `close` waits up to
+    `CLOSE_WAIT_S` for the last of them."""
 
     def __init__(
         self,
         shared: SharedCatalog,
         job: str,
         storage: str,
+        run_id: str,
         rows: Callable[[], list[dict[str, Any]]],
         note: Callable[[str], None],
     ) -> None:
-        self.shared, self.job, self.storage, self.rows, self.note = (
-            shared, job, storage, rows, note)  # fmt: skip
-        self.state = "unchecked"
-        """unchecked; late (checked after an outage: all rows go out next); live
-        (publishing as the job); refused (another job owns the name: nothing goes out)."""
+        self.shared, self.job, self.storage, self.run_id = shared, job, storage, run_id
+        self.rows, self.note = rows, note
+        self.state = "unreached"
+        """unreached (nothing published yet, or the catalog stopped answering); live;
+        refused (the table refuses this job's rows: a column's type changed)."""
+        self._pending: dict[str, dict[str, Any] | None] = {}
+        self._handed: dict[str, float] = {}
+        """Pending key -> when its oldest unpublished change was handed over."""
+        self.commit_seconds: list[float] = []
+        """How long each commit took, conflicts retried included."""
+        self.latencies: list[float] = []
+        """Seconds from each change's hand-over to the commit that published it."""
+        self._whole = False
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._said_unreachable = False
+        self.published = 0
+        """Commits this job made (the tests and the benchmark count them)."""
 
     def uri(self) -> str:
         return self.shared.uri()
@@ -213,84 +200,133 @@ class JobPublisher:
         return self.state == "live"
 
     def open(self) -> None:
-        """The start's check (see the class docstring)."""
+        """Start publishing (the job's rows whole first, once the start compacts)."""
+        self._thread = threading.Thread(target=self._run, name="catalog-publisher", daemon=True)
+        self._thread.start()
+
+    def changed(self, row: Mapping[str, Any], removed: Iterable[str] = ()) -> None:
+        """A row put or updated (its whole new value), and the keys it replaced."""
+        now = time.monotonic()
+        with self._lock:
+            self._pending[row["grid_key"]] = dict(row)
+            self._handed.setdefault(row["grid_key"], now)
+            for key in removed:
+                self._pending[key] = None
+                self._handed.setdefault(key, now)
+        self._wake.set()
+
+    def whole(self) -> None:
+        """All the job's rows go out next (its start and end: `Catalog.compact`)."""
+        with self._lock:
+            self._whole = True
+        self._wake.set()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything handed over is published; whether it was."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle = not self._pending and not self._whole and not self._busy
+            if idle or self.state == "refused":
+                return idle
+            self._wake.set()
+            time.sleep(0.02)
+        return False
+
+    _busy = False
+
+    def close(self, retention_hours: int = 168, maintenance_hours: float = 6.0) -> None:
+        """The job's end: its last changes published (waiting up to `CLOSE_WAIT_S`), the
+        table maintained when due, the thread stopped. What could not go out is said in
+        one line; the job's next start publishes it."""
+        done = self.flush(CLOSE_WAIT_S)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=CLOSE_WAIT_S)
+        if not done and self.state != "refused":
+            self.note(
+                f"shared catalog {self.uri()} not reachable at the job's end: this job's "
+                "rows are in its own catalog and are published by its next start"
+            )
+        elif done:
+            try:
+                report = self.shared.maintain(retention_hours, maintenance_hours)
+            except (OSError, ValueError) as exc:
+                self.note(f"shared catalog {self.uri()} not maintained: {_one_line(exc)}")
+            else:
+                if report:
+                    self.note(f"shared catalog {self.uri()} maintained: {report}")
+
+    def _run(self) -> None:
+        delay = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(delay or None)
+            self._wake.clear()
+            delay = 0.0 if self._publish_once() else min(max(2 * delay, 0.5), CHECK_RETRY_S)
+
+    def _publish_once(self) -> bool:
+        """Publish what is pending; False when the catalog did not answer (kept)."""
+        began = time.monotonic()
+        with self._lock:
+            batch, whole, handed = self._pending, self._whole, self._handed
+            self._pending, self._whole, self._busy, self._handed = {}, False, True, {}
         try:
-            self.shared.check_owner(self.job, self.storage, self.rows())
+            if (not batch and not whole) or self.state == "refused":
+                return True
+            if whole:
+                self.shared.publish(self.run_id, list(self.rows()), whole=(self.job, self.storage))
+            else:
+                rows = [r for r in batch.values() if r is not None]
+                gone = [k for k, r in batch.items() if r is None]
+                self.shared.publish(self.run_id, rows, gone)
         except OSError as exc:
+            with self._lock:
+                for key, row in batch.items():
+                    self._pending.setdefault(key, row)
+                    self._handed[key] = min(handed[key], self._handed.get(key, handed[key]))
+                self._whole = self._whole or whole
+            self._unreachable(exc)
+            return False
+        except ValueError as exc:  # the table refuses the rows: said once, never retried
+            self.state = "refused"
+            self.note(f"{exc}: this job's rows are not published there")
+            return True
+        finally:
+            self._busy = False
+        self.published += 1
+        done = time.monotonic()
+        self.latencies.extend(done - t for t in handed.values())
+        self.commit_seconds.append(done - began)
+        if self.state != "live" and self._said_unreachable:
+            self.note(f"shared catalog {self.uri()} reached: this job's rows published there")
+        self.state, self._said_unreachable = "live", False
+        return True
+
+    def _unreachable(self, exc: BaseException) -> None:
+        self.state = "unreached"
+        if not self._said_unreachable:
+            self._said_unreachable = True
             self.note(
                 f"shared catalog {self.uri()} not reachable ({_one_line(exc)}): this job's "
-                f"rows stay in its own catalog and are published once it is (checked every "
-                f"{CHECK_RETRY_S:.0f} s, and at the job's end)"
+                f"rows stay in its own catalog and are published once it is (tried again "
+                f"within {CHECK_RETRY_S:.0f} s, and at the job's end)"
             )
-            threading.Thread(target=self._check_until_done, daemon=True).start()
-            return
-        self.state = "live"
-
-    def close(self) -> None:
-        """The job ends: the background checks stop; its last compaction checks once more."""
-        self._stop.set()
-
-    def _check_until_done(self) -> None:
-        while not self._stop.wait(CHECK_RETRY_S) and self.state == "unchecked":
-            self.check_again()
-
-    def check_again(self) -> None:
-        """One more check of the job's name; any outcome but an unreachable catalog is final."""
-        try:
-            self.shared.check_owner(self.job, self.storage, self.rows())
-        except OSError:
-            return
-        except ValueError as exc:
-            outcome = "refused"
-            self.note(f"{exc}: this job's rows are not published there")
-        else:
-            outcome = "late"
-        with self._lock:
-            if self.state == "unchecked":
-                self.state = outcome
-
-    def _went_live(self) -> None:
-        with self._lock:
-            late, self.state = self.state == "late", "live"
-        if late:
-            self.note(f"shared catalog {self.uri()} reached: this job's rows published there")
 
     def ranking_rows(self) -> dict[tuple[str, str], dict[str, Any]]:
         """The shared catalog's rows by (grid key, run id), for the registry's ranking;
         none when it is not reachable or cannot be read (the aliases then rank by the
         versions' own tags), with a line saying so."""
+        self.flush(CLOSE_WAIT_S)  # this job's own rows first
         if not self.reachable:  # a read would wait on the store for nothing
             self.note(f"shared catalog {self.uri()} not read: not reachable")
             return {}
         try:
             rows = self.shared.read()
         except OSError as exc:
-            line = (str(exc).splitlines() or [type(exc).__name__])[0]
-            self.note(f"shared catalog {self.uri()} not read: {line}")
+            self.note(f"shared catalog {self.uri()} not read: {_one_line(exc)}")
             return {}
         return {(r["grid_key"], r.get("mlflow_run_id") or ""): r for r in rows}
-
-    def put_part(self, job: str, name: str, data: bytes) -> None:
-        if self.state == "late":  # everything so far, this change with it
-            self.shared.replace_rows(job, self.rows())
-            self._went_live()
-        elif self.state == "live":
-            self.shared.put_part(job, name, data)
-
-    def replace_rows(self, job: str, rows: Iterable[Mapping[str, Any]]) -> int:
-        """The job's rows whole (its compactions); at its end, one last check first."""
-        if self.state == "unchecked" and self._stop.is_set():
-            self.check_again()
-            if self.state == "unchecked":
-                self.note(
-                    f"shared catalog {self.uri()} still not reachable: this job's rows are "
-                    "published by its next start"
-                )
-        if self.state not in ("late", "live"):
-            return 0
-        n = self.shared.replace_rows(job, rows)
-        self._went_live()
-        return n
 
 
 def _one_line(exc: BaseException) -> str:
@@ -301,20 +337,40 @@ def _one_line(exc: BaseException) -> str:
 # -- any catalog by location --------------------------------------------------------------
 
 
-def open_catalog(location: str) -> list[dict[str, Any]]:
+def open_catalog(location: str, as_of: str | None = None) -> list[dict[str, Any]]:
     """The rows of the catalog at `location`, folded, every row with its `protocol`:
     a catalog file (`catalog.parquet`), a job's run directory or storage, or a shared
-    catalog. One-line errors for anything else."""
-    rows = _read_any(location)
+    catalog, whose rows can be read as of a version (`as_of` digits) or a time (ISO
+    8601). One-line errors for anything else."""
+    rows = _read_any(location, parse_as_of(as_of))
     for r in rows:
         r["protocol"] = row_protocol(r)
     return rows
 
 
-def _read_any(location: str) -> list[dict[str, Any]]:
+def parse_as_of(text: str | None) -> int | datetime | None:
+    if text is None:
+        return None
+    if text.strip().isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"--as-of: {text!r} is neither a table version (a number) nor a time "
+            "(ISO 8601, e.g. 2026-12-05T06:00:00+00:00)"
+        ) from None
+    return when if when.tzinfo else when.astimezone()
+
+
+def _read_any(location: str, as_of: int | datetime | None) -> list[dict[str, Any]]:
     if not is_remote(location):
-        path = Path(location)
+        path = Path(location.removeprefix("file://"))
         if path.is_file():
+            if as_of is not None:
+                raise ValueError(
+                    f"--as-of: {location!r} is a job's catalog file: it keeps no versions"
+                )
             try:
                 return read_catalog(path)
             except pa.ArrowInvalid as exc:
@@ -324,15 +380,19 @@ def _read_any(location: str) -> list[dict[str, Any]]:
     store = Storage(location)
     shared = SharedCatalog(store)
     if shared.is_shared():
-        return shared.read()
+        return shared.read(as_of)
     if store.read_bytes(NAME) is not None or store.list(PARTS):
+        if as_of is not None:
+            raise ValueError(f"--as-of: {store.uri()} is a job's catalog: it keeps no versions")
         return _read_job_storage(store)
     raise FileNotFoundError(
-        f"no catalog at {store.uri()!r} (neither {NAME} nor a shared catalog's {JOBS}/)"
+        f"no catalog at {store.uri()!r} (neither {NAME} nor a shared catalog's {DELTA_LOG}/)"
     )
 
 
 def _read_job_storage(store: Storage) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
     data = store.read_bytes(NAME)
     rows = pq.read_table(pa.BufferReader(data)).to_pylist() if data is not None else []
     parts = []

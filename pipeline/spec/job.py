@@ -53,10 +53,17 @@ class JobSpec:
     resumes from the catalog in storage. Default: output_dir itself."""
     catalog: str | None = None
     """The organisation's shared catalog: a local or shared directory, or a URI as for
-    storage (s3://bucket/catalog). Every row this job records is also published there
-    (as parts, safe when many jobs write at once; a rerun replaces this job's rows only),
-    and the registry's aliases rank over every job's rows in it. Default: none, the
-    job's own catalog only."""
+    storage (s3://bucket/catalog), where a Delta Lake table holds every job's rows (any
+    Delta reader reads it: DuckDB, Spark, Trino, pandas). Every row this job records is
+    also published there, in the background, under this job's run id (many jobs write at
+    once; a rerun replaces this job's rows only), and the registry's aliases rank over
+    every job's rows in it. Default: none, the job's own catalog only."""
+    catalog_retention_hours: int = 168
+    """How far back the shared catalog can be read (`lorp catalog ls --as-of`): its
+    maintenance never vacuums a file a version this recent reads."""
+    catalog_maintenance_hours: float = 6.0
+    """How often, at most, a job's end compacts the shared catalog's small files,
+    checkpoints its log and vacuums it (whichever job ends first once it is due)."""
     checkpoints: str = "manifest"
     """How each pruned variant is stored under <storage>/checkpoints: `manifest` (the
     default), what the variant changes (`lorp.models.variant_manifest`): its base model by
@@ -147,6 +154,7 @@ class JobSpec:
             check_storage(self.storage)
         if self.catalog is not None:
             check_storage(self.catalog, "catalog")
+            self._check_catalog_table()
         unique("budgets", list(self.budgets))
         if not self.repair:
             raise SpecError("repair: at least one of none, linear is needed")
@@ -171,6 +179,20 @@ class JobSpec:
             raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
         self._check_labels()
         self._check_vllm()
+
+    def _check_catalog_table(self) -> None:
+        from pipeline.storage import delta_location
+
+        try:
+            delta_location(str(self.catalog))
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+        hours = self.catalog_retention_hours
+        if isinstance(hours, bool) or not isinstance(hours, int) or hours < 1:
+            raise SpecError(f"catalog_retention_hours: a whole number of hours >= 1, got {hours!r}")
+        every = self.catalog_maintenance_hours
+        if isinstance(every, bool) or not isinstance(every, int | float) or every <= 0:
+            raise SpecError(f"catalog_maintenance_hours: a number of hours > 0, got {every!r}")
 
     def _check_materialize(self) -> None:
         """`tracking.materialize` writes out the registry's stored variants: it needs both."""

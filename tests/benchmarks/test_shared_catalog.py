@@ -1,11 +1,10 @@
-"""benchmarks/shared_catalog.py at a small load: three jobs publishing 60 rows each (one
-compaction midway, one at the end) into one shared catalog while a reader folds it; no
-row lost, doubled, or seen to go away."""
+"""benchmarks/shared_catalog.py at a small load: three jobs (two of one name) publishing
+into one shared Delta table while two readers read it, one job killed midway; checked
+against every writer's own log."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,24 +18,19 @@ from benchmarks import shared_catalog  # noqa: E402
 
 
 def test_small_load_loses_nothing(tmp_path: Path) -> None:
-    out = tmp_path / "shared.json"
-    assert shared_catalog.main(["--jobs", "3", "--rows", "60", "--json", str(out)]) == 0
+    out, page = tmp_path / "shared.json", tmp_path / "page.md"
+    argv = ["--writers", "3", "--changes", "30", "--kill", "1", "--read-rows", "800"]
+    assert shared_catalog.main([*argv, "--json", str(out), "--page", str(page)]) == 0
     r = json.loads(out.read_text())
-    assert (r["jobs"], r["rows_per_job"]) == (3, 60)
-    assert r["changes"] == 3 * 60 * 3  # every row put, then its speed and gate updates
-    assert r["rows"] == 180 and r["rows_lost"] == r["rows_doubled"] == r["reader_drops"] == 0
-    assert r["reader_folds"] >= 1 and 0 <= r["fold_s_busy"] <= r["fold_s_busy_max"]  # rounded
-    assert 0 < r["publish_ms_p50"] <= r["publish_ms_p95"]
-    assert r["fold_s_final"] > 0
+    assert (r["writers"], r["changes_per_writer"], r["killed"]) == (3, 30, 1)
+    assert r["rows_lost"] == r["rows_doubled"] == r["rows_wrong"] == r["reader_drops"] == 0
+    assert r["reader_failures"] == [] and r["reads"] >= 1
+    assert r["nightly_run_ids"] == 2  # two jobs of one name: two run ids, both kept
+    assert 0 < r["publish_ms_p50"] <= r["publish_ms_p95"] and r["commits"] >= 2
+    assert r["read"][0]["rows"] == 800 and r["read"][0]["read_s"] > 0
+    assert "| rows lost / doubled / wrong | 0 / 0 / 0 |" in page.read_text()
 
 
-def test_a_job_that_dies_fails_the_run_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A publishing process that dies never puts its times: the script says which one
-    died, and stops the reader, instead of waiting for ever."""
-
-    def broken(location: str, job: str, rows: int, out) -> None:  # type: ignore[no-untyped-def]
-        os._exit(3)  # as a job killed mid-run: no traceback, no result
-
-    monkeypatch.setattr(shared_catalog, "publish", broken)
-    with pytest.raises(RuntimeError, match=r"team-0\d exited with code 3"):
-        shared_catalog.main(["--jobs", "2", "--rows", "1"])
+def test_a_writer_that_dies_fails_the_run_instead_of_hanging() -> None:
+    with pytest.raises(RuntimeError, match=r"writer-\d exited with code 1"):
+        shared_catalog.main(["--writers", "2", "--changes", "3", "--location", "hdfs://nn/x"])

@@ -229,8 +229,8 @@ def shared_catalog(catalog, root: Path) -> tuple[Path, str, str]:  # type: ignor
         r["ppl_ptb"] = 1.1 * r["ppl_ptb"]
         other.append(r)
     shared = SharedCatalog(str(root / "shared"))
-    shared.replace_rows("dash", rows)
-    shared.replace_rows("other", other)
+    shared.publish("run-dash", rows)
+    shared.publish("run-other", other)
     return root / "shared", rows[0]["protocol"], other[0]["protocol"]
 
 

@@ -214,24 +214,30 @@ def parse_spec_with(spec: Any, **changes: Any) -> Any:
     return dataclasses.replace(spec, **changes)
 
 
-def test_another_job_of_the_same_name_is_refused(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Another team's job named like `team-a` (its own run directory and storage) would
-    replace team-a's rows in the shared catalog: refused in one line, nothing changed."""
+def test_another_job_of_the_same_name_is_another_job(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Another team's job named like `team-a` (its own run directory and storage) mints
+    its own run id: both jobs' rows stay in the shared catalog, each under its own."""
     spec = fleet["specs"]["a"]
     other = parse_spec_with(
         spec, output_dir=str(tmp_path / "run"), storage=str(tmp_path / "their-storage")
     )
     shared = SharedCatalog(str(fleet["root"] / "shared"))
-    before = sorted((r["grid_key"], r["mlflow_run_id"]) for r in shared.rows_of("team-a"))
+    before = sorted((r["run_id"], r["grid_key"], r["ppl_ptb"]) for r in shared.rows_of("team-a"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", fleet["server"])
-        with pytest.raises(
-            ValueError,
-            match=r"^catalog: .* already holds 5 row\(s\) of another job named 'team-a' \(storage ",
-        ):
-            run_job(other)
-    after = sorted((r["grid_key"], r["mlflow_run_id"]) for r in shared.rows_of("team-a"))
-    assert after == before
+        summary = run_job(other)
+    assert summary.done == 5 and not summary.failed
+    rows = shared.rows_of("team-a")
+    ours = json.loads((tmp_path / "their-storage" / "lorp_run.json").read_text())["run_id"]
+    assert (
+        sorted((r["run_id"], r["grid_key"], r["ppl_ptb"]) for r in rows if r["run_id"] != ours)
+        == before
+    )
+    theirs = [r for r in rows if r["run_id"] == ours]
+    assert len(theirs) == 5 and {r["storage"] for r in theirs} == {
+        str((tmp_path / "their-storage").resolve())
+    }
+    assert len({r["run_id"] for r in rows}) == 2
 
 
 def test_a_new_storage_gets_every_point(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -250,10 +256,11 @@ def test_a_new_storage_gets_every_point(fleet, tmp_path: Path) -> None:  # type:
         if r["method"] != "dense":
             assert Path(r["checkpoint"]).is_dir()
             assert r["checkpoint"].startswith(r["storage"])
+    first = json.loads((Path(spec.storage) / "lorp_run.json").read_text())["run_id"]
     old = SharedCatalog(str(fleet["root"] / "shared")).read()
-    assert {r["storage"] for r in old if r["job"] == "team-a"} == {
+    assert {r["storage"] for r in old if r["run_id"] == first} == {
         str(Path(spec.storage).resolve())
-    }
+    }  # the shared catalog was not named: the first storage's rows stand
 
 
 def test_a_catalog_unreachable_at_the_start_never_stops_the_job(  # type: ignore[no-untyped-def]
@@ -281,6 +288,9 @@ def test_a_catalog_unreachable_at_the_start_never_stops_the_job(  # type: ignore
         assert again.done == 0 and again.skipped == 5
         shared = SharedCatalog(spec.catalog)
         assert sorted(r["grid_key"] for r in shared.rows_of("team-c")) == own
+        assert {r["run_id"] for r in shared.rows_of("team-c")} == {
+            json.loads((tmp_path / "storage" / "lorp_run.json").read_text())["run_id"]
+        }
     finally:
         moto.terminate()
         moto.wait(timeout=30)

@@ -52,7 +52,7 @@ def variants(store: Storage, tmp_path: Path) -> dict[str, str]:  # type: ignore[
     write_catalog(own, [catalog_row("j", store, KEPT, 1), catalog_row("j", store, None, 0)])
     store.put_file(own, "catalog.parquet")
     shared = SharedCatalog(str(tmp_path / "shared"))
-    shared.replace_rows("other", [catalog_row("other", store, ELSEWHERE, 2)])
+    shared.publish("run-other", [catalog_row("other", store, ELSEWHERE, 2)])
     return {"shared": str(tmp_path / "shared"), "half": half}
 
 

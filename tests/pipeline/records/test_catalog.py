@@ -3,7 +3,6 @@ parts applied and folded idempotently, mirrored to the job's storage and to a sh
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -81,42 +80,33 @@ def test_the_storage_holds_the_same_parts(tmp_path: Path) -> None:
     assert view(Catalog(tmp_path / "c" / Catalog.NAME, store).rows) == view(cat.rows)
 
 
-class Flaky(SharedCatalog):
-    """A shared catalog that is unreachable while `down` is set."""
+class Recording:
+    """A publisher that keeps what a catalog hands it (`catalog.Publisher`)."""
 
-    down = True
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, dict, list[str]]] = []
+        self.wholes = 0
 
-    def put_part(self, job: str, name: str, data: bytes) -> None:
-        if self.down:
-            raise OSError("connection refused")
-        super().put_part(job, name, data)
+    def changed(self, row, removed=()) -> None:  # type: ignore[no-untyped-def]
+        self.changes.append((row["grid_key"], dict(row), sorted(removed)))
 
-    def replace_rows(self, job: str, rows) -> int:  # type: ignore[no-untyped-def]
-        if self.down:
-            raise OSError("connection refused")
-        return super().replace_rows(job, rows)
+    def whole(self) -> None:
+        self.wholes += 1
 
 
-def test_a_shared_catalog_outage_loses_nothing(tmp_path: Path) -> None:
-    """While the shared catalog is down the job records on (its own catalog whole, one
-    warning per failure); its next compaction publishes every row."""
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("pipeline")
-    logger.addHandler(handler)
-    shared = Flaky(str(tmp_path / "shared"))
-    cat = Catalog(tmp_path / "run" / Catalog.NAME, publish=shared, job="j")
-    for i in range(5):
-        cat.put(row(i))
+def test_every_change_goes_to_the_publisher_with_the_keys_it_replaced(tmp_path: Path) -> None:
+    """A put, an update (the row's whole new value) and a rerun of a slot under a new grid
+    key (the old key is named as removed, so the shared catalog deletes it)."""
+    sink = Recording()
+    cat = Catalog(tmp_path / Catalog.NAME, publish=sink, job="j")
+    cat.put(row(0))
+    cat.update("k00000", {"ppl_ptb": 99.0})
+    cat.put(row(0) | {"grid_key": "k-new"})  # the same slot, other evaluation settings
     cat.compact()
-    assert len(read_catalog(cat.path)) == 5 and shared.read() == []
-    assert len(warned) == 6 and "connection refused" in warned[0]  # 5 parts, 1 compaction
-    logger.removeHandler(handler)
-    shared.down = False
-    cat.put(row(5))
-    cat.compact()
-    assert view(shared.read()) == view(read_catalog(cat.path)) and len(shared.read()) == 6
+    assert [(k, r["ppl_ptb"], gone) for k, r, gone in sink.changes] == [
+        ("k00000", 10.0, []), ("k00000", 99.0, []), ("k-new", 10.0, ["k00000"]),
+    ]  # fmt: skip
+    assert sink.wholes == 1
 
 
 def test_a_clock_stepped_back_keeps_the_changes_in_order(
@@ -137,13 +127,14 @@ def test_a_clock_stepped_back_keeps_the_changes_in_order(
 
 def test_a_column_a_newer_lorp_added_is_kept(tmp_path: Path) -> None:
     """A text column this version does not know (a newer lorp's) survives the fold, the
-    compaction and the shared catalog's snapshot (it stopped a resume: "Could not convert
-    ... with type str: tried to convert to double")."""
+    compaction and the shared catalog (it stopped a resume: "Could not convert ... with
+    type str: tried to convert to double")."""
     shared = SharedCatalog(str(tmp_path / "shared"))
-    cat = Catalog(tmp_path / "run" / Catalog.NAME, publish=shared, job="j")
+    cat = Catalog(tmp_path / "run" / Catalog.NAME, job="j")
     cat.put(row(0) | {"owner_team": "search", "tokens_seen": 12})
     cat.put(row(1))
     cat.compact()
+    shared.publish("run-j", cat.rows, whole=("j", "/s"))
     for rows in (read_catalog(cat.path), shared.read()):
         by_key = {r["grid_key"]: r for r in rows}
         assert by_key["k00000"]["owner_team"] == "search" and by_key["k00001"]["owner_team"] is None

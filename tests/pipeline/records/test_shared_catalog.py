@@ -1,20 +1,24 @@
-"""The organisation's shared catalog (`pipeline.records.shared_catalog`) under many jobs at
-once, on every storage backend (local, file://, S3 on moto)."""
+"""The organisation's shared catalog (`pipeline.records.shared_catalog`), a Delta Lake
+table, under many jobs at once, on every storage backend (local, file://, S3 on moto)."""
 
 from __future__ import annotations
 
-import logging
+import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.records import shared_catalog
-from pipeline.records.catalog import Catalog
+from pipeline.records.catalog import Catalog, to_table
+from pipeline.records.delta_table import TableError
 from pipeline.records.shared_catalog import JobPublisher, SharedCatalog, open_catalog
 from pipeline.storage import Storage
+from tests.helpers.duckdb_delta import duckdb_rows
 from tests.helpers.local_servers import (
     AWS_TEST_ENV,
     create_bucket,
@@ -31,38 +35,51 @@ def shared_row(job: str, i: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_a_shared_catalog_takes_many_jobs_at_once(store: Storage, tmp_path: Path) -> None:
-    """Three jobs publish into one shared catalog at once, each compacting (snapshot
-    replaced, its parts deleted) every few rows, while a reader folds it again and again:
-    the reader never sees a job's row count drop (a compaction under it is read again),
-    and at the end every row is there exactly once. A rerun replaces its own rows only."""
-    shared = SharedCatalog(store)
-    jobs = ["team-a", "team-b", "team-c"]
-    counts: dict[str, list[int]] = {j: [] for j in jobs}
-    stop = threading.Event()
+def job(shared: SharedCatalog, root: Path, name: str, run_id: str, notes: list[str]):  # type: ignore[no-untyped-def]
+    """A job's catalog publishing to `shared` as `run_id`, its start compacted."""
+    box: list[Catalog] = []
+    publisher = JobPublisher(
+        shared, name, str(root / f"storage-{run_id}"), run_id, lambda: box[0].rows, notes.append
+    )
+    box.append(Catalog(root / run_id / Catalog.NAME, publish=publisher, job=name))
+    publisher.open()
+    box[0].compact()
+    return publisher, box[0]
 
-    def write(job: str) -> None:
-        cat = Catalog(tmp_path / job / Catalog.NAME, publish=shared, job=job)
+
+def test_jobs_publish_at_once_and_readers_never_fail(store: Storage, tmp_path: Path) -> None:
+    """Three jobs publish at once, two of them named alike (two teams' `nightly`, other
+    storages): each keeps its rows under its own run id. A reader reading throughout
+    never fails and never sees a job's row count drop; at the end every row is there
+    once with its last values, and DuckDB's own Delta reader reads the same rows. A
+    rerun with one point replaces that job's rows only."""
+    shared, notes = SharedCatalog(store), []
+    jobs = {"run-a": "nightly", "run-b": "nightly", "run-c": "team-c"}
+    counts: dict[str, list[int]] = {r: [] for r in jobs}
+    stop, failures = threading.Event(), []
+
+    def write(run_id: str) -> None:
+        publisher, cat = job(shared, tmp_path, jobs[run_id], run_id, notes)
         for i in range(20):
-            cat.put(shared_row(job, i))
+            cat.put(shared_row(jobs[run_id], i))
             cat.update(f"k{i:03d}", {"speedup": 1.0 + i})
-            if i % 2:
+            if i % 7 == 6:
                 cat.compact()
-
-    failures: list[BaseException] = []
+        cat.compact()
+        publisher.close()
 
     def read() -> None:
         try:
             while not stop.is_set():
                 rows = shared.read()
-                for j in jobs:
-                    counts[j].append(sum(r["job"] == j for r in rows))
+                for r in jobs:
+                    counts[r].append(sum(row["run_id"] == r for row in rows))
         except BaseException as exc:  # the test fails on it, not a dead thread
             failures.append(exc)
 
     reader = threading.Thread(target=read)
     reader.start()
-    writers = [threading.Thread(target=write, args=(j,)) for j in jobs]
+    writers = [threading.Thread(target=write, args=(r,)) for r in jobs]
     for t in writers:
         t.start()
     for t in writers:
@@ -71,52 +88,112 @@ def test_a_shared_catalog_takes_many_jobs_at_once(store: Storage, tmp_path: Path
     reader.join()
     assert failures == []
     rows = shared.read()
-    assert sorted((r["job"], r["grid_key"]) for r in rows) == sorted(
-        (j, f"k{i:03d}") for j in jobs for i in range(20)
+    assert sorted((r["run_id"], r["job"], r["grid_key"]) for r in rows) == sorted(
+        (r, j, f"k{i:03d}") for r, j in jobs.items() for i in range(20)
     )
     assert all(r["speedup"] == 1.0 + r["budget"] for r in rows)
-    for j in jobs:
-        assert counts[j] == sorted(counts[j]), j  # never a row lost to a compaction
-    assert len(counts["team-a"]) > 3
-    shared.replace_rows("team-b", [shared_row("team-b", 0)])  # a rerun with one point
+    for r in jobs:
+        assert counts[r] == sorted(counts[r]), r  # never a row lost under a reader
+    assert len(counts["run-a"]) > 3
+    if not store.remote:
+        assert sorted(duckdb_rows(store.uri(), "run_id, grid_key, speedup")) == sorted(
+            (r["run_id"], r["grid_key"], r["speedup"]) for r in rows
+        )
+    shared.publish("run-b", [shared_row("nightly", 0)], whole=("nightly", "elsewhere"))
     after = shared.read()
-    assert sum(r["job"] == "team-b" for r in after) == 1
-    assert sum(r["job"] != "team-b" for r in after) == 40
+    assert sum(r["run_id"] == "run-b" for r in after) == 1
+    assert sum(r["run_id"] != "run-b" for r in after) == 40
+    assert not [n for n in notes if "not reachable" in n or "not published" in n], notes
 
 
-def test_a_broken_part_is_named_and_stops_no_reader(
-    store: Storage, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A truncated part (a writer killed mid-write on a store without atomic rename, or a
-    full disk) is skipped with one warning naming it: `lorp catalog`, every job's start-up
-    check and the registry's ranking read every other row. The job that wrote it still
-    has the change, and its next compaction publishes its rows whole again."""
-    shared = SharedCatalog(store)
-    a = Catalog(tmp_path / "a" / Catalog.NAME, publish=shared, job="team-a")
-    b = Catalog(tmp_path / "b" / Catalog.NAME, publish=shared, job="team-b")
-    for i in range(3):
-        a.put(shared_row("team-a", i))
-        b.put(shared_row("team-b", i))
-    b.update("k002", {"speedup": 1.5})
-    [last] = [n for n in store.list("parts") if n.startswith("team-b")][-1:]
-    whole = store.read_bytes(f"parts/{last}")
-    assert whole is not None and b'"speedup"' in whole  # the update is b's last part
-    store.write_bytes(f"parts/{last}", whole[: len(whole) // 2])  # cut mid-string
-    store.write_bytes("parts/team-b~zz-empty.json", b"")
-    with caplog.at_level(logging.WARNING, logger="pipeline"):
-        rows = open_catalog(store.uri())
-    assert sorted((r["job"], r["grid_key"]) for r in rows) == sorted(
-        (j, f"k{i:03d}") for j in ("team-a", "team-b") for i in range(3)
+def test_a_stray_file_and_a_newer_column_leave_reading_working(tmp_path: Path) -> None:
+    """A file the log does not name (a writer killed before its commit, a stray copy) is
+    never read; a column a newer lorp adds is merged into the schema and an older reader
+    gets it as one more key; a column whose type changes is refused in one line."""
+    shared = SharedCatalog(str(tmp_path / "shared"))
+    shared.publish("r1", [shared_row("j", 0), shared_row("j", 1)])
+    pq.write_table(to_table([shared_row("ghost", 9)]), tmp_path / "shared" / "part-stray.parquet")
+    (tmp_path / "shared" / "notes.txt").write_text("left by hand")
+    shared.publish("r2", [shared_row("k", 2) | {"ppl_code": 3.5, "owner": "team-x"}])
+    rows = {r["grid_key"]: r for r in open_catalog(str(tmp_path / "shared"))}
+    assert sorted(rows) == ["k000", "k001", "k002"]
+    assert rows["k002"]["owner"] == "team-x" and rows["k000"]["owner"] is None
+    shared.publish("r1", [shared_row("j", 1) | {"ppl_ptb": 5.0}])  # an older writer's row
+    assert {r["grid_key"]: r["ppl_ptb"] for r in shared.read()}["k001"] == 5.0
+    with pytest.raises(ValueError) as err:
+        shared.publish("r3", [shared_row("k", 3) | {"owner": 7.0}])
+    assert str(err.value) == (
+        f"catalog {tmp_path / 'shared'}: column 'owner' is string in the table and double in "
+        "this lorp's rows; a column's type never changes (name the new figure as a new column)"
     )
-    assert all("speedup" not in r for r in rows)  # the cut update is not applied
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 2, warned
-    assert warned[0].startswith(f"catalog part {store.uri(f'parts/{last}')} skipped: ")
-    assert "Unterminated string" in warned[0] and "team-b~zz-empty.json" in warned[1]
-    b.compact()  # team-b's next compaction: its rows whole, with the change
-    assert {r["grid_key"]: r.get("speedup") for r in shared.read() if r["job"] == "team-b"} == {
-        "k000": None, "k001": None, "k002": 1.5,
-    }  # fmt: skip
+    assert len(shared.read()) == 3  # nothing written
+
+
+def test_a_corrupt_file_the_log_names_is_named(tmp_path: Path) -> None:
+    shared = SharedCatalog(str(tmp_path / "shared"))
+    shared.publish("r1", [shared_row("j", 0)])
+    [data] = [p for p in (tmp_path / "shared").rglob("*.parquet") if "_delta_log" not in str(p)]
+    data.write_bytes(data.read_bytes()[:40])
+    with pytest.raises(TableError) as err:
+        shared.read()
+    message = str(err.value)
+    assert message.startswith(f"catalog {tmp_path / 'shared'}: version 1 not readable: ")
+    assert "\n" not in message
+
+
+def test_as_of_reads_a_version_or_a_time(tmp_path: Path) -> None:
+    location = str(tmp_path / "shared")
+    shared = SharedCatalog(location)
+    shared.publish("r1", [shared_row("j", 0)])
+    first = time.time()
+    time.sleep(1.1)
+    shared.publish("r1", [shared_row("j", 1)])
+    assert len(open_catalog(location)) == 2
+    assert [r["grid_key"] for r in open_catalog(location, as_of="1")] == ["k000"]
+    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(first + 0.5))
+    assert [r["grid_key"] for r in open_catalog(location, as_of=when)] == ["k000"]
+    with pytest.raises(ValueError, match=r"^--as-of: 'yesterday' is neither a table version"):
+        open_catalog(location, as_of="yesterday")
+
+
+def write_old_format(root: Path) -> None:
+    """A shared catalog as lorp wrote it before Delta: snapshots plus one part each."""
+    (root / "jobs").mkdir(parents=True)
+    (root / "parts").mkdir()
+    for name, store in (("team-a", "/s/a"), ("team-b", "/s/b")):
+        rows = [shared_row(name, i) | {"storage": store} for i in range(2)]
+        pq.write_table(to_table(rows), root / "jobs" / f"{name}.parquet")
+        part = {"op": "update", "key": "k001", "values": {"speedup": 2.0}}
+        (root / "parts" / f"{name}~0001-1-000000001.json").write_text(json.dumps(part))
+
+
+def test_a_catalog_of_the_old_format_migrates_and_its_jobs_take_their_rows_over(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "shared"
+    write_old_format(root)
+    assert {r["job"] for r in open_catalog(str(root))} == {"team-a", "team-b"}  # read as is
+    shared = SharedCatalog(str(root))
+    assert shared.migrate() == 4
+    assert shared.migrate() == 0  # once
+    rows = shared.read()
+    assert sorted((r["run_id"], r["grid_key"], r.get("speedup")) for r in rows) == [
+        ("legacy:team-a", "k000", None), ("legacy:team-a", "k001", 2.0),
+        ("legacy:team-b", "k000", None), ("legacy:team-b", "k001", 2.0),
+    ]  # fmt: skip
+    mine = [shared_row("team-a", i) | {"storage": "/s/a"} for i in range(3)]
+    shared.publish("new-run", mine, whole=("team-a", "/s/a"))
+    assert sorted((r["run_id"], r["grid_key"]) for r in shared.read()) == [
+        ("legacy:team-b", "k000"), ("legacy:team-b", "k001"),
+        ("new-run", "k000"), ("new-run", "k001"), ("new-run", "k002"),
+    ]  # fmt: skip
+
+
+def test_the_first_write_migrates(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    write_old_format(root)
+    SharedCatalog(str(root)).publish("r", [shared_row("team-c", 0)])
+    assert len(SharedCatalog(str(root)).read()) == 5
 
 
 # -- a job's publisher when the catalog is out of reach -----------------------------------
@@ -125,26 +202,19 @@ def test_a_broken_part_is_named_and_stops_no_reader(
 @pytest.fixture
 def unreachable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """A shared catalog on an S3 endpoint nothing listens on yet (`start` serves it with
-    moto), a job `j` publishing to it, and the notes the job printed."""
-    monkeypatch.setattr(shared_catalog, "CHECK_RETRY_S", 0.2)
-    monkeypatch.setattr(shared_catalog, "ERROR_RETRY_S", 0.0)  # one refused call a check
+    moto), and the notes the job printed."""
+    monkeypatch.setattr(shared_catalog, "CHECK_RETRY_S", 0.5)
+    monkeypatch.setattr(shared_catalog, "CLOSE_WAIT_S", 3.0)
     for key, value in AWS_TEST_ENV.items():
         monkeypatch.setenv(key, value)
     port, servers = free_port(), []
     shared = SharedCatalog(s3_location(port, "org", "catalog"))
-    notes: list[str] = []
-
-    def job(run: str) -> tuple[JobPublisher, Catalog]:
-        box: list[Catalog] = []
-        publisher = JobPublisher(shared, "j", "/store/j", lambda: box[0].rows, notes.append)
-        box.append(Catalog(tmp_path / run / Catalog.NAME, publish=publisher, job="j"))
-        return publisher, box[0]
 
     def start() -> None:
         servers.append(start_moto(port, tmp_path / "moto.log"))
         create_bucket(port, "org")
 
-    yield {"shared": shared, "notes": notes, "job": job, "start": start}
+    yield {"shared": shared, "notes": [], "start": start, "root": tmp_path}
     for server in servers:
         server.terminate()
         server.wait(timeout=30)
@@ -160,74 +230,54 @@ def wait_for(predicate: Any, what: str) -> None:
 def test_a_catalog_unreachable_at_start_gets_every_row_once_it_is_back(
     unreachable: dict[str, Any],
 ) -> None:
-    """The start goes on with one note (it was a traceback after 60 s); the changes wait
-    in the job's own catalog; once the endpoint serves, the background check finds it and
-    the next change publishes all of them, and later ones as parts."""
+    """The start goes on with one note (it was a traceback after 60 s) and a change
+    returns at once; the changes wait in the job's own catalog; once the endpoint
+    serves, the publisher's next try publishes all of them."""
     shared, notes = unreachable["shared"], unreachable["notes"]
-    publisher, cat = unreachable["job"]("run")
-    publisher.open()
-    assert publisher.state == "unchecked" and len(notes) == 1, notes
+    start = time.monotonic()
+    publisher, cat = job(shared, unreachable["root"], "j", "run-j", notes)
+    for i in range(3):
+        cat.put(shared_row("j", i))
+    assert time.monotonic() - start < 2  # a point never waits on the catalog
+    wait_for(lambda: notes, "no note said the catalog was out of reach")
     assert notes[0].startswith(f"shared catalog {shared.uri()} not reachable (")
     assert publisher.ranking_rows() == {}  # the registry ranks by its own tags meanwhile
     assert notes[-1] == f"shared catalog {shared.uri()} not read: not reachable"
-    for i in range(3):
-        cat.put(shared_row("j", i))
-    assert len(cat.rows) == 3
     unreachable["start"]()
-    wait_for(lambda: publisher.state == "late", "the background check never found the catalog")
-    assert shared.read() == []  # checked, not yet published: that is the next change's
-    cat.put(shared_row("j", 3))
-    assert publisher.state == "live" and notes[-1].endswith("this job's rows published there")
-    assert sorted(r["grid_key"] for r in shared.read()) == ["k000", "k001", "k002", "k003"]
-    ranked = publisher.ranking_rows()
-    assert sorted(ranked) == [(f"k00{i}", "") for i in range(4)]
-    assert ranked[("k002", "")]["ppl_ptb"] == 12.0
-    cat.update("k001", {"ppl_ptb": 99.0})  # from here on, one part per change
-    assert {r["grid_key"]: r["ppl_ptb"] for r in shared.read()}["k001"] == 99.0
-    publisher.close()
+    wait_for(lambda: publisher.state == "live", "the catalog was never reached")
+    assert notes[-1].endswith("this job's rows published there")
+    assert sorted(r["grid_key"] for r in shared.read()) == ["k000", "k001", "k002"]
+    cat.update("k001", {"ppl_ptb": 99.0})
+    ranked = publisher.ranking_rows()  # waits for this job's own changes first
+    assert sorted(ranked) == [(f"k00{i}", "") for i in range(3)]
+    assert ranked[("k001", "")]["ppl_ptb"] == 99.0
     cat.compact()
-    assert len(shared.read()) == 4 and len(notes) == 3, notes
+    publisher.close()
+    assert len(shared.read()) == 3
 
 
 def test_a_catalog_unreachable_to_the_end_is_published_by_the_next_start(
     unreachable: dict[str, Any],
 ) -> None:
     shared, notes = unreachable["shared"], unreachable["notes"]
-    publisher, cat = unreachable["job"]("run")
-    publisher.open()
+    publisher, cat = job(shared, unreachable["root"], "j", "run-j", notes)
     cat.put(shared_row("j", 0))
     cat.put(shared_row("j", 1))
-    publisher.close()
-    cat.compact()  # the job's end: one last check, refused
+    cat.compact()
+    publisher.close()  # the job's end: still refused
     assert notes[-1].endswith(
-        "still not reachable: this job's rows are published by its next start"
+        "not reachable at the job's end: this job's rows are in its own catalog and are "
+        "published by its next start"
     )
     unreachable["start"]()
-    again, cat = unreachable["job"]("run")  # the next start, from the job's own catalog
-    again.open()
-    assert again.state == "live"
-    cat.compact()
+    again, cat = job(shared, unreachable["root"], "j", "run-j", notes)  # from its own catalog
+    assert again.flush(30)
     assert sorted(r["grid_key"] for r in shared.read()) == ["k000", "k001"]
+    again.close()
 
 
-def test_another_job_found_late_stops_the_publishing_not_the_job(
-    unreachable: dict[str, Any],
-) -> None:
-    """Another team's job of the same name (another storage) already in the catalog when
-    it comes back: this job publishes nothing there and records on in its own catalog."""
-    shared, notes = unreachable["shared"], unreachable["notes"]
-    publisher, cat = unreachable["job"]("run")
-    shared_catalog.CHECK_RETRY_S = 3600  # no background check: theirs lands first
-    publisher.open()
-    cat.put(shared_row("j", 0))
-    unreachable["start"]()
-    theirs = shared_row("j", 7) | {"storage": "s3://theirs/j"}
-    shared.replace_rows("j", [theirs])
-    publisher.check_again()  # what the background check does
-    assert publisher.state == "refused"
-    assert "already holds 1 row(s) of another job named 'j'" in notes[-1]
-    cat.put(shared_row("j", 1))
-    publisher.close()
-    cat.compact()
-    assert [r["grid_key"] for r in shared.read()] == ["k007"]
-    assert sorted(r["grid_key"] for r in cat.rows) == ["k000", "k001"]
+def test_a_store_reached_through_a_path_uri_reads_the_same(tmp_path: Path) -> None:
+    shared = SharedCatalog((tmp_path / "shared").as_uri())
+    shared.publish("r", [shared_row("j", 0)])
+    assert [r["grid_key"] for r in open_catalog(str(tmp_path / "shared"))] == ["k000"]
+    assert isinstance(SharedCatalog(str(tmp_path / "shared")).table.read(), pa.Table)

@@ -1,0 +1,384 @@
+"""A Delta Lake table at a storage location, through `deltalake` (delta-rs: no JVM, no
+server): the shared catalog's format (`pipeline.records.shared_catalog`).
+
+What lorp writes, so that every reader of Delta reads it (Spark, Trino, DuckDB's `delta`
+extension, Polars, pandas through `deltalake`): protocol reader 1 / writer 2, no table
+features (no deletion vectors, no column mapping), no partitions; new columns are added
+by schema evolution (`merge_schema`), never renamed or retyped.
+
+Commits are optimistic: every change is one MERGE, retried on a conflict with another
+writer (`merge`). On a local disk or a shared mount delta-rs commits by an atomic
+create-if-absent; on S3 (and S3-compatible stores) by a conditional write
+(`If-None-Match`), which S3 has served since 2024. A store that ignores the condition
+would lose commits silently, so an object store is probed once per process before lorp
+writes there (`check_commits_are_safe`): one that lets a second writer replace a commit
+is refused in one line.
+
+Locations are lorp's storage URIs (`pipeline.storage`): a path, `file://`, `s3://bucket/
+prefix?endpoint_override=host:port&scheme=http&region=...`, `gs://`, `az://`; credentials
+come from the environment (AWS_ACCESS_KEY_ID, ...) or the URI, and never appear in an
+error (`storage.redact`, `storage._scrub`).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.storage import _scrub, delta_location, redact
+
+DELTA_LOG = "_delta_log"
+CONFLICT_TRIES = 50
+"""How often one change is tried against other writers' commits before it is given up
+(each try reloads the table; 7 writers publishing at once conflict a few times a change)."""
+
+
+class TableError(OSError):
+    """The table could not be read or written: one line, naming the table, no secrets."""
+
+
+class DeltaTable:
+    """One Delta table at a lorp storage location (see the module docstring)."""
+
+    def __init__(self, location: str) -> None:
+        self.location = str(location)
+        self.table_uri, self.options = delta_location(self.location)
+        self.conflicts = 0
+        """Commits of this object's that another writer's commit made it try again."""
+
+    def uri(self) -> str:
+        return redact(self.location)
+
+    def _fail(self, exc: BaseException, doing: str) -> TableError:
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
+        return TableError(f"catalog {self.uri()}: {doing}: {_scrub(text, self.location)}")
+
+    def exists(self) -> bool:
+        from deltalake import DeltaTable as Table
+
+        try:
+            return Table.is_deltatable(self.table_uri, storage_options=self.options)
+        except Exception as exc:  # noqa: BLE001 (delta-rs raises its own kinds)
+            raise self._fail(exc, "not reachable") from None
+
+    def _open(self, version: int | str | datetime | None = None):  # type: ignore[no-untyped-def]
+        from deltalake import DeltaTable as Table
+        from deltalake.exceptions import TableNotFoundError
+
+        try:
+            table = Table(self.table_uri, storage_options=self.options)
+            if version is not None:
+                table.load_as_version(version)
+        except TableNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc, "not readable") from None
+        return table
+
+    def read(self, as_of: int | str | datetime | None = None) -> pa.Table | None:
+        """The table (as of a version, or of a time), or None where there is none. A file
+        the log does not name is never read; a corrupt one it names is one line."""
+        table = self._open(as_of)
+        if table is None:
+            return None
+        from deltalake import QueryBuilder
+
+        # QueryBuilder, not to_pyarrow_table(): the pyarrow filesystem delta-rs hands
+        # pyarrow for object stores aborts the interpreter at its exit (measured, 1.6.6).
+        try:
+            return pa.table(
+                QueryBuilder().register("t", table).execute("SELECT * FROM t").read_all()
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc, f"version {table.version()} not readable") from None
+
+    def keys(self, column: str, where: str, value: str) -> list[str]:
+        """`column` of the rows whose `where` equals `value` (a partition: read alone)."""
+        table = self._open()
+        if table is None:
+            return []
+        from deltalake import QueryBuilder
+
+        query = f"SELECT {_q(column)} FROM t WHERE {_q(where)} = {sql_text(value)}"
+        try:
+            got = pa.table(QueryBuilder().register("t", table).execute(query).read_all())
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc, "not readable") from None
+        return [str(v) for v in got.column(0).to_pylist()]
+
+    def version(self) -> int | None:
+        table = self._open()
+        return None if table is None else table.version()
+
+    def merge(
+        self,
+        source: pa.Table,
+        keys: Sequence[str],
+        *,
+        delete_flag: str,
+        partition: str | None = None,
+        scope: str | None = None,
+    ) -> dict[str, Any]:
+        """One transaction: `source`'s rows upserted on `keys` (a row whose `delete_flag`
+        is true deletes its key instead). `scope`, a predicate on the target `t`, limits
+        what the MERGE reads, and so what it can conflict with. Created on first use,
+        partitioned by the column `partition`: a MERGE scoped to one partition reads and
+        rewrites that partition only, so writers of other partitions never conflict with
+        it (measured: 0 conflicts where a whole-table MERGE had one a commit). Retried on
+        a conflict with another writer's commit."""
+        from deltalake.exceptions import CommitFailedError
+
+        columns = [c for c in source.column_names if c != delete_flag]
+        for attempt in range(CONFLICT_TRIES):
+            table = self._open()
+            if table is None:
+                table = self._create(source.drop_columns([delete_flag]).schema, partition)
+            check_types(table, source.drop_columns([delete_flag]).schema, self.uri())
+            try:
+                return self._merge_once(table, source, keys, columns, delete_flag, scope)
+            except CommitFailedError:
+                self.conflicts += 1
+                time.sleep(random.uniform(0.01, 0.05) * min(attempt + 1, 10))
+            except Exception as exc:  # noqa: BLE001
+                raise self._fail(exc, "not written") from None
+        raise TableError(
+            f"catalog {self.uri()}: not written: {CONFLICT_TRIES} tries all conflicted "
+            "with other writers"
+        )
+
+    def delete_where(self, predicate: str) -> int:
+        """Delete the rows `predicate` names (a partition-local predicate conflicts with
+        no other partition's writer); retried on a conflict. The rows deleted."""
+        from deltalake.exceptions import CommitFailedError
+
+        for attempt in range(CONFLICT_TRIES):
+            table = self._open()
+            if table is None:
+                return 0
+            try:
+                return int(table.delete(predicate).get("num_deleted_rows", 0))
+            except CommitFailedError:
+                self.conflicts += 1
+                time.sleep(random.uniform(0.01, 0.05) * min(attempt + 1, 10))
+            except Exception as exc:  # noqa: BLE001
+                raise self._fail(exc, "not written") from None
+        raise TableError(f"catalog {self.uri()}: not written: {CONFLICT_TRIES} tries conflicted")
+
+    @staticmethod
+    def _merge_once(
+        table: Any,
+        source: pa.Table,
+        keys: Sequence[str],
+        columns: Sequence[str],
+        flag: str,
+        scope: str | None,
+    ) -> dict[str, Any]:
+        on = " AND ".join(f"t.{_q(k)} = s.{_q(k)}" for k in keys)
+        on = f"({scope}) AND {on}" if scope else on
+        new = bool(set(columns) - {f.name for f in pa.schema(table.schema())})
+        values = {_q(c): f"s.{_q(c)}" for c in columns}
+        merger = (
+            # A schema change only when a column is new: every commit that evolves the
+            # schema conflicts with every other writer's (a metadata change).
+            table.merge(source, on, source_alias="s", target_alias="t", merge_schema=new)
+            .when_matched_delete(f"s.{_q(flag)}")
+            .when_matched_update(values, f"NOT s.{_q(flag)}")
+            .when_not_matched_insert(values, f"NOT s.{_q(flag)}")
+        )
+        return merger.execute()
+
+    def _create(self, schema: pa.Schema, partition: str | None) -> Any:
+        """An empty table of `schema` (another writer creating it at once: theirs)."""
+        from deltalake import DeltaTable as Table
+        from deltalake import write_deltalake
+
+        try:
+            write_deltalake(
+                self.table_uri, schema.empty_table(), mode="ignore",
+                partition_by=[partition] if partition else None, storage_options=self.options,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 (a concurrent create: read theirs)
+            if not self.exists():
+                raise self._fail(exc, "not created") from None
+        return Table(self.table_uri, storage_options=self.options)
+
+    def maintain(self, retention_hours: int) -> dict[str, Any]:
+        """Small files compacted, the log checkpointed, files older than
+        `retention_hours` that no version within it reads removed. A conflict with a
+        writer is not an error: the next maintenance does it."""
+        from deltalake.exceptions import CommitFailedError
+
+        table = self._open()
+        if table is None:
+            return {}
+        try:
+            compacted = table.optimize.compact()
+            table = self._open()
+            table.create_checkpoint()
+            table.cleanup_metadata()
+            removed = table.vacuum(retention_hours=retention_hours, dry_run=False,
+                                   enforce_retention_duration=False)  # fmt: skip
+        except CommitFailedError:
+            return {"skipped": "conflict"}
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc, "not maintained") from None
+        return {
+            "files_removed_by_compaction": compacted.get("numFilesRemoved", 0),
+            "files_vacuumed": len(removed),
+            "version": table.version(),
+        }
+
+    def size_bytes(self) -> int:
+        """The bytes of the current version's data files."""
+        table = self._open()
+        if table is None:
+            return 0
+        adds = pa.table(table.get_add_actions(flatten=True))
+        return int(sum(adds.column("size_bytes").to_pylist()))
+
+
+def _q(name: str) -> str:
+    """A column name quoted for delta-rs's SQL (metric names keep their case)."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def sql_text(value: str) -> str:
+    """A text literal for a predicate."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _base(typ: pa.DataType) -> str:
+    """A type as Delta holds it: string views and large types are the same column."""
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ):
+        return "string"
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_list_view(typ):
+        return f"list<{_base(typ.value_type)}>"
+    if pa.types.is_timestamp(typ):
+        return "timestamp"
+    return str(typ)
+
+
+def check_types(table: Any, schema: pa.Schema, where: str) -> None:
+    """Refuse (one line) a column whose type differs from the table's: a type change is
+    never merged (a new column is)."""
+    held = {f.name: f.type for f in pa.schema(table.schema())}
+    for field in schema:
+        if field.name not in held or pa.types.is_null(field.type):
+            continue
+        if _base(field.type) != _base(held[field.name]):
+            raise ValueError(
+                f"catalog {where}: column {field.name!r} is {_base(held[field.name])} in "
+                f"the table and {_base(field.type)} in this lorp's rows; a column's type "
+                "never changes (name the new figure as a new column)"
+            )
+
+
+@functools.lru_cache(maxsize=16)
+def check_commits_are_safe(location: str) -> None:
+    """Refuse (ValueError, one line) an S3-compatible store that would let a second
+    writer replace a commit: probed once per process by writing one scratch object twice
+    with `If-None-Match: *` (the condition delta-rs commits by); the second must fail.
+    AWS S3 itself (no endpoint override) has kept the condition since 2024: not probed."""
+    uri, options = delta_location(location)
+    endpoint = options.get("AWS_ENDPOINT_URL")
+    if not uri.startswith(("s3://", "s3a://")) or not endpoint:
+        return
+    bucket, _, prefix = uri.split("://", 1)[1].partition("/")
+    key = f"{prefix}/_lorp_commit_probe/{uuid.uuid4().hex}".lstrip("/")
+    try:
+        first = _s3_request("PUT", endpoint, bucket, key, options, {"If-None-Match": "*"})
+        second = _s3_request("PUT", endpoint, bucket, key, options, {"If-None-Match": "*"})
+        _s3_request("DELETE", endpoint, bucket, key, options, {})
+    except OSError as exc:
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TableError(
+            f"catalog {redact(location)}: not reachable: {_scrub(text, location)}"
+        ) from None
+    if first == 200 and second in (409, 412):
+        return
+    raise ValueError(
+        f"catalog: {redact(location)!r}: this store does not keep conditional writes "
+        f"(a second PUT with If-None-Match answered {second}), so concurrent jobs would "
+        "replace each other's commits; use a store that does (AWS S3, MinIO, R2) or a "
+        "shared filesystem"
+    )
+
+
+def _s3_request(
+    method: str,
+    endpoint: str,
+    bucket: str,
+    key: str,
+    options: dict[str, str],
+    extra: dict[str, str],
+) -> int:
+    """One signed (SigV4) path-style request; its HTTP status."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import quote
+
+    path = "/" + quote(f"{bucket}/{key}")
+    headers = _signed_headers(method, endpoint, path, options)
+    request = urllib.request.Request(
+        endpoint.rstrip("/") + path, data=b"probe" if method == "PUT" else None,
+        method=method, headers={**headers, **extra},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _signed_headers(
+    method: str, endpoint: str, path: str, options: dict[str, str]
+) -> dict[str, str]:
+    """AWS Signature Version 4 headers for an unsigned-payload S3 request."""
+    import hashlib
+    import hmac
+    import os
+    from datetime import UTC
+    from urllib.parse import urlsplit
+
+    def setting(name: str, env: str | None = None) -> str:
+        return options.get(name) or os.environ.get(env or name, "")
+
+    region = setting("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
+    now = datetime.now(UTC)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    headers = {"host": urlsplit(endpoint).netloc, "x-amz-content-sha256": "UNSIGNED-PAYLOAD",
+               "x-amz-date": stamp}  # fmt: skip
+    if token := setting("AWS_SESSION_TOKEN"):
+        headers["x-amz-security-token"] = token
+    names = ";".join(sorted(headers))
+    canonical = "\n".join(
+        [method, path, "", *(f"{k}:{headers[k]}" for k in sorted(headers)), "", names,
+         "UNSIGNED-PAYLOAD"]
+    )  # fmt: skip
+    scope = f"{day}/{region}/s3/aws4_request"
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    signing = f"AWS4{setting('AWS_SECRET_ACCESS_KEY')}".encode()
+    for part in (day, region, "s3", "aws4_request"):
+        signing = hmac.new(signing, part.encode(), hashlib.sha256).digest()
+    to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{digest}"
+    signature = hmac.new(signing, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["Authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={setting('AWS_ACCESS_KEY_ID')}/{scope}, "
+        f"SignedHeaders={names}, Signature={signature}"
+    )
+    return headers
+
+
+def rows_of(table: pa.Table | None, columns: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    if table is None:
+        return []
+    if columns is not None:
+        table = table.select([c for c in columns if c in table.column_names])
+    return table.to_pylist()
