@@ -239,7 +239,14 @@ def catalog_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-LS_COLUMNS = ("job", "model", "method_label", "budget", "protocol", "degraded", "ppl_ratio")
+LS_COLUMNS = ("job", "run", "model", "method_label", "budget", "protocol", "degraded", "ppl_ratio")
+"""`run`: the first 8 digits of the row's `run_id` (two jobs of one name are two runs)."""
+
+
+def _shown(row: dict, column: str) -> str:
+    if column == "run":
+        return str(row.get("run_id") or "-")[:8]
+    return str(row.get(column))
 
 
 def _json_line(row: dict) -> str:
@@ -266,7 +273,7 @@ def catalog_ls(args: argparse.Namespace) -> int:
         for r in rows:
             print(_json_line(r))
         return 0
-    shown = [[str(r.get(c)) for c in LS_COLUMNS] for r in rows]
+    shown = [[_shown(r, c) for c in LS_COLUMNS] for r in rows]
     widths = [max([len(c)] + [len(s[i]) for s in shown]) for i, c in enumerate(LS_COLUMNS)]
     for line in [list(LS_COLUMNS), *shown]:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -147,7 +147,11 @@ def delta_location(location: str) -> tuple[str, dict[str, str]]:
             options["AWS_ALLOW_HTTP"] = "true"
     else:
         options.update(query)
-    netloc = p.netloc.rpartition("@")[2]
+    userinfo, _, netloc = p.netloc.rpartition("@")
+    if userinfo and p.scheme in ("s3", "s3a"):  # s3://KEY:SECRET@bucket/..., as pyarrow reads it
+        user, _, password = userinfo.partition(":")
+        options["AWS_ACCESS_KEY_ID"] = unquote(user)
+        options["AWS_SECRET_ACCESS_KEY"] = unquote(password)
     return urlunsplit((p.scheme, netloc, p.path.rstrip("/"), "", "")), options
 
 

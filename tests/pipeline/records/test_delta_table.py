@@ -27,13 +27,15 @@ def source(keys: list[str], value: float, gone: bool = False) -> pa.Table:
 
 def test_s3_locations_become_delta_options() -> None:
     uri, options = delta_location(
-        "s3://user:pw@bkt/org/catalog/?endpoint_override=127.0.0.1:9000&scheme=http"
+        "s3://bkt/org/catalog/?endpoint_override=127.0.0.1:9000&scheme=http"
         "&region=eu-west-1&secret_key=s3cr3t"
     )
     assert uri == "s3://bkt/org/catalog"
     assert options["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
     assert options["AWS_ALLOW_HTTP"] == "true" and options["AWS_REGION"] == "eu-west-1"
     assert options["AWS_SECRET_ACCESS_KEY"] == "s3cr3t" and options["retry_timeout"] == "10s"
+    _, options = delta_location("s3://AKIA:se%2Fcret@bkt/c?endpoint_override=h:9000&scheme=http")
+    assert (options["AWS_ACCESS_KEY_ID"], options["AWS_SECRET_ACCESS_KEY"]) == ("AKIA", "se/cret")
     with pytest.raises(ValueError, match=r"^catalog: 'hdfs://nn/c': Delta tables are not written"):
         delta_location("hdfs://nn/c")
 

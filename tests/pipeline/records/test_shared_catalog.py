@@ -281,3 +281,26 @@ def test_a_store_reached_through_a_path_uri_reads_the_same(tmp_path: Path) -> No
     shared.publish("r", [shared_row("j", 0)])
     assert [r["grid_key"] for r in open_catalog(str(tmp_path / "shared"))] == ["k000"]
     assert isinstance(SharedCatalog(str(tmp_path / "shared")).table.read(), pa.Table)
+
+
+def test_credentials_in_the_catalog_uri_appear_in_no_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unreachable catalog whose URI carries its keys: the publisher's notes, the read's
+    error and the log name the catalog without them."""
+    monkeypatch.setattr(shared_catalog, "CLOSE_WAIT_S", 1.0)
+    secret = "wJalrXUtnFEMIK7MDENGbPxRfiCY"
+    location = (
+        f"s3://AKIATESTKEY:{secret}@org/catalog?endpoint_override=127.0.0.1:{free_port()}"
+        "&scheme=http&region=us-east-1"
+    )
+    shared, notes = SharedCatalog(location), []
+    publisher, cat = job(shared, tmp_path, "j", "run-j", notes)
+    cat.put(shared_row("j", 0))
+    wait_for(lambda: notes, "no note said the catalog was out of reach")
+    with pytest.raises(OSError) as err:
+        shared.read()
+    publisher.close()
+    lines = [*notes, str(err.value), *(r.getMessage() for r in caplog.records)]
+    assert len(notes) >= 2 and "s3://org/catalog" in notes[0]
+    assert not [line for line in lines if secret in line or "AKIATESTKEY" in line], lines
