@@ -96,6 +96,7 @@ class Recorder:
         """model label -> its parent MLflow run."""
         self.run_ids: dict[str, str] = {}
         """grid key -> its point's MLflow run (this start)."""
+        self.stopping = False
         self.writing_out = None if spec.tracking.materialize == "none" else AliasWriter(
             uri, self.storage, self.events, progress.note, self.summary.failed
         )  # fmt: skip
@@ -158,6 +159,7 @@ class Recorder:
 
     def stopped(self, signal: str) -> None:
         self.events("stopped", signal=signal, done=self.summary.done)
+        self.stopping = True
 
     def close(self) -> None:
         """The job's end, however it ended: aliases written out, log lines closed, catalog
@@ -168,7 +170,7 @@ class Recorder:
                 self.spec.catalog_retention_hours, self.spec.catalog_maintenance_hours
             )
         if self.writing_out is not None:
-            self.writing_out.join()
+            self.writing_out.join(wait=not self.stopping)
         self.progress.close()
 
     def ended(self) -> RunSummary:

@@ -149,28 +149,36 @@ class AliasWriter:
         self.uri, self.storage, self.events = tracking_uri, storage, events
         self.note, self.failed = note, failed
         self.threads: list[threading.Thread] = []
+        self._one = threading.Semaphore(1)
+        """One model written out at a time: a fleet's 70B checkpoints never pile up on
+        the driver's disk and network at once."""
 
     def start(self, label: str, name: str, aliases: dict[str, str]) -> None:
         thread = threading.Thread(target=self._write, args=(label, name, dict(aliases)),
-                                  name=f"materialize {label}")  # fmt: skip
+                                  name=f"materialize {label}", daemon=True)  # fmt: skip
         self.threads.append(thread)
         thread.start()
 
-    def join(self) -> None:
+    def join(self, wait: bool = True) -> None:
+        """The job's end: wait for every write-out; a stopped job (`wait=False`) does not
+        wait (a write-out cut short leaves only its temporary copy, which `lorp gc`
+        removes, and the alias is written out again by the next run)."""
+        if not wait:
+            return
         for thread in self.threads:
             thread.join()
 
     def _write(self, label: str, name: str, aliases: dict[str, str]) -> None:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)  # this thread's
         try:
-            done = materialize_aliases(client, name, label, aliases, self.storage, self.uri)
+            with self._one:
+                client = MlflowClient(tracking_uri=self.uri)  # this thread's own client
+                done = materialize_aliases(client, name, label, aliases, self.storage, self.uri)
+                for m in done:
+                    self.events("materialized", model=label, **m.record())
+                    self.note(m.line(name))
         except Exception as exc:  # noqa: BLE001 (the job's records are complete: it ends well)
             cause = (str(exc).splitlines() or [type(exc).__name__])[0][:500]
             self.failed.append(f"{label}/materialize: {cause}")
             self.events("materialize_failed", model=label, cause=cause)
-            return
-        for m in done:
-            self.events("materialized", model=label, **m.record())
-            self.note(m.line(name))
