@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ def test_as_of_reads_a_version_or_a_time(tmp_path: Path) -> None:
     shared.publish("r1", [shared_row("j", 1)])
     assert len(open_catalog(location)) == 2
     assert [r["grid_key"] for r in open_catalog(location, as_of="1")] == ["k000"]
-    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(first + 0.5))
+    when = datetime.fromtimestamp(first + 0.5).isoformat()  # local time, microseconds kept
     assert [r["grid_key"] for r in open_catalog(location, as_of=when)] == ["k000"]
     with pytest.raises(ValueError, match=r"^--as-of: 'yesterday' is neither a table version"):
         open_catalog(location, as_of="yesterday")
