@@ -102,6 +102,24 @@ def _no_weights(model: Path) -> None:
     (model / "model.safetensors").unlink()
 
 
+def _no_weights_pickle_allowed(model: Path) -> dict[str, Any]:
+    """Neither safetensors nor .bin weights, in an entry that allows pickled weights."""
+    (model / "model.safetensors").unlink()
+    return {"allow_pickle": True}
+
+
+def _emptied(model: Path) -> None:
+    """A file created and never written (a transfer killed before its first byte)."""
+    (model / "model.safetensors").write_bytes(b"")
+
+
+def _cut_stray_copy(model: Path) -> None:
+    """A second file cut off beside whole weights (a `cp` into the directory interrupted):
+    the weights check reads the checkpoint's own file; the fingerprint reads every one."""
+    f = model / "model.safetensors"
+    (model / "model-copy.safetensors").write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -111,6 +129,10 @@ def _no_weights(model: Path) -> None:
                           r"header claims [\d,]+ bytes, the file holds [\d,]+\)$"),
         (_no_weights, r"has no \.safetensors weights \(pickled \.bin weights load only when "
                       r"the spec allows them\)$"),
+        (_no_weights_pickle_allowed, r"has no weights \(\.safetensors or \.bin\)$"),
+        (_emptied, r"model\.safetensors' is not a safetensors file \(shorter than 8 bytes\)$"),
+        (_cut_stray_copy, r"model-copy\.safetensors' is not a readable safetensors file: "
+                          r"\S.*$"),  # then safetensors' own reason
     ],
 )  # fmt: skip
 def test_a_damaged_checkpoint_is_one_line_naming_its_file(
@@ -121,9 +143,9 @@ def test_a_damaged_checkpoint_is_one_line_naming_its_file(
     from tests.helpers.tiny_models import save_tiny
 
     model = save_tiny("llama", tmp_path / "model")
-    damage(model)
+    entry = {"ref": str(model)} | (damage(model) or {})  # a damage may set entry fields
     capsys.readouterr()  # transformers' progress bar while saving
-    data = GOOD | {"models": [{"ref": str(model)}], "budgets": [1],
+    data = GOOD | {"models": [entry], "budgets": [1],
                    "output_dir": str(tmp_path / "run")}  # fmt: skip
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(data))
@@ -137,18 +159,29 @@ def test_a_damaged_checkpoint_is_one_line_naming_its_file(
     assert not (tmp_path / "run").exists()
 
 
+def plan_problems(tmp_path: Path, data: dict, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """`lorp plan` of the spec `data` (exit code 2): its problem lines. Asked before `lorp
+    run`, so a check that regresses fails the test instead of starting the job."""
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    assert main(["plan", str(tmp_path / "job.yaml")]) == 2
+    return [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("problem: ")]
+
+
 def test_serving_longer_than_the_context_is_refused_while_planning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """`lorp run` and `lorp plan` refuse it from the model's config, before vLLM starts."""
     serving = {"prompt_len": 8000, "output_len": 256}
     data = GOOD | {"evaluation": {"serving": serving}, "output_dir": str(tmp_path / "run")}
-    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
-    # (the first use of the packaged model converts it, and says so above the error)
-    assert code == 2 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == (
+    message = (
         "evaluation.serving: prompt_len 8000 + output_len 256 exceeds smollm2-135m's "
         "max_position_embeddings 8192"
     )
+    assert plan_problems(tmp_path, data, capsys) == [f"problem: {message}"]
+    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
+    # (the first use of the packaged model converts it, and says so above the error)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == message
     assert not (tmp_path / "run").exists()
 
 
@@ -157,16 +190,40 @@ def test_a_location_that_cannot_be_written_is_refused_before_any_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
 ) -> None:
     """A shared catalog (or storage, or run directory) below a file: one line naming the
-    field, the location and the file in the way; nothing written anywhere."""
+    field, the location and the file in the way, from `lorp run` and `lorp plan`; nothing
+    written anywhere."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory\n")
     where = str(blocker / "lorp" / field)
     data = GOOD | {"output_dir": str(tmp_path / "run"), field: where}
+    message = f"{field}: {where!r} cannot be written: {str(blocker)!r} is a file, not a directory"
+    assert plan_problems(tmp_path, data, capsys) == [f"problem: {message}"]
     code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
     assert code == 2 and err.count("\n") == 1, err
-    assert (
-        err.strip()
-        == f"{field}: {where!r} cannot be written: {str(blocker)!r} is a file, not a directory"
-    )
+    assert err.strip() == message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "job.yaml"]
     assert blocker.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("field", ["catalog", "storage"])
+def test_a_location_without_write_permission_is_refused_before_any_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    """A shared catalog (or storage) in a directory this user may not write: one line
+    naming the field, the location and the directory, from `lorp run` and `lorp plan`."""
+    import pipeline.storage
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: deny it the directory as a user is denied
+        real = os.access
+        deny = lambda p, mode: Path(p) != locked and real(p, mode)  # noqa: E731
+        monkeypatch.setattr(pipeline.storage.os, "access", deny)
+    where = str(locked / field)
+    data = GOOD | {"output_dir": str(tmp_path / "run"), field: where}
+    message = f"{field}: {where!r} cannot be written: no permission to write in {str(locked)!r}"
+    assert plan_problems(tmp_path, data, capsys) == [f"problem: {message}"]
+    code, err = run_cli(tmp_path, yaml.safe_dump(data), capsys)
+    assert code == 2 and err.strip() == message and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "locked"]
+    assert not any(locked.iterdir())
