@@ -32,7 +32,10 @@ def distinct_when_stored(
     seen: dict[tuple[str, str], str] = {}
     for label in labels:
         forms = [("a directory", safe_name(label))]
-        forms += [("a registered model name", registry_stem(label))] if registered else []
+        # a label with nothing left is registered as `lorp-model`
+        # (`pipeline.records.model_registry.registered_name`): so is one named `model`
+        stem = registry_stem(label) or "model"
+        forms += [("a registered model name", stem)] if registered else []
         for form in forms:
             other = seen.setdefault(form, label)
             if other != label:

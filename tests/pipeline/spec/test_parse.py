@@ -72,6 +72,11 @@ def test_good_spec_defaults() -> None:
             {"models": [{"ref": "a", "name": "org.m"}, {"ref": "b", "name": "org-m"}]},
             "models: 'org.m' and 'org-m' are both stored as a registered model name 'org-m'",
         ),
+        (  # no letter registry_stem keeps: registered as `lorp-model`, as `model` is
+            {"models": [{"ref": "a", "name": "Модель"}, {"ref": "b", "name": "model"}]},
+            "models: 'Модель' and 'model' are both stored as a registered model name 'model'; "
+            "give one a distinct name",
+        ),
         (
             {
                 "methods": [
