@@ -15,7 +15,7 @@ from tests.helpers.paths import REPO
 
 ROOT = REPO
 PIPELINE_LAYERS = [
-    {"storage", "stored_bases"},
+    {"storage", "stored_bases", "s3_conditional"},
     {"spec"},
     {"evaluation", "plan"},
     {"records", "cluster", "messages"},

@@ -32,6 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline import s3_conditional
 from pipeline.storage import _scrub, delta_location, redact
 
 DELTA_LOG = "_delta_log"
@@ -196,18 +197,31 @@ class DeltaTable:
 
     def _create(self, schema: pa.Schema, partition: str | None) -> Any:
         """An empty table of `schema` (another writer creating it at once: theirs)."""
-        from deltalake import DeltaTable as Table
+        self.create(schema.empty_table(), partition)
+        table = self._open()
+        if table is None:
+            raise TableError(f"catalog {self.uri()}: not created: created, then not found")
+        return table
+
+    def create(self, rows: pa.Table, partition: str | None) -> bool:
+        """The table's version 0, holding `rows`; False where a table was there already
+        (or another writer's create won: Delta's first commit is create-if-absent)."""
         from deltalake import write_deltalake
 
+        if self.exists():
+            return False
+        empty = [f.name for f in rows.schema if pa.types.is_null(f.type)]
+        rows = rows.drop_columns(empty)  # a column of no values has no Delta type yet
         try:
             write_deltalake(
-                self.table_uri, schema.empty_table(), mode="ignore",
+                self.table_uri, rows, mode="error",
                 partition_by=[partition] if partition else None, storage_options=self.options,
             )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 (a concurrent create: read theirs)
+        except Exception as exc:  # noqa: BLE001 (a concurrent create: theirs stands)
             if not self.exists():
                 raise self._fail(exc, "not created") from None
-        return Table(self.table_uri, storage_options=self.options)
+            return False
+        return True
 
     def maintain(self, retention_hours: int) -> dict[str, Any]:
         """Small files compacted, the log checkpointed, files older than
@@ -285,95 +299,29 @@ def check_commits_are_safe(location: str) -> None:
     """Refuse (ValueError, one line) an S3-compatible store that would let a second
     writer replace a commit: probed once per process by writing one scratch object twice
     with `If-None-Match: *` (the condition delta-rs commits by); the second must fail.
-    AWS S3 itself (no endpoint override) has kept the condition since 2024: not probed."""
-    uri, options = delta_location(location)
-    endpoint = options.get("AWS_ENDPOINT_URL")
-    if not uri.startswith(("s3://", "s3a://")) or not endpoint:
+    AWS S3 itself (no endpoint override) has kept the condition since 2024: not probed.
+    A store that does not answer the probe as S3 does is a TableError (tried again)."""
+    if not s3_conditional.is_s3(location) or not s3_conditional.endpoint_of(location):
         return
-    bucket, _, prefix = uri.split("://", 1)[1].partition("/")
-    key = f"{prefix}/_lorp_commit_probe/{uuid.uuid4().hex}".lstrip("/")
+    scratch = f"_lorp_commit_probe/{uuid.uuid4().hex}"
     try:
-        first = _s3_request("PUT", endpoint, bucket, key, options, {"If-None-Match": "*"})
-        second = _s3_request("PUT", endpoint, bucket, key, options, {"If-None-Match": "*"})
-        _s3_request("DELETE", endpoint, bucket, key, options, {})
+        if s3_conditional.put_if_absent(location, scratch, b"probe") is not True:
+            raise OSError("a first conditional PUT of a new object was refused")
+        second = s3_conditional.put_if_absent(location, scratch, b"probe")
+        s3_conditional.delete(location, scratch)
     except OSError as exc:
         text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TableError(
             f"catalog {redact(location)}: not reachable: {_scrub(text, location)}"
         ) from None
-    if first == 200 and second in (409, 412):
+    if second is s3_conditional.PRESENT:
         return
     raise ValueError(
         f"catalog: {redact(location)!r}: this store does not keep conditional writes "
-        f"(a second PUT with If-None-Match answered {second}), so concurrent jobs would "
+        "(a second PUT with If-None-Match replaced the first), so concurrent jobs would "
         "replace each other's commits; use a store that does (AWS S3, MinIO, R2) or a "
         "shared filesystem"
     )
-
-
-def _s3_request(
-    method: str,
-    endpoint: str,
-    bucket: str,
-    key: str,
-    options: dict[str, str],
-    extra: dict[str, str],
-) -> int:
-    """One signed (SigV4) path-style request; its HTTP status."""
-    import urllib.error
-    import urllib.request
-    from urllib.parse import quote
-
-    path = "/" + quote(f"{bucket}/{key}")
-    headers = _signed_headers(method, endpoint, path, options)
-    request = urllib.request.Request(
-        endpoint.rstrip("/") + path, data=b"probe" if method == "PUT" else None,
-        method=method, headers={**headers, **extra},
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            return reply.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-def _signed_headers(
-    method: str, endpoint: str, path: str, options: dict[str, str]
-) -> dict[str, str]:
-    """AWS Signature Version 4 headers for an unsigned-payload S3 request."""
-    import hashlib
-    import hmac
-    import os
-    from datetime import UTC
-    from urllib.parse import urlsplit
-
-    def setting(name: str, env: str | None = None) -> str:
-        return options.get(name) or os.environ.get(env or name, "")
-
-    region = setting("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
-    now = datetime.now(UTC)
-    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    headers = {"host": urlsplit(endpoint).netloc, "x-amz-content-sha256": "UNSIGNED-PAYLOAD",
-               "x-amz-date": stamp}  # fmt: skip
-    if token := setting("AWS_SESSION_TOKEN"):
-        headers["x-amz-security-token"] = token
-    names = ";".join(sorted(headers))
-    canonical = "\n".join(
-        [method, path, "", *(f"{k}:{headers[k]}" for k in sorted(headers)), "", names,
-         "UNSIGNED-PAYLOAD"]
-    )  # fmt: skip
-    scope = f"{day}/{region}/s3/aws4_request"
-    digest = hashlib.sha256(canonical.encode()).hexdigest()
-    signing = f"AWS4{setting('AWS_SECRET_ACCESS_KEY')}".encode()
-    for part in (day, region, "s3", "aws4_request"):
-        signing = hmac.new(signing, part.encode(), hashlib.sha256).digest()
-    to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{digest}"
-    signature = hmac.new(signing, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers["Authorization"] = (
-        f"AWS4-HMAC-SHA256 Credential={setting('AWS_ACCESS_KEY_ID')}/{scope}, "
-        f"SignedHeaders={names}, Signature={signature}"
-    )
-    return headers
 
 
 def rows_of(table: pa.Table | None, columns: Iterable[str] | None = None) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipeline import s3_conditional
 from pipeline.storage import Storage
 
 RUN_FILE = "lorp_run.json"
@@ -26,7 +27,10 @@ first publish of that job (same name, same storage) takes them over."""
 
 def run_identity(storage: Storage, job: str) -> str:
     """The run id kept in `storage`, minted on the first start (uuid4). Two drivers that
-    start on one storage at once agree on the first one written."""
+    start on one storage at once agree on the first one written: it is created only
+    where absent, by a link on a filesystem and a conditional PUT on S3 (on GCS and Azure
+    the last written wins, and a driver that read the other's id before it was replaced
+    would publish under it: start one driver per storage there)."""
     found = _read(storage)
     if found is not None:
         return found
@@ -35,7 +39,9 @@ def run_identity(storage: Storage, job: str) -> str:
     local = storage.local_path(RUN_FILE)
     if local is not None:
         _create_exclusive(local, data)
-    else:
+    elif s3_conditional.is_s3(storage.location):
+        s3_conditional.put_if_absent(storage.location, RUN_FILE, data)
+    else:  # gs://, az://: the last written wins; both drivers read it back below
         storage.write_bytes(RUN_FILE, data)
     found = _read(storage)
     if found is None:  # noqa: S101 (written just now; a store that loses it is broken)

@@ -57,6 +57,9 @@ CHECK_RETRY_S = 30.0
 """The longest a publisher waits before trying an unreachable catalog again."""
 CLOSE_WAIT_S = 30.0
 """How long a job's end waits for its last changes to be published."""
+MAINTAIN_WAIT_S = 60.0
+"""How long a job's end then waits for the table's maintenance, when it is due (what is
+not done by then is left: a maintenance cut short commits nothing, and the next does it)."""
 MAINTENANCE = "_lorp_maintenance.json"
 
 
@@ -98,8 +101,9 @@ class SharedCatalog:
             return 0
         check_commits_are_safe(self.storage.location)
         rows = _legacy_rows(self.storage)
-        self.table.merge(_source(rows, []), KEY, delete_flag=DELETED, partition="run_id")
-        return len(rows)
+        # The table's first version holds them: of two jobs migrating at once one creates
+        # it, the other finds it (a MERGE after a takeover would bring taken rows back).
+        return len(rows) if self.table.create(to_table(rows), partition="run_id") else 0
 
     def publish(
         self,
@@ -128,20 +132,27 @@ class SharedCatalog:
         )  # fmt: skip
         if whole is not None:
             job, storage = whole
-            self.table.delete_where(
-                f"run_id = {sql_text(LEGACY_PREFIX + job)} AND storage = {sql_text(storage)}"
+            self.table.delete_where(  # rows of a lorp that kept no storage are the job's
+                f"run_id = {sql_text(LEGACY_PREFIX + job)} "
+                f"AND (storage = {sql_text(storage)} OR storage IS NULL)"
             )
         return report
 
     def maintain(self, retention_hours: int, every_hours: float) -> dict[str, Any] | None:
         """Compaction, a log checkpoint and vacuum (`DeltaTable.maintain`), at most once
         every `every_hours` whoever asks; None when not due."""
-        data = self.storage.read_bytes(MAINTENANCE)
-        last = json.loads(data)["at"] if data else 0.0
-        if time.time() - last < every_hours * 3600:
+        if time.time() - _maintained_at(self.storage.read_bytes(MAINTENANCE)) < every_hours * 3600:
             return None
         self.storage.write_bytes(MAINTENANCE, json.dumps({"at": time.time()}).encode())
         return self.table.maintain(retention_hours)
+
+
+def _maintained_at(data: bytes | None) -> float:
+    """When the table was last maintained (0 where never, or the marker is damaged)."""
+    try:
+        return float(json.loads(data)["at"]) if data else 0.0
+    except (ValueError, KeyError, TypeError):
+        return 0.0
 
 
 def _source(rows: list[dict[str, Any]], deleted: list[tuple[str, str]]) -> pa.Table:
@@ -221,14 +232,17 @@ class JobPublisher:
             self._whole = True
         self._wake.set()
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until everything handed over is published; whether it was."""
+    def flush(self, timeout: float, *, while_unreached: bool = True) -> bool:
+        """Wait until everything handed over is published; whether it was. Without
+        `while_unreached`, stop waiting as soon as the catalog stops answering."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
                 idle = not self._pending and not self._whole and not self._busy
             if idle or self.state == "refused":
                 return idle
+            if not while_unreached and self.state != "live":
+                return False
             self._wake.set()
             time.sleep(0.02)
         return False
@@ -236,27 +250,44 @@ class JobPublisher:
     _busy = False
 
     def close(self, retention_hours: int = 168, maintenance_hours: float = 6.0) -> None:
-        """The job's end: its last changes published (waiting up to `CLOSE_WAIT_S`), the
-        table maintained when due, the thread stopped. What could not go out is said in
-        one line; the job's next start publishes it."""
+        """The job's end: its last changes published and the thread stopped, within
+        `CLOSE_WAIT_S` in all; then the table maintained when due, within
+        `MAINTAIN_WAIT_S`. What could not go out is said in one line; the job's next
+        start publishes it."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
         done = self.flush(CLOSE_WAIT_S)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=CLOSE_WAIT_S)
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if not done and self.state != "refused":
             self.note(
                 f"shared catalog {self.uri()} not reachable at the job's end: this job's "
                 "rows are in its own catalog and are published by its next start"
             )
         elif done:
+            self._maintain(retention_hours, maintenance_hours)
+
+    def _maintain(self, retention_hours: int, every_hours: float) -> None:
+        """`SharedCatalog.maintain` on a thread of its own, waited for `MAINTAIN_WAIT_S`."""
+
+        def run() -> None:
             try:
-                report = self.shared.maintain(retention_hours, maintenance_hours)
-            except (OSError, ValueError) as exc:
+                report = self.shared.maintain(retention_hours, every_hours)
+            except Exception as exc:  # noqa: BLE001 (never fatal: the next job does it)
                 self.note(f"shared catalog {self.uri()} not maintained: {_one_line(exc)}")
             else:
                 if report:
                     self.note(f"shared catalog {self.uri()} maintained: {report}")
+
+        thread = threading.Thread(target=run, name="catalog-maintenance", daemon=True)
+        thread.start()
+        thread.join(MAINTAIN_WAIT_S)
+        if thread.is_alive():
+            self.note(
+                f"shared catalog {self.uri()}: maintenance not finished in "
+                f"{MAINTAIN_WAIT_S:.0f} s: left to a later job (nothing half done is kept)"
+            )
 
     def _run(self) -> None:
         delay = 0.0
@@ -271,29 +302,38 @@ class JobPublisher:
         with self._lock:
             batch, whole, handed = self._pending, self._whole, self._handed
             self._pending, self._whole, self._busy, self._handed = {}, False, True, {}
+        todo = bool(batch or whole) and self.state != "refused"
         try:
-            if (not batch and not whole) or self.state == "refused":
-                return True
-            if whole:
-                self.shared.publish(self.run_id, list(self.rows()), whole=(self.job, self.storage))
-            else:
-                rows = [r for r in batch.values() if r is not None]
-                gone = [k for k, r in batch.items() if r is None]
-                self.shared.publish(self.run_id, rows, gone)
-        except OSError as exc:
+            if todo:
+                self._publish(batch, whole)
+        except ValueError as exc:  # the table refuses the rows: said once, never retried
+            self.state = "refused"
+            self.note(f"{exc}: this job's rows are not published there")
+        except Exception as exc:  # noqa: BLE001 (unreachable, or delta-rs failing: kept)
             with self._lock:
                 for key, row in batch.items():
                     self._pending.setdefault(key, row)
                     self._handed[key] = min(handed[key], self._handed.get(key, handed[key]))
                 self._whole = self._whole or whole
+                self._busy = False
             self._unreachable(exc)
             return False
-        except ValueError as exc:  # the table refuses the rows: said once, never retried
-            self.state = "refused"
-            self.note(f"{exc}: this job's rows are not published there")
-            return True
-        finally:
+        else:
+            if todo:
+                self._published(began, handed)
+        with self._lock:
             self._busy = False
+        return True
+
+    def _publish(self, batch: dict[str, dict[str, Any] | None], whole: bool) -> None:
+        if whole:
+            self.shared.publish(self.run_id, list(self.rows()), whole=(self.job, self.storage))
+        else:
+            rows = [r for r in batch.values() if r is not None]
+            gone = [k for k, r in batch.items() if r is None]
+            self.shared.publish(self.run_id, rows, gone)
+
+    def _published(self, began: float, handed: dict[str, float]) -> None:
         self.published += 1
         done = time.monotonic()
         self.latencies.extend(done - t for t in handed.values())
@@ -301,7 +341,6 @@ class JobPublisher:
         if self.state != "live" and self._said_unreachable:
             self.note(f"shared catalog {self.uri()} reached: this job's rows published there")
         self.state, self._said_unreachable = "live", False
-        return True
 
     def _unreachable(self, exc: BaseException) -> None:
         self.state = "unreached"
@@ -317,7 +356,8 @@ class JobPublisher:
         """The shared catalog's rows by (grid key, run id), for the registry's ranking;
         none when it is not reachable or cannot be read (the aliases then rank by the
         versions' own tags), with a line saying so."""
-        self.flush(CLOSE_WAIT_S)  # this job's own rows first
+        if self.reachable:  # this job's own rows first (not waiting on a store that fails)
+            self.flush(CLOSE_WAIT_S, while_unreached=False)
         if not self.reachable:  # a read would wait on the store for nothing
             self.note(f"shared catalog {self.uri()} not read: not reachable")
             return {}

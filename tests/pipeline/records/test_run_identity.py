@@ -23,8 +23,9 @@ def test_two_storages_of_one_path_name_are_two_jobs(tmp_path: Path) -> None:
     assert run_identity(a, "job") != run_identity(b, "job")
 
 
-def test_drivers_starting_at_once_agree(tmp_path: Path) -> None:
-    store, got = Storage(tmp_path / "s"), []
+def test_drivers_starting_at_once_agree(store: Storage) -> None:
+    """Eight drivers mint at once: a link on a disk, a conditional PUT on S3."""
+    got: list[str] = []
     threads = [
         threading.Thread(target=lambda: got.append(run_identity(store, "j"))) for _ in range(8)
     ]

@@ -190,6 +190,28 @@ def test_a_catalog_of_the_old_format_migrates_and_its_jobs_take_their_rows_over(
     ]  # fmt: skip
 
 
+def test_a_migration_that_lost_the_race_brings_no_taken_row_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs A and B start on an old catalog at once: both see no table; A migrates and
+    takes its rows over first; B's migration (its table check long past) takes
+    nothing, so `legacy:team-a` never comes back. A row of a lorp that kept no storage
+    is the job's too."""
+    root = tmp_path / "shared"
+    write_old_format(root)
+    rows = pq.read_table(root / "jobs" / "team-a.parquet").to_pylist()
+    pq.write_table(to_table([*rows, shared_row("team-a", 7)]), root / "jobs" / "team-a.parquet")
+    a, b = SharedCatalog(str(root)), SharedCatalog(str(root))
+    assert a.migrate() == 5
+    a.publish("run-a", [shared_row("team-a", 0) | {"storage": "/s/a"}], whole=("team-a", "/s/a"))
+    seen = iter([False])  # B's check ran before A's create
+    monkeypatch.setattr(b.table, "exists", lambda: next(seen, True))
+    assert b.migrate() == 0
+    assert sorted((r["run_id"], r["grid_key"]) for r in a.read()) == [
+        ("legacy:team-b", "k000"), ("legacy:team-b", "k001"), ("run-a", "k000"),
+    ]  # fmt: skip
+
+
 def test_the_first_write_migrates(tmp_path: Path) -> None:
     root = tmp_path / "shared"
     write_old_format(root)
@@ -305,3 +327,38 @@ def test_credentials_in_the_catalog_uri_appear_in_no_line(
     lines = [*notes, str(err.value), *(r.getMessage() for r in caplog.records)]
     assert len(notes) >= 2 and "s3://org/catalog" in notes[0]
     assert not [line for line in lines if secret in line or "AKIATESTKEY" in line], lines
+
+
+def test_a_failure_of_any_kind_keeps_the_changes_and_the_publisher(tmp_path: Path) -> None:
+    """An error delta-rs raises as neither OSError nor ValueError (a panic, say) once:
+    the thread lives on, the batch is kept and goes out with the next try."""
+    shared, notes = SharedCatalog(str(tmp_path / "shared")), []
+    real, calls = shared.publish, []
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("delta-rs panicked")
+        return real(*args, **kwargs)
+
+    shared.publish = failing_once  # type: ignore[method-assign]
+    publisher, cat = job(shared, tmp_path, "j", "run-j", notes)
+    assert publisher.flush(30)
+    cat.put(shared_row("j", 0))
+    assert publisher.flush(30) and len(calls) == 3
+    assert publisher._thread is not None and publisher._thread.is_alive()
+    assert [r["grid_key"] for r in shared.read()] == ["k000"]
+    assert notes[0] == (
+        f"shared catalog {shared.uri()} not reachable (delta-rs panicked): this job's rows "
+        "stay in its own catalog and are published once it is (tried again within 30 s, "
+        "and at the job's end)"
+    )
+    publisher.close()
+
+
+def test_a_damaged_maintenance_marker_means_maintenance_is_due(tmp_path: Path) -> None:
+    shared = SharedCatalog(str(tmp_path / "shared"))
+    shared.publish("r", [shared_row("j", 0)])
+    shared.storage.write_bytes(shared_catalog.MAINTENANCE, b'{"when": 1}')
+    assert shared.maintain(168, 6) is not None
+    assert shared.maintain(168, 6) is None  # and then not due for six hours
