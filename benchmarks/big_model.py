@@ -215,7 +215,7 @@ def measure(root: Path, shape_name: str, memory_gib: float | None) -> dict[str, 
     spec_path = root / "big.yaml"
     spec_path.write_text(yaml.safe_dump(job_spec(root, model, memory_gib)))
     wall, sampler, _ = run_job(spec_path)
-    rows = read_catalog(root / "run" / "catalog.parquet")
+    rows = read_catalog(root / "run" / "catalog")
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "shape": shape_name,

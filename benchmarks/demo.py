@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from pipeline.records.catalog import read_catalog
 
-    rows = read_catalog(args.run / "catalog.parquet")
+    rows = read_catalog(args.run / "catalog")
     if not rows:
         print(f"--run {str(args.run)!r}: no catalog rows (run `make demo` first)", file=sys.stderr)
         return 2

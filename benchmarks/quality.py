@@ -2,7 +2,7 @@
 
     python benchmarks/quality.py [--models smollm2-135m ...] [--page docs/results/quality.md]
     python benchmarks/quality.py --bos-check      # Gemma 3 dense PTB perplexity, BOS on/off
-    python benchmarks/quality.py --from-catalog runs/quality/catalog.parquet [--page ...]
+    python benchmarks/quality.py --from-catalog runs/quality/catalog [--page ...]
 
 It runs `jobs/quality.yaml` (optionally restricted to some models) with the product's own
 driver, then renders one table per model from the catalog: PTB test perplexity at each

@@ -1,7 +1,7 @@
 """Zero-shot accuracy retained: dense against the best variant of each model and budget,
 as the figure ReplaceMe and LinearPatch report (% of dense accuracy), with standard errors.
 
-    python benchmarks/retention.py [--catalog runs/quality/catalog.parquet] [--limit 500]
+    python benchmarks/retention.py [--catalog runs/quality/catalog] [--limit 500]
                                    [--models smollm2-135m ...] [--page docs/results/retention.md]
 
 The best variants are read from the quality job's catalog (`jobs/quality.yaml`; the rule
@@ -152,7 +152,7 @@ def table(model: str, picks: dict[int, dict[str, Any]], rows: list[dict[str, Any
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--catalog", default="runs/quality/catalog.parquet")
+    p.add_argument("--catalog", default="runs/quality/catalog")
     p.add_argument("--models", nargs="*")
     p.add_argument("--limit", type=int, default=500)
     p.add_argument("--out", default="runs/retention")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def add_dashboard(sub: argparse._SubParsersAction) -> None:
@@ -38,13 +39,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write(args: argparse.Namespace, run_dir: Path, out: Path) -> Path:
+def write(
+    args: argparse.Namespace, run_dir: Path, out: Path, rows: list[dict[str, Any]] | None = None
+) -> Path:
     from dashboards.site import build_site, legacy_tracking
     from pipeline.records.catalog import merge_catalogs, newest_per_key
     from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 
     shared = not args.catalog and run_dir.is_dir() and SharedCatalog(str(run_dir)).is_shared()
-    if args.catalog:
+    if rows is not None:  # read from a remote run directory
+        rows = newest_per_key(rows)
+    elif args.catalog:
         rows = merge_catalogs(args.catalog)
     else:
         rows = newest_per_key(open_catalog(str(run_dir)))
@@ -68,15 +73,13 @@ def run_remote(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
         run_dir = Path(args.run_dir)
         if is_remote(args.run_dir):
-            from pipeline.records.catalog import Catalog, write_catalog
             from pipeline.records.shared_catalog import open_catalog
 
             run_dir, store = Path(tmp) / "run", Storage(args.run_dir)
-            rows = open_catalog(args.run_dir)  # a job's catalog and parts, or a shared one
-            write_catalog(run_dir / Catalog.NAME, rows)
+            rows = open_catalog(args.run_dir)  # a job's catalog, or a shared one
             for name in ("events.jsonl",):
                 store.get_file(name, run_dir / name)
-        index = write(args, run_dir, Path(tmp) / "site")
+        index = write(args, run_dir, Path(tmp) / "site", rows if is_remote(args.run_dir) else None)
         out = Storage(args.out) if args.out else Storage(args.run_dir).sub("dashboard")
         uri = out.put_dir(index.parent)
     print(f"dashboard    {uri}")

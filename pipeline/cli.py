@@ -177,8 +177,8 @@ def _add_catalog_reads(csub: argparse._SubParsersAction) -> None:
     ls = csub.add_parser(
         "ls",
         help="the rows of a catalog (a job's or the shared one), folded and filtered",
-        description="CATALOG: a catalog.parquet, a run directory, a job's storage, or a "
-        "shared catalog (directory or URI).",
+        description="CATALOG: a job's catalog table or a parquet catalog file, a run "
+        "directory, a job's storage, or a shared catalog (directory or URI).",
     )
     ls.add_argument("catalog", metavar="CATALOG")
     for name in ("model", "family", "method", "repair", "protocol", "job"):

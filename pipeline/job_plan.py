@@ -25,7 +25,7 @@ from lorp.models.memory import weight_size
 from lorp.models.safetensors_index import tensor_index
 from pipeline.cluster.memory import plan_memory
 from pipeline.plan import ModelPlan, plan_model, resolve_backend, unwritable_locations
-from pipeline.records.catalog import read_catalog
+from pipeline.records.catalog import NAME, read_catalog
 from pipeline.records.events import read_events
 from pipeline.spec.checks import SpecError
 from pipeline.spec.job import JobSpec
@@ -111,7 +111,7 @@ def grid_points(spec: JobSpec, plan: ModelPlan) -> dict[str, int]:
 
 
 def _rows(storage: Storage, job: str) -> list[dict[str, Any]]:
-    local = storage.local_path("catalog.parquet")
+    local = storage.local_path(NAME)
     if local is None:  # a remote storage: its catalog is read when the job starts
         return []
     return [r for r in read_catalog(local) if r.get("job") == job]

@@ -344,6 +344,21 @@ class Storage:
         infos = self.fs.get_file_info(selector)
         return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
+    def files(self, rel: str) -> dict[str, int]:
+        """Every file below the directory `rel`, by its path relative to `rel`, with its
+        size (no marker needed: a table's own log says what is whole)."""
+        if not self.remote:
+            d = self._local(rel)
+            if not d.is_dir():
+                return {}
+            return {p.relative_to(d).as_posix(): p.stat().st_size
+                    for p in d.rglob("*") if p.is_file()}  # fmt: skip
+        base = self._path(rel)
+        selector = pafs.FileSelector(base, allow_not_found=True, recursive=True)
+        infos = self.fs.get_file_info(selector)
+        return {i.path[len(base) + 1 :]: i.size or 0 for i in infos
+                if i.type == pafs.FileType.File}  # fmt: skip
+
     def tree_bytes(self, rel: str) -> int:
         """Bytes of every file below the directory `rel`."""
         if not self.remote:

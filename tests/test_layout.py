@@ -41,7 +41,7 @@ command line (and the package's public API, "") on top."""
 WRITERS = {
     "Tracker", "Catalog", "EventLog", "register_model", "move_aliases", "materialize_aliases",
 }  # fmt: skip
-"""What writes a job's records: catalog parts, MLflow runs, events, registry versions and
+"""What writes a job's records: catalog commits, MLflow runs, events, registry versions and
 aliases, the aliases written out (and their tags)."""
 WRITER_MODULES = {
     "pipeline.records.tracking",
@@ -217,7 +217,7 @@ def writer_users(found: Iterator[tuple[str, list[str], int]]) -> bool:
 
 
 def test_records_are_written_from_the_recorder_only() -> None:
-    """The classes and functions that write catalog parts, MLflow runs, events and
+    """The classes and functions that write catalog commits, MLflow runs, events and
     registry versions are used by the recorder and nowhere else in the driver (the
     modules that define them aside)."""
     users = {

@@ -1,20 +1,22 @@
-"""The parquet catalog: one row per grid point, recorded atomically as every point ends.
+"""A job's catalog: one row per grid point, a Delta Lake table in the run directory
+(`catalog/`, its `_delta_log/` there), committed as every point ends. Any Delta reader
+reads it (`docs/guides/catalog.md`); `read_catalog` is lorp's reader.
 
-A finished point costs one small file, whatever the catalog's size: each change (a row
-put, figures added to a row) is a JSON *part* in `catalog.parts/`, written by atomic
-rename (or, in a remote storage, as one object), named by the writer's start and its
-count of changes, so parts apply in order whatever the clock does.
-`read_catalog` reads the parquet file and applies the parts after it; every reader
-(`lorp status`, the dashboard, `lorp catalog merge`) goes through it. `Catalog.compact`
-folds the parts into `catalog.parquet` (atomic rename) and then deletes them, at the
-start and the end of a job: a crash between the two leaves parts that apply again to a
-file that already has them, which changes nothing (a put replaces its grid key's row,
-an update sets the same values).
+Each change (a row put, figures added to a row) is one MERGE on the row's grid key,
+carrying the row's whole new value: atomic, so a job killed at any moment leaves the
+table as of its last commit, and a resume starts from exactly what was recorded.
+`Catalog.compact` compacts the table's small files, checkpoints its log and vacuums
+what no version of the last hour reads, at the start and the end of a job. With a job
+storage elsewhere the table is copied there commit by commit
+(`pipeline.records.table_mirror`).
+
+A catalog in the format before Delta (`catalog.parquet` plus JSON parts in
+`catalog.parts/`) is read as it is and becomes a table at the job's next start.
 
 Core columns are typed (`CORE_SCHEMA`); metric columns (`ppl_<corpus>`, `acc_<task>`,
 `latency_ms`, ...) are float64 and appear as evaluations add them. `merge_catalogs`
 combines many jobs' catalogs into the organisation-wide one, one row per grid key (the
-newest wins).
+newest wins); `write_catalog` writes rows as one parquet file (`lorp catalog merge`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,6 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lorp.atomic import atomic_file
+from pipeline.records.delta_table import DELTA_LOG, DeltaTable, rows_of
+from pipeline.records.table_mirror import TableMirror
 
 if TYPE_CHECKING:
     from pipeline.storage import Storage
@@ -99,21 +102,36 @@ CORE_SCHEMA = pa.schema(
 CORE = set(CORE_SCHEMA.names)
 
 
-NAME = "catalog.parquet"
-PARTS = "catalog.parts"
-
-
-def parts_dir(path: str | os.PathLike[str]) -> Path:
-    """The directory of a catalog file's parts."""
-    return Path(path).parent / PARTS
+NAME = "catalog"
+"""The job's catalog table, a directory in the run directory and in its storage."""
+OLD_NAME, PARTS = "catalog.parquet", "catalog.parts"
+"""The format before Delta: a parquet snapshot and the JSON parts applied after it."""
+DELETED = "_lorp_deleted"
+"""A source column of a MERGE only: the row deletes its key."""
+RETENTION_HOURS = 1
+"""What a job's table keeps of its past versions' files (for a reader racing a compaction;
+a job's table keeps no time-travel window: the shared catalog does)."""
 
 
 def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The rows of a catalog file, its parts applied; [] when there is none.
+    """The rows of a catalog: a table (`catalog/`), or a parquet file with its parts
+    applied (a file `lorp catalog merge` wrote, or the format before Delta: asked for
+    `catalog/`, a run directory of an older lorp is read from `catalog.parquet`); [] when
+    there is none."""
+    path = Path(path)
+    if (path / DELTA_LOG).is_dir():
+        return rows_of(DeltaTable(str(path)).read())
+    if path.name == NAME and not path.exists():
+        path = path.with_name(OLD_NAME)
+    return read_parquet_catalog(path)
+
+
+def read_parquet_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """A parquet catalog file's rows, the parts beside it applied; [] when there is none.
 
     The bytes are read in one go: a writer replaces the file by rename at any moment, and
     pyarrow reading by path takes the size from one look and the pages from another, so
-    a reader racing a write (`lorp status` during a run) failed with "Page was smaller"."""
+    a reader racing a write failed with "Page was smaller"."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -121,7 +139,7 @@ def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         rows = []
     else:
         rows = pq.read_table(pa.BufferReader(data)).to_pylist()
-    return apply_parts(rows, _read_parts(parts_dir(path)))
+    return apply_parts(rows, _read_parts(path.parent / PARTS))
 
 
 def _read_parts(directory: Path) -> list[dict[str, Any]]:
@@ -140,11 +158,9 @@ def _read_parts(directory: Path) -> list[dict[str, Any]]:
 
 
 def parse_part(data: bytes, where: str) -> dict[str, Any] | None:
-    """One part (a change of a job's rows), or None with a warning naming `where` when it
-    is not a whole one: a writer killed mid-write on a store without atomic rename, or a
-    full disk. One such file never stops a reader (every job's start-up check, `lorp
-    catalog`, the registry's ranking); the job that wrote it still holds the change in its
-    own catalog, and its next compaction publishes its rows whole again."""
+    """One part of the format before Delta (a change of a job's rows), or None with a
+    warning naming `where` when it is not a whole one (a writer killed mid-write on a
+    store without atomic rename, or a full disk): one such file never stops a reader."""
     import logging
 
     try:
@@ -197,9 +213,11 @@ def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
 
 
 def _extra_type(values: Sequence[Any]) -> pa.DataType | None:
-    """float64 for numbers (bools included, as metrics always were); None (pyarrow's
-    inference) for anything else."""
+    """float64 for numbers (bools included, as metrics always were); null for no value
+    at all; None (pyarrow's inference) for anything else."""
     present = [v for v in values if v is not None]
+    if not present:  # no type yet: a table takes the one a value brings later
+        return pa.null()
     if all(isinstance(v, int | float) for v in present):
         return pa.float64()
     return None
@@ -256,12 +274,12 @@ def upsert(rows: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str,
 
 
 class Catalog:
-    """A job's catalog and its rows in memory; every change is recorded at once, as one
-    part (see the module docstring), and folded into the parquet file by `compact`.
+    """A job's catalog table and its rows in memory; every change is committed at once
+    (see the module docstring).
 
-    With a `mirror` (the job's storage, when it is not the run directory) the local files
-    are a working copy: the storage's catalog and parts replace them at the start, so a
-    job resumes from storage on any machine, and every part is copied to storage.
+    With a `mirror` (the job's storage, when it is not the run directory) the local table
+    is a working copy: the storage's replaces it at the start, so a job resumes from
+    storage on any machine, and every commit is copied to storage.
 
     With `publish` (the organisation's shared catalog, `pipeline.records.shared_catalog`)
     every change is handed to it too (it publishes in the background), and `compact`
@@ -276,79 +294,100 @@ class Catalog:
         publish: Publisher | None = None,
         job: str = "",
     ) -> None:
-        self.path, self.mirror, self.publish, self.job = path, mirror, publish, job
-        self.parts = parts_dir(path)
-        self.n = 0
-        self.started = time.time_ns()
-        """Every part's name starts with it and ends with its count (`_record`)."""
-        if mirror is not None:
-            mirror.get_file(self.NAME, path)
-            shutil.rmtree(self.parts, ignore_errors=True)
-            for name in mirror.list(PARTS):
-                mirror.get_file(f"{PARTS}/{name}", self.parts / name)
-        self.rows = read_catalog(path)
+        self.path, self.mirror, self.publish, self.job = Path(path), mirror, publish, job
+        self.table = DeltaTable(str(self.path))
+        self.copy = None if mirror is None else TableMirror(self.path, mirror, NAME)
+        if self.copy is not None and not self.copy.pull():
+            self._fetch_old_format()
+        self.migrated = self._migrate()
+        """Rows taken from the format before Delta at this start (0: none)."""
+        self.rows = rows_of(self.table.read())
 
     def by_key(self) -> dict[str, dict[str, Any]]:
         return {r["grid_key"]: r for r in self.rows}
 
     def put(self, row: Mapping[str, Any]) -> None:
-        before = {r["grid_key"] for r in self.rows}
-        self.rows = upsert(self.rows, row)
-        self._record({"op": "put", "row": dict(row)})
+        """A row, replacing its grid key's or its slot's (committed before it is held:
+        a row the table refuses is one line, and the rows stay as they were)."""
+        rows = upsert(self.rows, row)
+        removed = {r["grid_key"] for r in self.rows} - {r["grid_key"] for r in rows}
+        self._commit(dict(row), removed)
+        self.rows = rows
         if self.publish is not None:
-            self.publish.changed(row, before - {r["grid_key"] for r in self.rows})
+            self.publish.changed(row, removed)
 
     def update(self, grid_key: str, values: Mapping[str, Any]) -> dict[str, Any]:
         """Add or replace columns of one row (figures measured after the point)."""
         row = self.by_key()[grid_key]
+        self._commit({**row, **values}, ())
         row.update(values)
-        self._record({"op": "update", "key": grid_key, "values": dict(values)})
         if self.publish is not None:
             self.publish.changed(row)
         return row
 
-    def _record(self, part: dict[str, Any]) -> None:
-        self.n += 1
-        # Ordered by the count, not by the clock at each change: a clock stepped back
-        # would sort an update before its put. (Another process's parts never interleave:
-        # each start folds its predecessors' parts before it records a change.)
-        name = f"{self.started:020d}-{os.getpid()}-{self.n:09d}.json"
-        data = json.dumps(part, default=_plain).encode()
-        with atomic_file(self.parts / name) as tmp:
-            tmp.write_bytes(data)
-        if self.mirror is not None:
-            self.mirror.put_file(self.parts / name, f"{PARTS}/{name}")
+    def _commit(self, row: dict[str, Any], removed: Iterable[str]) -> None:
+        gone = [{"grid_key": k} for k in sorted(removed)]
+        source = to_table([json_safe(row), *gone])
+        flags = pa.array([False] + [True] * len(gone), pa.bool_())
+        self.table.merge(source.append_column(DELETED, flags), ["grid_key"], delete_flag=DELETED)
+        if self.copy is not None:
+            self.copy.push()
 
     def compact(self) -> None:
-        """Fold the parts into the parquet file (atomically), then delete them; all the
-        job's rows go to the shared catalog."""
-        done = sorted(self.parts.glob("*.json")) if self.parts.is_dir() else []
+        """Small files compacted, the log checkpointed, what no version of the last
+        `RETENTION_HOURS` reads removed; all the job's rows go to the shared catalog."""
         if self.publish is not None:
             self.publish.whole()
-        if not done:
-            return
-        write_catalog(self.path, self.rows)
+        if self.table.exists():
+            self.table.maintain(RETENTION_HOURS)
+        if self.copy is not None:
+            self.copy.push(prune=True)
+
+    def _fetch_old_format(self) -> None:
+        """The storage's catalog in the format before Delta, to migrate here."""
+        assert self.mirror is not None
+        old = self.path.with_name(OLD_NAME)
+        self.mirror.get_file(OLD_NAME, old)
+        for name in self.mirror.list(PARTS):
+            self.mirror.get_file(f"{PARTS}/{name}", old.parent / PARTS / name)
+
+    def _migrate(self) -> int:
+        """A catalog in the format before Delta becomes the table's first version; its
+        files go (here and in the storage) once the table holds its rows."""
+        old = self.path.with_name(OLD_NAME)
+        if self.table.exists() or not (old.is_file() or (old.parent / PARTS).is_dir()):
+            return 0
+        rows = read_parquet_catalog(old)
+        self.table.create(to_table([json_safe(r) for r in rows]), None)
+        if self.copy is not None:
+            self.copy.push()
+        old.unlink(missing_ok=True)
+        shutil.rmtree(old.parent / PARTS, ignore_errors=True)
         if self.mirror is not None:
-            self.mirror.put_file(self.path, self.NAME)
-        for f in done:
-            if self.mirror is not None:
-                self.mirror.delete(f"{PARTS}/{f.name}")
-            f.unlink(missing_ok=True)
+            self.mirror.delete(OLD_NAME)
+            for name in self.mirror.list(PARTS):
+                self.mirror.delete(f"{PARTS}/{name}")
+        return len(rows)
 
 
-def _plain(value: Any) -> Any:
-    """numpy scalars as Python numbers; anything else as text."""
-    return value.item() if hasattr(value, "item") else str(value)
+def json_safe(row: Mapping[str, Any]) -> dict[str, Any]:
+    """numpy scalars and arrays as Python values (what a row's figures may be)."""
+    import numpy as np
+
+    return {k: v.item() if isinstance(v, np.generic) else v.tolist()
+            if isinstance(v, np.ndarray) else v for k, v in row.items()}  # fmt: skip
 
 
 def merge_catalogs(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """One row per grid key across catalogs; the newest `created_at` wins."""
+    """One row per grid key across catalogs (tables or parquet files); the newest
+    `created_at` wins."""
     rows: list[dict[str, Any]] = []
     for path in paths:
-        if not Path(path).is_file():
+        table = (Path(path) / DELTA_LOG).is_dir()
+        if not table and not Path(path).is_file():
             raise FileNotFoundError(f"catalog not found: {str(path)!r}")
         try:
-            got = read_catalog(path)
+            got = read_catalog(path) if table else read_parquet_catalog(path)
         except pa.ArrowInvalid as exc:
             raise ValueError(f"{str(path)!r} is not a parquet catalog ({exc})") from None
         if any("grid_key" not in row for row in got):

@@ -127,8 +127,9 @@ class DeltaTable:
         partition: str | None = None,
         scope: str | None = None,
     ) -> dict[str, Any]:
-        """One transaction: `source`'s rows upserted on `keys` (a row whose `delete_flag`
-        is true deletes its key instead). `scope`, a predicate on the target `t`, limits
+        """One transaction: `source`'s rows upserted on `keys`, each its whole new value
+        (a column it lacks is null; `whole_rows`), a row whose `delete_flag` is true
+        deleting its key instead. `scope`, a predicate on the target `t`, limits
         what the MERGE reads, and so what it can conflict with. Created on first use,
         partitioned by the column `partition`: a MERGE scoped to one partition reads and
         rewrites that partition only, so writers of other partitions never conflict with
@@ -136,14 +137,17 @@ class DeltaTable:
         a conflict with another writer's commit."""
         from deltalake.exceptions import CommitFailedError
 
-        columns = [c for c in source.column_names if c != delete_flag]
         for attempt in range(CONFLICT_TRIES):
             table = self._open()
             if table is None:
                 table = self._create(source.drop_columns([delete_flag]).schema, partition)
             check_types(table, source.drop_columns([delete_flag]).schema, self.uri())
+            whole = whole_rows(source, table)
             try:
-                return self._merge_once(table, source, keys, columns, delete_flag, scope)
+                return self._merge_once(
+                    table, whole, keys, [c for c in whole.column_names if c != delete_flag],
+                    delete_flag, scope,
+                )  # fmt: skip
             except CommitFailedError:
                 self.conflicts += 1
                 time.sleep(random.uniform(0.01, 0.05) * min(attempt + 1, 10))
@@ -256,6 +260,25 @@ class DeltaTable:
             return 0
         adds = pa.table(table.get_add_actions(flatten=True))
         return int(sum(adds.column("size_bytes").to_pylist()))
+
+
+def whole_rows(source: pa.Table, table: Any) -> pa.Table:
+    """`source` with every column of the table's: one it lacks is null (an upserted row
+    is the whole row; a figure it no longer has is not kept), one of no values takes the
+    table's type, or is left out where the table has no such column yet."""
+    held = pa.schema(table.schema())
+    for field in source.schema:
+        if pa.types.is_null(field.type):
+            i = source.schema.get_field_index(field.name)
+            if field.name in held.names:
+                typ = held.field(field.name).type
+                source = source.set_column(i, field.name, pa.nulls(len(source), typ))
+            else:
+                source = source.remove_column(i)
+    for field in held:
+        if field.name not in source.column_names:
+            source = source.append_column(field.name, pa.nulls(len(source), field.type))
+    return source
 
 
 def _q(name: str) -> str:

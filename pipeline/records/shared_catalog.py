@@ -37,7 +37,16 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.records.catalog import NAME, PARTS, apply_parts, parse_part, read_catalog, to_table
+from pipeline.records.catalog import (
+    DELETED,
+    NAME,
+    OLD_NAME,
+    PARTS,
+    apply_parts,
+    parse_part,
+    read_parquet_catalog,
+    to_table,
+)
 from pipeline.records.delta_table import (
     DELTA_LOG,
     DeltaTable,
@@ -51,8 +60,6 @@ from pipeline.records.run_identity import LEGACY_PREFIX
 from pipeline.storage import Storage, is_remote
 
 KEY = ("run_id", "grid_key")
-DELETED = "_lorp_deleted"
-"""A source column of a MERGE only: the row deletes its key."""
 CHECK_RETRY_S = 30.0
 """The longest a publisher waits before trying an unreachable catalog again."""
 CLOSE_WAIT_S = 30.0
@@ -378,9 +385,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def open_catalog(location: str, as_of: str | None = None) -> list[dict[str, Any]]:
-    """The rows of the catalog at `location`, folded, every row with its `protocol`:
-    a catalog file (`catalog.parquet`), a job's run directory or storage, or a shared
-    catalog, whose rows can be read as of a version (`as_of` digits) or a time (ISO
+    """The rows of the catalog at `location`, every row with its `protocol`: a parquet
+    catalog file, a job's table (`catalog/`), its run directory or storage, or a shared
+    catalog; a table's rows can be read as of a version (`as_of` digits) or a time (ISO
     8601). One-line errors for anything else."""
     rows = _read_any(location, parse_as_of(as_of))
     for r in rows:
@@ -412,7 +419,7 @@ def _read_any(location: str, as_of: int | datetime | None) -> list[dict[str, Any
                     f"--as-of: {location!r} is a job's catalog file: it keeps no versions"
                 )
             try:
-                return read_catalog(path)
+                return read_parquet_catalog(path)
             except pa.ArrowInvalid as exc:
                 raise ValueError(f"{location!r} is not a parquet catalog ({exc})") from None
         if not path.is_dir():
@@ -421,19 +428,23 @@ def _read_any(location: str, as_of: int | datetime | None) -> list[dict[str, Any
     shared = SharedCatalog(store)
     if shared.is_shared():
         return shared.read(as_of)
-    if store.read_bytes(NAME) is not None or store.list(PARTS):
+    if any(n.startswith(f"{DELTA_LOG}/") for n in store.files(NAME)):  # a job's own table
+        return rows_of(DeltaTable(store.sub(NAME).location).read(as_of))
+    if store.read_bytes(OLD_NAME) is not None or store.list(PARTS):
         if as_of is not None:
             raise ValueError(f"--as-of: {store.uri()} is a job's catalog: it keeps no versions")
-        return _read_job_storage(store)
+        return _read_old_job_storage(store)
     raise FileNotFoundError(
-        f"no catalog at {store.uri()!r} (neither {NAME} nor a shared catalog's {DELTA_LOG}/)"
+        f"no catalog at {store.uri()!r} (neither a job's {NAME}/ nor a shared catalog's "
+        f"{DELTA_LOG}/)"
     )
 
 
-def _read_job_storage(store: Storage) -> list[dict[str, Any]]:
+def _read_old_job_storage(store: Storage) -> list[dict[str, Any]]:
+    """A job's catalog in the format before Delta, in its storage."""
     import pyarrow.parquet as pq
 
-    data = store.read_bytes(NAME)
+    data = store.read_bytes(OLD_NAME)
     rows = pq.read_table(pa.BufferReader(data)).to_pylist() if data is not None else []
     parts = []
     for name in store.list(PARTS):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.records.catalog import read_catalog
+from pipeline.records.catalog import NAME, read_catalog
 from pipeline.records.events import read_events
 
 
@@ -64,7 +64,7 @@ def run_status(run_dir: Path) -> RunStatus:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {str(run_dir)!r}")
     events = read_events(run_dir / "events.jsonl")
-    rows = read_catalog(run_dir / "catalog.parquet")
+    rows = read_catalog(run_dir / NAME)
     st = RunStatus(rows=len(rows), per_model=dict(Counter(r["model"] for r in rows)))
     pruned = [r for r in rows if r.get("method") != "dense"]
     st.repaired = sum(1 for r in pruned if (r.get("repair") or "none") != "none")

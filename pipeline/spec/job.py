@@ -42,7 +42,7 @@ class JobSpec:
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     """Calibration data for S."""
     output_dir: str = "runs/job"
-    """Run directory: catalog.parquet, mlflow.db, checkpoints/, events.jsonl."""
+    """Run directory: catalog/ (a Delta table), mlflow.db, checkpoints/, events.jsonl."""
     storage: str | None = None
     """Where the results live for every node: a local or shared directory, or a URI that
     pyarrow.fs opens (file://, s3://bucket/prefix, gs://, hdfs://; query parameters set

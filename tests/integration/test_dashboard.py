@@ -54,7 +54,7 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
     }
     with local_ray():
         run_job(parse_spec(spec))
-    return read_catalog(root / "run" / "catalog.parquet"), root
+    return read_catalog(root / "run" / "catalog"), root
 
 
 def with_gate_and_accuracy(rows: list[dict]) -> list[dict]:

@@ -97,7 +97,7 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
     assert got.tokens == want.tokens == 12 * 48  # the retried shard counted exactly once
     np.testing.assert_allclose(got.gram, want.gram, rtol=1e-6)
 
-    rows = read_catalog(tmp_path / "faulty" / "catalog.parquet")
+    rows = read_catalog(tmp_path / "faulty" / "catalog")
     assert len(rows) == 2 and all(np.isfinite(r["ppl_ptb"]) for r in rows)
     pruned = next(r for r in rows if r["method"] == "lorp")
     assert (Path(pruned["checkpoint"]) / "model.safetensors").is_file()
@@ -144,12 +144,12 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
     # process it started, found by process id; no other Ray on this machine is touched.
     kill_started_by(proc.pid)
     proc.wait()
-    before = read_catalog(run_dir / "catalog.parquet")
+    before = read_catalog(run_dir / "catalog")
     assert 6 <= len(before) < points
 
     out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = read_catalog(run_dir / "catalog.parquet")
+    rows = read_catalog(run_dir / "catalog")
     assert len(rows) == points and len({r["grid_key"] for r in rows}) == points
     assert {r["grid_key"] for r in before} <= {r["grid_key"] for r in rows}  # kept, not redone
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
@@ -228,7 +228,7 @@ def test_sigterm_mid_grid_stops_cleanly_beside_a_second_job(model: Path, tmp_pat
     said = [x for x in stderr.splitlines() if x.startswith("stopped by SIGTERM")]
     assert len(said) == 1 and "resumes" in said[0] and "point(s) done" in said[0], stderr
     assert "logging.cc" not in stderr and "Traceback" not in stderr, stderr[-3000:]
-    before = read_catalog(run_dir / "catalog.parquet")
+    before = read_catalog(run_dir / "catalog")
     assert 3 <= len(before) < points
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("stopped")
@@ -239,11 +239,11 @@ def test_sigterm_mid_grid_stops_cleanly_beside_a_second_job(model: Path, tmp_pat
     assert status["KILLED"] >= 1 and status["RUNNING"] == 0, status
     assert status["FINISHED"] == len(before)
 
-    assert len(read_catalog(tmp_path / "beside" / "catalog.parquet")) == 1 + 2
+    assert len(read_catalog(tmp_path / "beside" / "catalog")) == 1 + 2
 
     out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = read_catalog(run_dir / "catalog.parquet")
+    rows = read_catalog(run_dir / "catalog")
     assert len({r["grid_key"] for r in rows}) == len(rows) == points
     assert {r["grid_key"] for r in before} <= {r["grid_key"] for r in rows}
 

@@ -135,7 +135,7 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     summary = run_job(parse_spec(spec))
     assert summary.failed == ["tiny: selection broke after points finished"]
 
-    rows = {r["method"]: r for r in read_catalog(tmp_path / "broken" / "catalog.parquet")}
+    rows = {r["method"]: r for r in read_catalog(tmp_path / "broken" / "catalog")}
     assert set(rows) == {"dense", "shortgpt"} and summary.done == 2
     dense, pruned = rows["dense"], rows["shortgpt"]
     # judged on the held-out news (calibrated on PTB), with both ratios kept
@@ -181,7 +181,7 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     # version (b2), the dense one kept (no second dense version from the parent run)
     again = run_job(parse_spec(spec | {"budgets": [1, 2]}))
     assert (again.done, again.skipped, again.failed) == (1, 2, summary.failed)
-    rows = {r["budget"]: r for r in read_catalog(tmp_path / "broken" / "catalog.parquet")}
+    rows = {r["budget"]: r for r in read_catalog(tmp_path / "broken" / "catalog")}
     assert rows[2]["ppl_ratio"] == pytest.approx(rows[2]["ppl_lee"] / dense["ppl_lee"])
     assert len(client.search_model_versions("name = 'lorp-tiny'")) == 3
     now = client.get_registered_model("lorp-tiny").aliases

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.cluster.model_source import ModelSource
 from pipeline.messages import CaptureTask
-from pipeline.records.catalog import Catalog, read_catalog
+from pipeline.records.catalog import Catalog, read_catalog, write_catalog
 from pipeline.records.events import EventLog
 from pipeline.run import run_job
 from pipeline.spec.calibration import CalibrationSpec
@@ -115,7 +115,7 @@ def test_grid_captures_once_records_everything_resumes_and_shares_S(
     assert [e["source"] for e in events if e["event"] == "capture"] == ["computed"]
     assert summary.done == 9 and not summary.failed
 
-    rows = read_catalog(run_dir / "catalog.parquet")
+    rows = read_catalog(run_dir / "catalog")
     assert len(rows) == 9
     assert Counter(r["method"] for r in rows) == {"lorp": 3, "shortgpt": 3, "streamline": 3}
     for r in rows:
@@ -152,13 +152,13 @@ def test_grid_captures_once_records_everything_resumes_and_shares_S(
     # had started its workers before cutting the shards (their model loads meanwhile).
     captures = [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "capture"]
     assert [(e["source"], e["early_workers"]) for e in captures] == [("computed", 3), ("cache", 0)]
-    assert len(read_catalog(run_dir / "catalog.parquet")) == 9
+    assert len(read_catalog(run_dir / "catalog")) == 9
     assert len(mlflow_runs(run_dir, "grid")) == 10
 
     # --force redoes every point, replacing (not duplicating) rows and runs.
     forced = run_job(spec, force=True)
     assert forced.done == 9 and forced.captured == 1
-    rows2 = read_catalog(run_dir / "catalog.parquet")
+    rows2 = read_catalog(run_dir / "catalog")
     assert len(rows2) == 9 and {r["grid_key"] for r in rows2} == {r["grid_key"] for r in rows}
     live = [r for r in mlflow_runs(run_dir, "grid") if r.data.tags["lorp.kind"] == "point"]
     assert len(live) == 9 and {r.info.run_id for r in live} == {r["mlflow_run_id"] for r in rows2}
@@ -207,7 +207,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert status.returncode == 0, status.stderr
     assert "finished" in status.stdout and "3 done, 0 failed, 0 left of 3" in status.stdout
 
-    rows = read_catalog(run_dir / "catalog.parquet")
+    rows = read_catalog(run_dir / "catalog")
     assert len(rows) == 1 + 2  # a dense row, then the two methods at budget 2
     assert all(np.isfinite(r["ppl_ptb"]) and r["ppl_ptb"] > 1 for r in rows)
     dense = next(r for r in rows if r["method"] == "dense")
@@ -227,7 +227,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
                            capture_output=True, text=True)  # fmt: skip
     assert timed.returncode == 0, timed.stderr[-3000:]
     assert "0 done, 3 already done" in timed.stdout, timed.stdout
-    retimed = {r["grid_key"]: r for r in read_catalog(run_dir / "catalog.parquet")}
+    retimed = {r["grid_key"]: r for r in read_catalog(run_dir / "catalog")}
     assert retimed.keys() == {r["grid_key"] for r in rows}
     by_id = {r.info.run_id: r for r in mlflow_runs(run_dir, "talk")}
     for row in rows:
@@ -239,7 +239,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
         assert metrics["latency_ms"] == pytest.approx(again_row["latency_ms"])
     rows = list(retimed.values())
     before = by_slot(run_dir)
-    shutil.copy(run_dir / "catalog.parquet", tmp_path / "before.parquet")
+    write_catalog(tmp_path / "before.parquet", read_catalog(run_dir / "catalog"))
 
     spec["evaluation"] = ev | {"max_windows": 3, "speed": False}
     again = subprocess.run([LORP, "run", "-q", str(write_job(tmp_path, spec))],
@@ -260,7 +260,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     merged = tmp_path / "org.parquet"
     out = subprocess.run(
         [LORP, "catalog", "merge", str(tmp_path / "before.parquet"),
-         str(run_dir / "catalog.parquet"), str(run_dir / "catalog.parquet"), "--out", str(merged)],
+         str(run_dir / "catalog"), str(run_dir / "catalog"), "--out", str(merged)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -270,7 +270,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
 
 def by_slot(run_dir: Path) -> dict[str, dict]:
     return {
-        f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog.parquet")
+        f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog")
     }
 
 
@@ -308,7 +308,7 @@ def test_loss_guided_methods_score_candidates_on_parallel_actors(
     assert "4 candidates scored in " in sleb_lines[0] and "on 2 actors" in sleb_lines[0]
     assert any(x.startswith("selected ") and "sleb-b2: 7 evaluations" in x for x in lines)
     assert summary.done == 2 and not summary.failed
-    rows = {r["method"]: r for r in read_catalog(tmp_path / "run" / "catalog.parquet")}
+    rows = {r["method"]: r for r in read_catalog(tmp_path / "run" / "catalog")}
     assert rows["sleb"]["n_evals"] == 4 + 3  # N=6: blocks 1..4, then the 3 left
     assert 0 < rows["lorp-loss"]["n_evals"] <= rows["sleb"]["n_evals"]
     assert all(r["select_s"] > 0 for r in rows.values())

@@ -68,7 +68,7 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     assert (tmp_path / "fault.repair").is_file()  # the worker did die once
 
     run_dir = tmp_path / "repair"
-    rows = {r["method_label"]: r for r in read_catalog(run_dir / "catalog.parquet")}
+    rows = {r["method_label"]: r for r in read_catalog(run_dir / "catalog")}
     assert sorted(rows) == [
         "dense",
         "shortgpt",
@@ -194,7 +194,7 @@ def test_distilled_maps_are_what_the_checkpoint_holds(
     with local_ray():
         summary = run_job(parse_spec(spec))
     assert summary.done == 3 and not summary.failed
-    rows = {r["method_label"]: r for r in read_catalog(tmp_path / "distill" / "catalog.parquet")}
+    rows = {r["method_label"]: r for r in read_catalog(tmp_path / "distill" / "catalog")}
     row = rows["shortgpt+linear"]  # distilled: the method asks for it
     assert all("distilled" not in f for f in json.loads(rows["streamline+linear"]["repair_fits"]))
     records = json.loads(row["repair_fits"])

@@ -57,7 +57,7 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         assert run_job(parse_spec(whole)).failed == []
 
     def by_variant(job: str) -> dict[tuple[str, str], dict]:
-        rows = read_catalog(tmp_path / job / "catalog.parquet")
+        rows = read_catalog(tmp_path / job / "catalog")
         return {(r["method_label"], r["repair"]): r for r in rows}
 
     rows, held = by_variant("streamed"), by_variant("whole")

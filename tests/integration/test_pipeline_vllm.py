@@ -46,7 +46,7 @@ def test_vllm_backend_through_the_pipeline(ray_cluster, models, tmp_path: Path) 
     parsed = parse_spec(spec)
     summary = run_job(parsed)
     assert summary.done == 2 and not summary.failed
-    rows = read_catalog(tmp_path / "run" / "catalog.parquet")
+    rows = read_catalog(tmp_path / "run" / "catalog")
     assert {r["eval_backend"] for r in rows} == {"vllm"}
     assert {r["budget"] for r in rows} == {0, 2}
     tps = {}

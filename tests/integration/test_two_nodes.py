@@ -269,7 +269,7 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tup
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = read_catalog(Path(spec["output_dir"]) / "catalog.parquet")
+    rows = read_catalog(Path(spec["output_dir"]) / "catalog")
     assert len(rows) == POINTS
     return {(r["method_label"], r["budget"]): r for r in rows}
 
@@ -311,7 +311,7 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     already started and stopped other local Rays saw its first actor on this cluster
     destroyed as out of scope before it started (Ray 2.60), which is a property of that
     long-lived test process, not of the product."""
-    from pipeline.records.catalog import read_catalog
+    from pipeline.records.shared_catalog import open_catalog
     from pipeline.storage import Storage
 
     location = cluster.s3.format(prefix=f"jobs/{tmp_path.name}")
@@ -326,8 +326,7 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     assert f"{POINTS} done, 0 already done, 0 failed; S captured 1" in out.stdout, out.stdout
 
     store = Storage(location)
-    assert store.get_file("catalog.parquet", tmp_path / "catalog.parquet")
-    rows = {(r["method_label"], r["budget"]): r for r in read_catalog(tmp_path / "catalog.parquet")}
+    rows = {(r["method_label"], r["budget"]): r for r in open_catalog(store.location)}
     assert set(rows) == set(reference)
     for slot, row in rows.items():
         assert row["pruned_layers"] == reference[slot]["pruned_layers"], slot
@@ -364,7 +363,7 @@ def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_onc
 ) -> None:
     """The second node's raylet dies after the first points; a new node joins (empty disks
     again); a rerun of the job completes it, and the catalog holds every point once."""
-    from pipeline.records.catalog import read_catalog
+    from pipeline.records.shared_catalog import open_catalog
     from pipeline.storage import Storage
 
     location = str(cluster.shared / "jobs" / tmp_path.name)
@@ -402,8 +401,7 @@ def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_onc
     assert counts, again.stdout[-3000:]
     done, skipped, failed = map(int, counts.groups())
     assert done + skipped == POINTS and not failed
-    assert store.get_file("catalog.parquet", tmp_path / "catalog.parquet")
-    rows = read_catalog(tmp_path / "catalog.parquet")
+    rows = open_catalog(store.location)  # the job's table, read in its storage
     slots = [(r["method_label"], r["budget"]) for r in rows]
     assert len(slots) == len(set(slots)) == POINTS, slots
     for row in rows:  # what a one-node run of the same job selects and scores

@@ -15,7 +15,7 @@ import pytest
 
 from lorp.cli import main
 from pipeline.cleanup import find_garbage, remove
-from pipeline.records.catalog import write_catalog
+from pipeline.records.catalog import Catalog
 from pipeline.records.shared_catalog import SharedCatalog
 from pipeline.storage import MARKER, Storage
 
@@ -48,9 +48,9 @@ def variants(store: Storage, tmp_path: Path) -> dict[str, str]:  # type: ignore[
         half = "checkpoints/m/.half-b4.partial"
         (store.local_path(half) / "x").parent.mkdir(parents=True)
         store.local_path(half).joinpath("x").write_bytes(b"y" * 1000)
-    own = tmp_path / "own.parquet"
-    write_catalog(own, [catalog_row("j", store, KEPT, 1), catalog_row("j", store, None, 0)])
-    store.put_file(own, "catalog.parquet")
+    own = Catalog(tmp_path / "run" / Catalog.NAME, store)  # the job's table, in its storage
+    for row in (catalog_row("j", store, KEPT, 1), catalog_row("j", store, None, 0)):
+        own.put(row)
     shared = SharedCatalog(str(tmp_path / "shared"))
     shared.publish("run-other", [catalog_row("other", store, ELSEWHERE, 2)])
     return {"shared": str(tmp_path / "shared"), "half": half}

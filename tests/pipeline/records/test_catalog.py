@@ -1,16 +1,20 @@
-"""The parquet catalog (`pipeline.records.catalog`): one small part per recorded change,
-parts applied and folded idempotently, mirrored to the job's storage and to a shared catalog."""
+"""A job's catalog (`pipeline.records.catalog`): a Delta table, one commit per recorded
+change, copied to the job's storage and handed to a shared catalog; the format before
+Delta migrated."""
 
 from __future__ import annotations
 
-import time
+import json
 from pathlib import Path
 
+import deltalake
 import pytest
 
-from pipeline.records.catalog import PARTS, Catalog, read_catalog, write_catalog
-from pipeline.records.shared_catalog import SharedCatalog
+from pipeline.records.catalog import OLD_NAME, PARTS, Catalog, read_catalog, write_catalog
+from pipeline.records.delta_table import DeltaTable, rows_of
+from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.storage import Storage
+from tests.helpers.duckdb_delta import duckdb_rows
 
 
 def row(i: int) -> dict:  # type: ignore[type-arg]
@@ -28,56 +32,94 @@ def view(rows: list[dict]) -> list[dict]:  # type: ignore[type-arg]
     return sorted(nan_free, key=lambda r: r["grid_key"])
 
 
-def test_a_change_costs_one_part_whatever_the_size(tmp_path: Path) -> None:
+def test_every_change_is_one_commit_and_a_resume_reads_them_all(tmp_path: Path) -> None:
+    """A put or an update is one Delta commit (what `lorp status` reads mid-run is
+    every change so far); compaction folds the small files and loses nothing; a new
+    start reads the same rows; DuckDB's own Delta reader reads them too."""
     cat = Catalog(tmp_path / Catalog.NAME)
-    sizes = []
-    for i in range(600):
+    for i in range(40):
         cat.put(row(i))
-        parts = sorted((tmp_path / PARTS).glob("*.json"))
-        assert len(parts) == i + 1  # one new file per row, the others untouched
-        sizes.append(parts[-1].stat().st_size)
-    assert max(sizes) - min(sizes) < 16  # the 600th costs what the 1st did
-    assert not (tmp_path / Catalog.NAME).exists()  # no whole-file rewrite per row
     cat.update("k00007", {"speedup": 1.25, "speed_resolved": 1.0})
-    rows = read_catalog(tmp_path / Catalog.NAME)  # what `lorp status` reads mid-run
-    assert len(rows) == 600 and rows[7]["speedup"] == 1.25 and rows[7]["ppl_ptb"] == 17.0
-
+    table = DeltaTable(str(cat.path))
+    assert table.version() == 41  # created empty, then one commit per change
+    rows = read_catalog(tmp_path / Catalog.NAME)
+    assert view(rows) == view(cat.rows)
+    by_key = {r["grid_key"]: r for r in rows}
+    assert by_key["k00007"]["speedup"] == 1.25 and by_key["k00007"]["ppl_ptb"] == 17.0
+    assert len(deltalake.DeltaTable(str(cat.path)).file_uris()) == 40  # the update rewrote one
     cat.compact()
-    assert not list((tmp_path / PARTS).glob("*.json"))
-    assert view(read_catalog(tmp_path / Catalog.NAME)) == view(rows)
+    assert len(deltalake.DeltaTable(str(cat.path)).file_uris()) == 1
+    assert view(read_catalog(cat.path)) == view(rows)
     assert view(Catalog(tmp_path / Catalog.NAME).rows) == view(rows)
+    assert sorted(k for (k,) in duckdb_rows(str(cat.path), "grid_key")) == sorted(by_key)
 
 
-def test_parts_applied_twice_change_nothing(tmp_path: Path) -> None:
-    """A crash after the fold's rename and before its deletes leaves parts the file already
-    holds: read again, they replace rows with themselves."""
+def test_a_put_is_the_whole_row_and_a_redo_replaces_its_slot(tmp_path: Path) -> None:
+    """A figure the new row no longer holds is not kept from the old one; a rerun of a
+    slot under another grid key removes the old key."""
     cat = Catalog(tmp_path / Catalog.NAME)
-    for i in range(5):
-        cat.put(row(i))
-    cat.update("k00002", {"ppl_ptb": 99.0})
-    cat.put(row(1) | {"ppl_ptb": 50.0})  # a redo replaces its slot's row
-    expected = read_catalog(tmp_path / Catalog.NAME)
-    write_catalog(tmp_path / Catalog.NAME, cat.rows)  # the fold's rename, then the crash
-    again = read_catalog(tmp_path / Catalog.NAME)
-    assert sorted(again, key=lambda r: r["grid_key"]) == sorted(
-        expected, key=lambda r: r["grid_key"]
-    )
-    assert len(again) == 5 and {r["grid_key"]: r["ppl_ptb"] for r in again}["k00001"] == 50.0
+    cat.put(row(0))
+    cat.update("k00000", {"speedup": 2.0})
+    cat.put(row(0) | {"ppl_ptb": 50.0})
+    cat.put(row(1))
+    cat.put(row(1) | {"grid_key": "k-redo"})
+    got = {r["grid_key"]: r for r in read_catalog(cat.path)}
+    assert sorted(got) == ["k-redo", "k00000"]
+    assert got["k00000"]["speedup"] is None and got["k00000"]["ppl_ptb"] == 50.0
 
 
-def test_the_storage_holds_the_same_parts(tmp_path: Path) -> None:
-    """A job whose storage is elsewhere: every part is copied there as it is written, so a
-    driver on another machine starts from the same rows before any fold."""
-    store = Storage(tmp_path / "shared")
+def test_the_storage_holds_the_same_table(store: Storage, tmp_path: Path) -> None:
+    """A job whose storage is elsewhere (a directory, file:// or moto's S3): every commit
+    is copied there as it is made, so a driver on another machine starts from the same
+    rows, and the copy is a Delta table any reader reads; compaction's removals follow."""
     cat = Catalog(tmp_path / "a" / Catalog.NAME, store)
     for i in range(3):
         cat.put(row(i))
-    assert len(store.list(PARTS)) == 3
+    cat.update("k00001", {"speedup": 1.5})
+    copy = DeltaTable(store.sub(Catalog.NAME).location)
+    assert copy.version() == 4 and view(rows_of(copy.read())) == view(cat.rows)
+    assert view(open_catalog(store.location)) == view(cat.rows)
     elsewhere = Catalog(tmp_path / "b" / Catalog.NAME, store)
-    assert elsewhere.rows == cat.rows
+    assert view(elsewhere.rows) == view(cat.rows)
+    before = set(store.files(Catalog.NAME))
     cat.compact()
-    assert store.list(PARTS) == [] and store.read_bytes(Catalog.NAME) is not None
+    after = set(store.files(Catalog.NAME))
+    assert after == {p.relative_to(cat.path).as_posix() for p in cat.path.rglob("*") if p.is_file()}
+    assert after != before and view(rows_of(copy.read())) == view(cat.rows)
     assert view(Catalog(tmp_path / "c" / Catalog.NAME, store).rows) == view(cat.rows)
+
+
+def write_old_format(run_dir: Path) -> list[dict]:  # type: ignore[type-arg]
+    """A job's catalog as lorp wrote it before Delta: a snapshot and a part after it."""
+    rows = [row(0), row(1)]
+    write_catalog(run_dir / OLD_NAME, rows)
+    (run_dir / PARTS).mkdir()
+    part = {"op": "update", "key": "k00001", "values": {"speedup": 2.0}}
+    (run_dir / PARTS / "00000000000000000001-1-000000001.json").write_text(json.dumps(part))
+    return [rows[0], rows[1] | {"speedup": 2.0}]
+
+
+def test_a_catalog_of_the_format_before_delta_becomes_a_table(
+    store: Storage, tmp_path: Path
+) -> None:
+    """Read as it is until the job starts again; then its rows (parts applied) are the
+    table's first version and its files go, here and in the job's storage."""
+    run_dir = tmp_path / "run"
+    expected = write_old_format(run_dir)
+    assert view(read_catalog(run_dir / Catalog.NAME)) == view(expected)  # `lorp status`
+    cat = Catalog(run_dir / Catalog.NAME)
+    assert cat.migrated == 2 and view(cat.rows) == view(expected)
+    assert not (run_dir / OLD_NAME).exists() and not (run_dir / PARTS).exists()
+    assert DeltaTable(str(cat.path)).version() == 0
+    # the same in a storage elsewhere, fetched to a new machine's run directory
+    other = tmp_path / "other"
+    expected = write_old_format(other)
+    store.put_file(other / OLD_NAME, OLD_NAME)
+    store.put_file(next((other / PARTS).glob("*.json")), f"{PARTS}/p.json")
+    cat = Catalog(tmp_path / "new" / Catalog.NAME, store)
+    assert cat.migrated == 2 and view(cat.rows) == view(expected)
+    assert store.read_bytes(OLD_NAME) is None and store.list(PARTS) == []
+    assert view(rows_of(DeltaTable(store.sub(Catalog.NAME).location).read())) == view(expected)
 
 
 class Recording:
@@ -109,22 +151,6 @@ def test_every_change_goes_to_the_publisher_with_the_keys_it_replaced(tmp_path: 
     assert sink.wholes == 1
 
 
-def test_a_clock_stepped_back_keeps_the_changes_in_order(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An update recorded after its put, with the clock set back between them (NTP, a VM
-    restored): it was named by the time and applied first, so the put undid it."""
-    clock = iter(range(10**18, 0, -(10**15)))  # every reading earlier than the last
-    monkeypatch.setattr(time, "time_ns", lambda: next(clock))
-    cat = Catalog(tmp_path / Catalog.NAME)
-    cat.put(row(0))
-    cat.update("k00000", {"ppl_ptb": 99.0})
-    cat.put(row(1))
-    assert [r["ppl_ptb"] for r in view(read_catalog(cat.path))] == [99.0, 11.0]
-    cat.compact()
-    assert [r["ppl_ptb"] for r in view(read_catalog(cat.path))] == [99.0, 11.0]
-
-
 def test_a_column_a_newer_lorp_added_is_kept(tmp_path: Path) -> None:
     """A text column this version does not know (a newer lorp's) survives the fold, the
     compaction and the shared catalog (it stopped a resume: "Could not convert ... with
@@ -147,8 +173,8 @@ def test_a_column_a_newer_lorp_added_is_kept(tmp_path: Path) -> None:
         ({"budget": "four"},
          "catalog column 'budget': row 'k00001' holds str 'four'; the column is int64"),
         ({"ppl_ptb": "n/a"},
-         "catalog column 'ppl_ptb': row 'k00001' holds str 'n/a'; the column is float, as its "
-         "first value"),
+         "catalog {table}: column 'ppl_ptb' is double in the table and string in this lorp's "
+         "rows; a column's type never changes (name the new figure as a new column)"),
     ],
 )  # fmt: skip
 def test_a_value_of_another_type_is_one_line_naming_the_column(
@@ -158,8 +184,8 @@ def test_a_value_of_another_type_is_one_line_naming_the_column(
 ) -> None:
     cat = Catalog(tmp_path / Catalog.NAME)
     cat.put(row(0))
-    cat.put(row(1) | change)
     with pytest.raises(ValueError) as err:
-        cat.compact()
-    assert str(err.value) == message
-    assert len(read_catalog(cat.path)) == 2  # nothing lost: the parts are still there
+        cat.put(row(1) | change)
+    assert str(err.value) == message.format(table=cat.path)
+    assert [r["grid_key"] for r in read_catalog(cat.path)] == ["k00000"]  # nothing lost
+    assert [r["grid_key"] for r in cat.rows] == ["k00000"]  # nor held without the table

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.records.catalog import write_catalog
+from pipeline.records.catalog import NAME, to_table
+from pipeline.records.delta_table import DeltaTable
 from pipeline.records.status import format_status, run_status
 
 SPEED = json.dumps({"enabled": True, "speed": True}, sort_keys=True)
@@ -20,7 +21,7 @@ def _row(key: str, evaluation: str = SPEED, **metrics: float) -> dict:
 
 
 def _run_dir(tmp_path: Path, rows: list[dict]) -> Path:
-    write_catalog(tmp_path / "catalog.parquet", rows)
+    DeltaTable(str(tmp_path / NAME)).create(to_table(rows), None)  # a job's catalog table
     events = [{"time": "t0", "event": "start", "job": "j"}, {"time": "t1", "event": "end"}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return tmp_path
