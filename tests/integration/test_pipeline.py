@@ -269,9 +269,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
 
 
 def by_slot(run_dir: Path) -> dict[str, dict]:
-    return {
-        f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog")
-    }
+    return {f"{r['method_label']}-{r['budget']}": r for r in read_catalog(run_dir / "catalog")}
 
 
 @pytest.mark.parametrize(
