@@ -108,6 +108,9 @@ OLD_NAME, PARTS = "catalog.parquet", "catalog.parts"
 """The format before Delta: a parquet snapshot and the JSON parts applied after it."""
 DELETED = "_lorp_deleted"
 """A source column of a MERGE only: the row deletes its key."""
+COMPACT_EVERY = 25
+"""Commits between two compactions of the table's small files (a MERGE reads every file:
+measured, 0.067 s of CPU a commit uncompacted, 0.046 s compacted every 10)."""
 RETENTION_HOURS = 1
 """What a job's table keeps of its past versions' files (for a reader racing a compaction;
 a job's table keeps no time-travel window: the shared catalog does)."""
@@ -299,6 +302,7 @@ class Catalog:
         self.copy = None if mirror is None else TableMirror(self.path, mirror, NAME)
         if self.copy is not None and not self.copy.pull():
             self._fetch_old_format()
+        self.commits = 0
         self.migrated = self._migrate()
         """Rows taken from the format before Delta at this start (0: none)."""
         self.rows = rows_of(self.table.read())
@@ -330,6 +334,9 @@ class Catalog:
         source = to_table([json_safe(row), *gone])
         flags = pa.array([False] + [True] * len(gone), pa.bool_())
         self.table.merge(source.append_column(DELETED, flags), ["grid_key"], delete_flag=DELETED)
+        self.commits += 1
+        if self.commits % COMPACT_EVERY == 0:
+            self.table.compact_files()
         if self.copy is not None:
             self.copy.push()
 

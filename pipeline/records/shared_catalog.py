@@ -27,6 +27,7 @@ storage, or a shared catalog (optionally as of a version or a time).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -38,6 +39,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.records.catalog import (
+    COMPACT_EVERY,
     DELETED,
     NAME,
     OLD_NAME,
@@ -342,6 +344,9 @@ class JobPublisher:
 
     def _published(self, began: float, handed: dict[str, float]) -> None:
         self.published += 1
+        if self.published % COMPACT_EVERY == 0:  # its own partition: no one else's conflicts
+            with contextlib.suppress(Exception):  # published; compacting is the next's turn
+                self.shared.table.compact_files(("run_id", self.run_id))
         done = time.monotonic()
         self.latencies.extend(done - t for t in handed.values())
         self.commit_seconds.append(done - began)

@@ -19,7 +19,8 @@ from benchmarks import shared_catalog  # noqa: E402
 
 def test_small_load_loses_nothing(tmp_path: Path) -> None:
     out, page = tmp_path / "shared.json", tmp_path / "page.md"
-    argv = ["--writers", "3", "--changes", "30", "--kill", "1", "--read-rows", "800"]
+    argv = ["--writers", "3", "--changes", "30", "--kill", "1", "--read-rows", "800",
+            "--pace", "0.05", "0.02"]  # fmt: skip
     assert shared_catalog.main([*argv, "--json", str(out), "--page", str(page)]) == 0
     r = json.loads(out.read_text())
     assert (r["writers"], r["changes_per_writer"], r["killed"]) == (3, 30, 1)
@@ -28,7 +29,11 @@ def test_small_load_loses_nothing(tmp_path: Path) -> None:
     assert r["nightly_run_ids"] == 2  # two jobs of one name: two run ids, both kept
     assert 0 < r["publish_ms_p50"] <= r["publish_ms_p95"] and r["commits"] >= 2
     assert r["read"][0]["rows"] == 800 and r["read"][0]["read_s"] > 0
-    assert "| rows lost / doubled / wrong | 0 / 0 / 0 |" in page.read_text()
+    assert [x["pace_s"] for x in [r, *r["also"]]] == [0.05, 0.02]
+    assert all(x["rows_lost"] == x["rows_doubled"] == 0 for x in r["also"])
+    assert r["cpu_ms_per_change"] > 0
+    assert "| rows lost / doubled / wrong | 0 / 0 / 0 | 0 / 0 / 0 | 0 / 0 / - |" in page.read_text()
+    assert "| figure | pace 0.05 s | pace 0.02 s | before" in page.read_text()
 
 
 def test_a_writer_that_dies_fails_the_run_instead_of_hanging() -> None:

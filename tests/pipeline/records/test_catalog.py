@@ -10,7 +10,14 @@ from pathlib import Path
 import deltalake
 import pytest
 
-from pipeline.records.catalog import OLD_NAME, PARTS, Catalog, read_catalog, write_catalog
+from pipeline.records.catalog import (
+    COMPACT_EVERY,
+    OLD_NAME,
+    PARTS,
+    Catalog,
+    read_catalog,
+    write_catalog,
+)
 from pipeline.records.delta_table import DeltaTable, rows_of
 from pipeline.records.shared_catalog import SharedCatalog, open_catalog
 from pipeline.storage import Storage
@@ -41,12 +48,13 @@ def test_every_change_is_one_commit_and_a_resume_reads_them_all(tmp_path: Path) 
         cat.put(row(i))
     cat.update("k00007", {"speedup": 1.25, "speed_resolved": 1.0})
     table = DeltaTable(str(cat.path))
-    assert table.version() == 41  # created empty, then one commit per change
+    assert COMPACT_EVERY == 25
+    assert table.version() == 42  # created empty, a commit per change, a compaction at 25
     rows = read_catalog(tmp_path / Catalog.NAME)
     assert view(rows) == view(cat.rows)
     by_key = {r["grid_key"]: r for r in rows}
     assert by_key["k00007"]["speedup"] == 1.25 and by_key["k00007"]["ppl_ptb"] == 17.0
-    assert len(deltalake.DeltaTable(str(cat.path)).file_uris()) == 40  # the update rewrote one
+    assert len(deltalake.DeltaTable(str(cat.path)).file_uris()) == 1 + 15  # the 25 compacted
     cat.compact()
     assert len(deltalake.DeltaTable(str(cat.path)).file_uris()) == 1
     assert view(read_catalog(cat.path)) == view(rows)
