@@ -108,7 +108,7 @@ class Recorder:
         and return the grid keys already done (none with `force`)."""
         if self.publisher is not None:
             self.publisher.open()
-        self.catalog.compact()  # what a killed predecessor recorded, folded in (and published)
+        self.catalog.compact()  # small files compacted, the rows published whole
         completed = {r["grid_key"]: r["mlflow_run_id"] for r in self.catalog.rows}
         closed = self.tracker.close_stale_runs(self.spec.name, completed)
         elsewhere = row_updates.stored_elsewhere(self.catalog.rows, self.storage.uri())

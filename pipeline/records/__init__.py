@@ -1,2 +1,2 @@
-"""What a job writes and reads back: catalog rows and parts, events and timeline,
+"""What a job writes and reads back: catalog tables, events and timeline,
 MLflow runs and registry, storage, progress lines, `lorp status`."""
