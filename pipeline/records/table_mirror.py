@@ -80,6 +80,8 @@ class TableMirror:
             if p.is_file() and _is_table_file(p.relative_to(self.local).as_posix())
         }
         for name in sorted(here, key=_order):
+            if name in self._copied and not name.endswith("_last_checkpoint"):
+                continue  # written once, never changed: no stat per file per commit
             stamp = self._stamp(name)
             if self._copied.get(name) != stamp:
                 self.storage.put_file(self.local / name, f"{self.rel}/{name}")
