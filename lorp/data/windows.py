@@ -30,6 +30,21 @@ def calibration_windows(
     than `seq_len` are skipped. Fails when the long-enough documents hold fewer tokens than
     requested in all.
     """
+    return cut(token_docs, window_offsets(token_docs, n_samples, seq_len, seed, name), seq_len)
+
+
+def window_offsets(
+    token_docs: list[np.ndarray],
+    n_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    name: str = "corpus",
+    avoid: np.ndarray | None = None,
+) -> np.ndarray:
+    """(document, start) of each of `calibration_windows`' windows, [n_samples, 2]. With
+    `avoid` (offsets of other windows of the same length), every window is drawn apart
+    from all of them: no token of one is a token of another, by construction (candidates
+    that overlap are drawn again, from the same seeded stream)."""
     if n_samples < 1 or seq_len < 2:
         raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples} x {seq_len}")
     lengths = np.array([len(d) for d in token_docs])
@@ -42,11 +57,31 @@ def calibration_windows(
         )
     rng = np.random.default_rng(seed)
     room = (lengths[eligible] - seq_len + 1).astype(np.float64)
-    docs = rng.choice(eligible, size=n_samples, p=room / room.sum())
-    windows = np.empty((n_samples, seq_len), dtype=np.int64)
-    for i, d in enumerate(docs):
+    if avoid is None:
+        docs = rng.choice(eligible, size=n_samples, p=room / room.sum())
+        starts = [int(rng.integers(0, lengths[d] - seq_len + 1)) for d in docs]
+        return np.array(list(zip(docs, starts, strict=True)), dtype=np.int64).reshape(-1, 2)
+    taken = [tuple(int(x) for x in row) for row in np.asarray(avoid).reshape(-1, 2)]
+    out: list[tuple[int, int]] = []
+    for _ in range(100 * n_samples):
+        d = int(rng.choice(eligible, p=room / room.sum()))
         start = int(rng.integers(0, lengths[d] - seq_len + 1))
-        windows[i] = token_docs[d][start : start + seq_len]
+        if all(d != e or abs(start - s) >= seq_len for e, s in taken):
+            out.append((d, start))
+            taken.append((d, start))
+            if len(out) == n_samples:
+                return np.array(out, dtype=np.int64)
+    raise ValueError(
+        f"{name} is too small to hold {n_samples} windows of {seq_len} tokens apart from the "
+        f"{len(taken) - len(out)} it must avoid (give it more text or fewer samples)"
+    )
+
+
+def cut(token_docs: list[np.ndarray], offsets: np.ndarray, seq_len: int) -> torch.Tensor:
+    """The windows at `offsets` ((document, start) rows): [len(offsets), seq_len]."""
+    windows = np.empty((len(offsets), seq_len), dtype=np.int64)
+    for i, (d, start) in enumerate(offsets):
+        windows[i] = token_docs[int(d)][int(start) : int(start) + seq_len]
     return torch.from_numpy(windows)
 
 
@@ -79,13 +114,19 @@ def mixed_windows(
     `seed + i` for the i-th corpus, and the windows are interleaved by a seeded shuffle so
     every shard of the set holds the mix."""
     counts = mixture_counts([w for _, w, _ in parts], n_samples)
-    blocks = [
-        calibration_windows(docs, k, seq_len, seed + i, name=name)
+    offsets = [
+        window_offsets(docs, k, seq_len, seed + i, name=name)
         for i, ((docs, _, name), k) in enumerate(zip(parts, counts, strict=True))
     ]
+    return interleave([cut(p[0], o, seq_len) for p, o in zip(parts, offsets, strict=True)], seed)[0]
+
+
+def interleave(blocks: list[torch.Tensor], seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The windows of every block in one seeded shuffle, and the block each came from."""
     windows = torch.cat(blocks)
+    source = np.concatenate([np.full(len(b), i) for i, b in enumerate(blocks)])
     order = np.random.default_rng(seed).permutation(len(windows))
-    return windows[torch.from_numpy(order)]
+    return windows[torch.from_numpy(order)], source[order]
 
 
 def eval_windows(

@@ -34,7 +34,7 @@ def test_local_files(tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(ValueError, match="is empty"):
         load_corpus(str(tmp_path / "empty.txt"))
-    unknown = "unknown corpus 'c4x': not a file or an alias \\(ptb, lee, wiki\\)"
+    unknown = "unknown corpus 'c4x': not a file or an alias \\(ptb, lee, wiki, code\\)"
     with pytest.raises(ValueError, match=unknown):
         load_corpus("c4x")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "e.parquet")

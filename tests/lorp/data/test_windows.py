@@ -68,3 +68,21 @@ def test_prepend_bos_and_the_fingerprint() -> None:
     assert plain.endswith(":8x64:seed0")  # unchanged for windows without a BOS
     assert calibration_fingerprint(corpus, 8, 64, 0, bos_id=1) == plain + ":bos1"
     assert calibration_fingerprint(corpus, 8, 64, 0, bos_id=2) != plain + ":bos1"
+
+
+def test_held_out_offsets_never_share_a_token_with_the_fit_windows() -> None:
+    from lorp.data.windows import cut, window_offsets
+
+    docs = [np.arange(1000) + 10_000 * i for i in range(3)]  # every token id unique
+    fit = window_offsets(docs, 40, 16, seed=0)
+    assert torch.equal(cut(docs, fit, 16), calibration_windows(docs, 40, 16, seed=0))
+    held = window_offsets(docs, 30, 16, seed=1, avoid=fit)
+    fit_tokens = set(cut(docs, fit, 16).reshape(-1).tolist())
+    held_tokens = cut(docs, held, 16).reshape(-1).tolist()
+    assert not fit_tokens & set(held_tokens)
+    assert len(set(held_tokens)) == 30 * 16  # and apart from each other
+    # without `avoid` the same seeds overlap: the construction is what keeps them apart
+    loose = set(cut(docs, window_offsets(docs, 30, 16, seed=1), 16).reshape(-1).tolist())
+    assert fit_tokens & loose
+    with pytest.raises(ValueError, match="too small to hold 20 windows of 16 tokens apart"):
+        window_offsets([np.arange(400)], 20, 16, seed=1, avoid=np.array([[0, 0]]))
