@@ -27,22 +27,6 @@ from lorp.models.surgery import blocks_dropped, check_layers, kept_layers
 log = logging.getLogger(__name__)
 
 
-def calibration_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> float:
-    """Mean NLL per predicted token of `model` over `windows` [n, T] (token ids)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
-        raise ValueError(f"windows must be [n >= 1, T >= 2] token ids, got {tuple(windows.shape)}")
-    device = device_of(model)
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(windows), batch_size):
-            nll, n = window_nll(model, windows[start : start + batch_size].to(device))
-            total += nll
-            count += n
-    return total / count
-
-
 class LossEvaluator:
     """`losses(candidates) -> list[float]` over one in-memory model (see `Losses`).
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lorp.methods.removal_loss import calibration_loss
+from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import blocks_dropped
 from lorp.repair.fit import fit_runs, held_sums, validated
 from lorp.repair.fold import applied_by_hooks
@@ -26,9 +26,10 @@ def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[R
     No model needed: T0 comes from the statistics (`RepairStats.base`). The map is the
     unconstrained one (one Cholesky solve per run), on post-MLP-norm families too, where
     it is a lower bound of the foldable map's residual (a ranking, not a fit to apply).
-    With held-out sums (`stats.held`) the error is the one left on the held-out windows
-    by the validated map (ridge chosen there, or the unrepaired map where no fit beats
-    it), so a window is chosen for how well its repair generalises, not how well it fits."""
+    With held-out sums (`stats.held_domains`) the error is the one left on the held-out
+    windows by the validated map (ridge chosen there, or the unrepaired map where no fit
+    beats it), on the worst domain, so a window is chosen for how well its repair
+    generalises to every kind of text, not how well it fits."""
     out = {}
     for run in stats.runs:
         A = stats.gram[run[0]].double()
@@ -39,15 +40,20 @@ def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[R
         else:
             T0 = torch.eye(A.shape[0], dtype=torch.float64)
         T0, B = T0.to(A.device), stats.cross[run].double()
-        if stats.held is None:
+        if not stats.held_domains:
             fit = fit_full(A, B, stats.energy[run], T0, ridge=ridge, run=run)
             residual, energy, scale = fit.residual, stats.energy[run], stats.state_energy[run]
-        else:
-            held = stats.held
-            sums = held_sums(held, run, A.device)
-            fit = validated("full", (A, B, stats.energy[run]), sums, T0, RIDGES, run, 0)
-            residual, energy, scale = fit.held_residual, held.energy[run], held.state_energy[run]
-        out[run] = float(residual) * energy / scale if scale > 0 else float("inf")
+            out[run] = float(residual) * energy / scale if scale > 0 else float("inf")
+            continue
+        held = stats.held_domains
+        sums = {d: held_sums(h, run, A.device) for d, h in held.items()}
+        fit = validated("full", (A, B, stats.energy[run]), sums, T0, RIDGES, run, 0)
+        left = fit.held_domains or {d: (fit.held_residual, 0.0) for d in held}
+        out[run] = max(  # the worst domain's error, relative to the state aimed at there
+            float(left[d][0]) * h.energy[run] / h.state_energy[run]
+            if h.state_energy[run] > 0 else float("inf")
+            for d, h in held.items()
+        )  # fmt: skip
     return out
 
 

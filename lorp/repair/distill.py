@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -191,7 +191,7 @@ def distill_fits(
     fits: Sequence[RunFit],
     layers: Sequence[int],
     windows: torch.Tensor,
-    held: torch.Tensor,
+    held: torch.Tensor | Mapping[str, torch.Tensor],
     *,
     epochs: int,
     lr: float = DEFAULT_LR,
@@ -202,9 +202,11 @@ def distill_fits(
 ) -> list[RunFit]:
     """`fits` (every run's and follower's maps of the dense `model` pruned of `layers`,
     not folded yet) distilled for `epochs` on `windows` [n, T] and validated on `held`
-    (module docstring). The model is left as it was found. Returns the fits to fold: the
-    best epoch's maps (`kept: distilled`, with `distilled` the record), or `fits` as
-    given, each with the record, where no epoch beat them on `held`."""
+    (module docstring; or domain -> its held-out windows: an epoch is kept only where it
+    beats the least-squares maps on every domain, the one whose worst domain gains most).
+    The model is left as it was found. Returns the fits to fold: the best epoch's maps
+    (`kept: distilled`, with `distilled` the record), or `fits` as given, each with the
+    record, where no epoch beat them on `held`."""
     from lorp.models.streaming import streamer_of
 
     if streamer_of(model) is not None:
@@ -224,8 +226,9 @@ def distill_fits(
     device = next(model.parameters()).device
     maps = [_Map(f).to(device) for f in fits]
     try:
-        heldkl, train, best = _train(
-            model, maps, layers, windows, held, epochs, lr, batch_size, autocast, seed, say
+        parts = dict(held) if isinstance(held, Mapping) else {"": held}
+        heldkl, train, best, per_domain = _train(
+            model, maps, layers, windows, parts, epochs, lr, batch_size, autocast, seed, say
         )
     finally:
         for p in frozen:
@@ -235,21 +238,35 @@ def distill_fits(
         "held_kl": [round(k, 6) for k in heldkl], "train_kl": [round(k, 6) for k in train],
         "best_epoch": best, "seconds": round(time.perf_counter() - start, 1),
     }  # fmt: skip
+    if len(per_domain) > 1:
+        record["held_kl_by_domain"] = {d: [round(k, 6) for k in v] for d, v in per_domain.items()}
     if best == 0:
         return [dataclasses.replace(f, distilled=record) for f in fits]
     return [m.as_fit(record) for m in maps]
 
 
 def _train(model, maps, layers, windows, held, epochs, lr, batch, amp, seed, say):  # type: ignore[no-untyped-def]
-    """Adam over the maps' parameters; returns the held-out KL before and after each
-    epoch, the training KL of each, and the best epoch (0: none beat the start), its maps
-    loaded back."""
+    """Adam over the maps' parameters; returns the held-out KL (over every domain's
+    windows) before and after each epoch, the training KL of each, the best epoch (0:
+    none beat the start on every domain; of those that did, the one whose worst domain's
+    KL fell most, relative to the start), its maps loaded back, and each domain's KL."""
     params = [p for m in maps for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    held_batches = [(w, _dense(model, w, amp)) for w in held.split(batch)]
-    with torch.no_grad():
-        heldkl = [_held_kl(model, maps, layers, held_batches, amp)]
+    batches = {d: [(w, _dense(model, w, amp)) for w in h.split(batch)] for d, h in held.items()}
+    sizes = {d: len(h) for d, h in held.items()}
+    per: dict[str, list[float]] = {d: [] for d in held}
+
+    def measure() -> float:
+        with torch.no_grad():
+            for d, b in batches.items():
+                per[d].append(_held_kl(model, maps, layers, b, amp))
+        return sum(per[d][-1] * sizes[d] for d in per) / sum(sizes.values())
+
+    def worst(e: int) -> float:  # the worst domain's KL over its KL before any epoch
+        return max(v[e] / v[0] if v[0] > 0 else 1.0 for v in per.values())
+
+    heldkl = [measure()]
     best, state = 0, [p.detach().clone() for p in params]
     say(f"distill: held-out KL {heldkl[0]:.4f} before, {epochs} epoch(s) of {len(windows)} windows")
     train = []
@@ -262,9 +279,9 @@ def _train(model, maps, layers, windows, held, epochs, lr, batch, amp, seed, say
             opt.step()
             total += float(loss.detach()) * len(idx)
         train.append(total / len(windows))
-        with torch.no_grad():
-            heldkl.append(_held_kl(model, maps, layers, held_batches, amp))
-        if heldkl[-1] < heldkl[best]:
+        heldkl.append(measure())
+        better = all(v[epoch] < v[0] for v in per.values())
+        if better and worst(epoch) < worst(best):
             best, state = epoch, [p.detach().clone() for p in params]
         say(
             f"distill: epoch {epoch}/{epochs}: train KL {train[-1]:.4f}, held-out "
@@ -273,7 +290,7 @@ def _train(model, maps, layers, windows, held, epochs, lr, batch, amp, seed, say
     with torch.no_grad():
         for p, v in zip(params, state, strict=True):
             p.copy_(v)
-    return heldkl, train, best
+    return heldkl, train, best, per
 
 
 __all__ = ["DEFAULT_LR", "DistillRefused", "distill_fits"]

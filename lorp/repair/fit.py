@@ -1,14 +1,20 @@
 """Fitting every run's map from `RepairStats`: one solve per run, validated where the
 statistics carry held-out sums.
 
-Validated (`fit_runs` with statistics that carry `held` sums, over calibration windows the
-fit never saw): the ridge is chosen per run from `RIDGES` by the residual it leaves on
+Validated (`fit_runs` with statistics that carry held-out sums, over calibration windows
+the fit never saw): the ridge is chosen per run from `RIDGES` by the residual it leaves on
 the held-out windows (the unconstrained map's, for a `normed` run too: one solve per
 candidate), and the fitted map is kept only where it leaves less there than the
 unrepaired map does. Otherwise the run keeps its unrepaired map (`kept: unrepaired`),
 so a repaired variant is never worse than its unrepaired twin on held-out windows. A
 d x d map fitted on a few thousand tokens of one corpus learns that corpus; a larger
 ridge pulls it towards the unrepaired map, and the held-out windows say how far.
+
+With held-out windows of several domains (`RepairStats.held_domains`: prose and code),
+the ridge is chosen on the worst domain, not the mean: each candidate's residual on a
+domain over the unrepaired map's there, the largest of those ratios least. The map is
+kept only where it leaves less than the unrepaired map on every domain: a map fitted on
+prose and code that helps prose and costs code is not kept (`kept: unrepaired`).
 
 Runs are fitted on dense inputs in one pass (mergeable, what a fleet computes once per
 model), or in depth order, each on the inputs the model repaired so far gives it
@@ -19,7 +25,7 @@ what the later map corrects.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -81,24 +87,25 @@ def fit_runs(
 ) -> list[RunFit]:
     """Fit every run of `stats` (the model is the dense one the stats came from);
     `rounds` caps the descent of a `normed` fit (each round is one d x d SVD). With
-    held-out sums (`stats.held`) each fit is validated (module docstring): `ridge=None`
-    chooses it among `ridges`, a number fixes it; either way a map that does no better
-    than the unrepaired one on held-out windows is not kept."""
+    held-out sums (`stats.held_domains`) each fit is validated (module docstring):
+    `ridge=None` chooses it among `ridges`, a number fixes it; either way a map that does
+    no better than the unrepaired one on held-out windows of every domain is not kept."""
     if ridge is not None and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it makes every solve well posed), got {ridge!r}")
-    if ridge is None and stats.held is None:
+    if ridge is None and not stats.held_domains:
         raise ValueError("choosing the ridge (ridge=None) needs held-out sums (stats.held)")
     fits = []
     for run in stats.runs:
         form = stats.forms[run]
         A, B = stats.gram[run[0]].double(), stats.cross[run].double()
         T0 = unrepaired_map(model, run, form).to(A.device)
-        if stats.held is None:
+        if not stats.held_domains:
             fits.append(_fit(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
             continue
+        held = {d: held_sums(h, run, A.device) for d, h in stats.held_domains.items()}
         fits.append(
-            validated(form, (A, B, stats.energy[run]), held_sums(stats.held, run, A.device),
-                       T0, [ridge] if ridge is not None else list(ridges), run, rounds)
+            validated(form, (A, B, stats.energy[run]), held, T0,
+                      [ridge] if ridge is not None else list(ridges), run, rounds)
         )  # fmt: skip
     return fits
 
@@ -121,20 +128,30 @@ def _fit(
 def validated(
     form: Form,
     fit: tuple[torch.Tensor, torch.Tensor, float],
-    held: tuple[torch.Tensor, torch.Tensor, float],
+    held: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
     T0: torch.Tensor,
     ridges: Sequence[float],
     run: Run,
     rounds: int,
 ) -> RunFit:
-    """The run's map with the ridge the held-out windows prefer, or its unrepaired map
-    when even that one leaves more error on them than T0 does."""
+    """The run's map with the ridge the held-out windows prefer (`held`: domain -> their
+    sums), or its unrepaired map when even that one leaves more error than T0 on any
+    domain. One domain: the ridge leaving least there. Several: the ridge whose worst
+    ratio to T0's residual over the domains is least (`validation` then holds those
+    ratios, not residuals)."""
     A, B, energy = fit
+    base = {d: residual_of(*h, T0) for d, h in held.items()}
+
+    def score(T: torch.Tensor) -> float:
+        if len(held) == 1:
+            return residual_of(*next(iter(held.values())), T)
+        return max(_over(residual_of(*h, T), base[d]) for d, h in held.items())
+
     scores: dict[float, float] = {}
     chosen, best = ridges[0], None
     for r in ridges:  # one candidate map held at a time (d x d float64 each)
         candidate = fit_full(A, B, energy, T0, ridge=r, run=run)
-        scores[r] = residual_of(*held, candidate.matrix)
+        scores[r] = score(candidate.matrix)
         if best is None or (scores[r], -r) < (scores[chosen], -chosen):  # ties: larger ridge
             chosen, best = r, candidate
         del candidate
@@ -145,28 +162,32 @@ def validated(
         del best
         out = _fit(form, A, B, energy, T0, chosen, run, rounds)
     T = out.matrix if out.scale is None else out.matrix * out.scale
-    held_fit, held_t0 = residual_of(*held, T), residual_of(*held, T0)
+    per_domain = {d: residual_of(*h, T) for d, h in held.items()}
     kept = "fit"
-    if not held_fit < held_t0:
+    signal = [d for d, h in held.items() if h[2] > 0]  # a domain the blocks changed
+    if not signal or any(not per_domain[d] < base[d] for d in signal):
         kept = "unrepaired"
         d = T0.shape[0]
         eye = torch.eye(d, dtype=T0.dtype, device=T0.device)
         matrix, scale = (T0, None) if form == "full" else (eye, torch.diagonal(T0).clone())
         unrepaired = residual_of(A, B, energy, T0)
         out = replace(out, matrix=matrix, scale=scale, residual=unrepaired)
+        per_domain = dict(base)
+    worst = max(held, key=lambda d: (_over(per_domain[d], base[d]), d))
     return replace(
         out,
         relative_ridge=chosen,
-        held_residual=min(held_fit, held_t0),  # the kept map's
-        held_unrepaired=held_t0,
+        held_residual=per_domain[worst],  # the kept map's, on its worst domain
+        held_unrepaired=base[worst],
         kept=kept,
         validation=scores,
+        held_domains=({d: (per_domain[d], base[d]) for d in held} if len(held) > 1 else None),
     )
 
 
-# -- folding -------------------------------------------------------------------------------
-
-
-# The fold's arithmetic, one function per tensor it changes: the in-memory fold above and
-# the fold on a checkpoint's files (`lorp.models.file_surgery`) share it, so both write the same
-# values for the same fit (float64, cast back to the tensor's dtype).
+def _over(residual: float, unrepaired: float) -> float:
+    """A residual over the unrepaired map's on the same windows (1: no change; where the
+    unrepaired map leaves nothing, any residual is infinitely worse)."""
+    if unrepaired > 0:
+        return residual / unrepaired
+    return 1.0 if residual <= 0 else float("inf")

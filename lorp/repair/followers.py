@@ -13,7 +13,7 @@ blocks right after each cut.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,7 +50,7 @@ def fit_followers(
     fits: Sequence[RunFit],
     layers: Sequence[int],
     windows: torch.Tensor,
-    held: torch.Tensor,
+    held: torch.Tensor | Mapping[str, torch.Tensor],
     count: int,
     *,
     ridge: float | None = None,
@@ -62,7 +62,8 @@ def fit_followers(
     """The follower maps (module docstring) of the dense `model` pruned of `layers` and
     repaired by `fits` (not folded yet: applied here by hooks, the blocks dropped in
     memory, so the model is left as it was found, a streamed one included). Each is
-    fitted on `windows`, validated on `held` (`fit_runs`, `ridge` None: chosen there)
+    fitted on `windows`, validated on `held` (`fit_runs`, `ridge` None: chosen there; or
+    domain -> its held-out windows, each domain's sums apart: kept only where it helps all)
     and applied while the next one is captured. Returns them in depth order, to fold
     with `fits`; each costs a dense and a repaired forward of the windows, up to it."""
     from lorp.repair.capture import capture_follower_stats
@@ -79,9 +80,13 @@ def fit_followers(
             yield
 
     kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}
+    parts = dict(held) if isinstance(held, Mapping) else {"": held}
     for k in follower_blocks(len(decoder_blocks(model)), layers, count):
         check_site(model, k)
         stats = capture_follower_stats(model, split(windows), [(k + 1, k)], repaired, **kw)
-        stats.held = capture_follower_stats(model, split(held), [(k + 1, k)], repaired, **kw)
+        stats.held_domains = {
+            d: capture_follower_stats(model, split(h), [(k + 1, k)], repaired, **kw)
+            for d, h in parts.items()
+        }
         followers += fit_runs(model, stats, ridge=ridge, rounds=rounds)
     return followers

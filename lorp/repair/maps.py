@@ -77,11 +77,18 @@ class RunFit:
     """"fit", or "unrepaired": the fitted map did no better on held-out windows; or
     "distilled" (`lorp.repair.distill`)."""
     validation: dict[float, float] | None = None
-    """Relative ridge -> held-out residual of the unconstrained map, every candidate."""
+    """Relative ridge -> held-out residual of the unconstrained map, every candidate (with
+    held-out windows of several domains: its worst ratio to the unrepaired map's)."""
+    held_domains: dict[str, tuple[float, float]] | None = None
+    """Domain -> (the kept map's, the unrepaired map's) held-out residual, where the
+    held-out windows have several domains; `held_residual` is the worst domain's."""
     distilled: dict[str, Any] | None = None
     """`lorp.repair.distill`'s record (held-out KL per epoch, the epoch kept) when the map went
     through distillation; `kept` is then "distilled" where an epoch beat the fit. The
     residuals stay the least-squares fit's."""
+
+    gate: dict[str, Any] | None = None
+    """`lorp.repair.domain_gate`'s record of the point's whole repair (on its first map)."""
 
     def record(self) -> dict[str, Any]:
         """What provenance keeps: the run, the form, lambda and the fit's residuals, and
@@ -103,9 +110,16 @@ class RunFit:
                 "kept": self.kept,
                 "ridges_tried": {f"{k:g}": round(v, 6) for k, v in (self.validation or {}).items()},
             }
+            if self.held_domains:
+                out["held_by_domain"] = {
+                    d: {"residual": round(r, 6), "unrepaired": round(u, 6)}
+                    for d, (r, u) in self.held_domains.items()
+                }
         if self.distilled is not None:
             out["kept"] = self.kept
             out["distilled"] = self.distilled
+        if self.gate is not None:
+            out["gate"] = self.gate
         return out
 
 

@@ -27,10 +27,12 @@ state it leaves from where the repaired model puts it to the dense model's H_(k+
 from the model pruned and repaired so far, H from the same model dense, two forwards of
 one model per batch.
 
-`held` carries the same sums over calibration windows held out from the fit (the job's
-loss windows: same split, another seed, never in S). The fit never sees them; they choose
-its ridge and decide whether the fitted map is kept at all (`lorp.repair.fit.fit_runs`). They
-travel with the fit's sums through `subset`, `merge`, `join` and the file (`held_*`).
+`held_domains` carries the same sums over calibration windows held out from the fit (the
+job's loss windows: same split, drawn apart from every fit window), one set per domain of
+calibration text (`held`, their total; one domain is named ""). The fit never sees them;
+they choose its ridge on the worst domain and decide whether the fitted map is kept at all
+(`lorp.repair.fit.fit_runs`). They travel with the fit's sums through `subset`, `merge`,
+`join` and the file (`held_*`, or `held.<domain>_*` per domain).
 """
 
 from __future__ import annotations
@@ -129,8 +131,20 @@ class RepairStats:
         """Per `normed` start: the post-MLP norm's effective scale (weight + offset) at
         capture, what the unrepaired model applies to X (T0 = diag(base)), so runs can be
         fitted and compared without the model."""
-        self.held: RepairStats | None = None
-        """The same runs' sums over held-out calibration windows (module docstring)."""
+        self.held_domains: dict[str, RepairStats] = {}
+        """Domain -> the same runs' sums over its held-out calibration windows (module
+        docstring); one domain is named ""."""
+
+    @property
+    def held(self) -> RepairStats | None:
+        """The held-out sums over every domain's windows (None: no held-out windows)."""
+        if not self.held_domains:
+            return None
+        return RepairStats.merge_all(self.held_domains.values())
+
+    @held.setter
+    def held(self, value: RepairStats | None) -> None:
+        self.held_domains = {} if value is None else {"": value}
 
     @property
     def starts(self) -> list[int]:
@@ -203,9 +217,12 @@ class RepairStats:
         out.state_energy = {r: self.state_energy[r] + other.state_energy[r] for r in self.runs}
         out.base = {**other.base, **self.base}
         out.tokens = self.tokens + other.tokens
-        if (self.held is None) != (other.held is None):
-            raise ValueError("cannot merge repair stats with and without held-out sums")
-        out.held = self.held.merge(other.held) if self.held and other.held else None
+        if set(self.held_domains) != set(other.held_domains):
+            raise ValueError(
+                "cannot merge repair stats with held-out sums of other domains "
+                f"({sorted(self.held_domains)} and {sorted(other.held_domains)})"
+            )
+        out.held_domains = {d: h.merge(other.held_domains[d]) for d, h in self.held_domains.items()}
         return out
 
     def subset(self, runs: Iterable[Run]) -> RepairStats:
@@ -230,7 +247,7 @@ class RepairStats:
         out.state_energy = {r: self.state_energy[r] for r in wanted}
         out.base = {s: self.base[s] for s in out.starts if s in self.base}
         out.tokens = self.tokens
-        out.held = self.held.subset(wanted) if self.held is not None else None
+        out.held_domains = {d: h.subset(wanted) for d, h in self.held_domains.items()}
         return out
 
     @classmethod
@@ -279,11 +296,12 @@ class RepairStats:
             out.state_energy.update(g.state_energy)
             out.base.update(g.base)
         out.tokens = first.tokens
-        helds = [g.held for g in groups]
-        if any(h is not None for h in helds):
-            if any(h is None for h in helds):
-                raise ValueError("cannot join repair stats with and without held-out sums")
-            out.held = cls.join(helds)  # type: ignore[arg-type]
+        domains = [sorted(g.held_domains) for g in groups]
+        if any(d != domains[0] for d in domains):
+            raise ValueError("cannot join repair stats with held-out sums of other domains")
+        out.held_domains = {
+            d: cls.join([g.held_domains[d] for g in groups]) for d in groups[0].held_domains
+        }
         return out
 
     # -- persistence ----------------------------------------------------------------------
@@ -311,9 +329,13 @@ class RepairStats:
         if path.suffix != ".npz":
             raise ValueError(f"repair stats file must end in .npz, got {str(path)!r}")
         meta, arrays = self.metadata(), self._arrays("")
-        if self.held is not None:
-            meta["held"] = self.held.metadata()
-            arrays |= self.held._arrays("held_")
+        if list(self.held_domains) == [""]:  # one domain: the file earlier versions wrote
+            meta["held"] = self.held_domains[""].metadata()
+            arrays |= self.held_domains[""]._arrays("held_")
+        elif self.held_domains:
+            meta["held_domains"] = {d: h.metadata() for d, h in self.held_domains.items()}
+            for d, h in self.held_domains.items():
+                arrays |= h._arrays(f"held.{d}_")
         with atomic_file(path) as tmp, open(tmp, "wb") as fh:
             np.savez(fh, metadata=np.array(json.dumps(meta, sort_keys=True)), **arrays)
         return path
@@ -342,6 +364,8 @@ class RepairStats:
                 out = cls._load(z, meta, "", runs)
                 if meta.get("held"):
                     out.held = cls._load(z, meta["held"], "held_", out.runs)
+                for d, m in (meta.get("held_domains") or {}).items():
+                    out.held_domains[d] = cls._load(z, m, f"held.{d}_", out.runs)
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{str(path)!r} is not a lorp repair stats file ({exc})") from None
         return out

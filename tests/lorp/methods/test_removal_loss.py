@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lorp import select_layers
-from lorp.methods.removal_loss import LossEvaluator, calibration_loss
+from lorp.methods.removal_loss import LossEvaluator
 from lorp.models.architectures import decoder_blocks
+from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import blocks_dropped, drop_layers
 from tests.helpers.loss_oracle import argmin
 from tests.helpers.model_checks import assert_unchanged, snapshot

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from lorp.methods.removal_loss import calibration_loss
 from lorp.methods.window_scores import window_losses, window_scores
 from lorp.models.architectures import decoder_blocks
+from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import drop_layers
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import fit_runs

@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 from lorp import (
     kept_layers,
 )
-from lorp.methods.removal_loss import calibration_loss
 from lorp.models.architectures import (
     decoder_blocks,
 )
+from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import PROVENANCE_FILE, blocks_dropped, drop_layers, save_pruned
 from tests.helpers.model_checks import assert_unchanged, batch, snapshot
 from tests.helpers.tiny_models import FAMILIES, tiny_config, tiny_model

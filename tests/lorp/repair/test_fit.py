@@ -71,10 +71,57 @@ def test_the_ridge_is_chosen_on_held_out_windows_and_a_map_that_does_not_help_is
     back = RepairStats.from_file(path, [(2, 3)])
     assert back.held is not None and torch.equal(back.held.gram[2], stats.held.gram[2])
     assert back.merge(back).held.tokens == 800
-    with pytest.raises(ValueError, match="with and without held-out sums"):
+    with pytest.raises(ValueError, match="held-out sums of other domains"):
         back.merge(_synthetic_stats(T_true, 80, seed=2, noise=1.0))
     with pytest.raises(ValueError, match="needs held-out sums"):
         fit_runs(model, _synthetic_stats(T_true, 80, seed=2, noise=1.0), ridge=None)
+
+
+def test_a_map_that_costs_one_domain_is_not_kept_and_the_ridge_serves_the_worst(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """Held-out windows of two domains: prose's gaps follow the map the fit learns, code's
+    are exact without one. A map that helps prose and costs code is not kept; where both
+    are helped, the ridge is the one whose worse domain gains most, and the sums of each
+    domain travel through subset, merge, join and the file."""
+    model = tiny_model("llama")
+    d = int(model.config.hidden_size)
+    g = torch.Generator().manual_seed(1)
+    T_true = torch.eye(d, dtype=torch.float64) + 0.3 * torch.randn(d, d, generator=g).double()
+    stats = _synthetic_stats(T_true, tokens=400, seed=2, noise=0.1)
+    prose = _synthetic_stats(T_true, 400, seed=3, noise=0.1)
+    stats.held_domains = {
+        "prose": prose,
+        "code": _synthetic_stats(torch.eye(d).double(), 400, 4, 0.0),
+    }
+    [fit] = fit_runs(model, stats, ridge=None)
+    assert fit.kept == "unrepaired" and fit.record()["kept"] == "unrepaired"
+    assert set(fit.held_domains) == {"prose", "code"}
+    # one domain alone would have kept it
+    stats_one = _synthetic_stats(T_true, tokens=400, seed=2, noise=0.1)
+    stats_one.held = prose
+    assert fit_runs(model, stats_one, ridge=None)[0].kept == "fit"
+
+    # both domains helped, one far less: the worst domain's ratio decides
+    other = torch.eye(d, dtype=torch.float64) + 0.6 * (T_true - torch.eye(d).double())
+    stats.held_domains = {"prose": prose, "code": _synthetic_stats(other, 400, 5, 0.1)}
+    [fit] = fit_runs(model, stats, ridge=None)
+    assert fit.kept == "fit" and fit.validation is not None
+    ratios = {dom: r / u for dom, (r, u) in fit.held_domains.items()}
+    assert all(r < 1 for r in ratios.values())
+    assert fit.validation[fit.relative_ridge] == pytest.approx(max(ratios.values()))
+    assert fit.relative_ridge == min(fit.validation, key=fit.validation.get)
+    assert fit.record()["held_by_domain"]["code"]["unrepaired"] > 0
+
+    path = stats.to_file(tmp_path / "domains.npz")
+    back = RepairStats.from_file(path, [(2, 3)])
+    assert set(back.held_domains) == {"prose", "code"}
+    assert torch.equal(
+        back.held_domains["code"].cross[(2, 3)], stats.held_domains["code"].cross[(2, 3)]
+    )
+    assert back.merge(back).held_domains["prose"].tokens == 800
+    assert back.held.tokens == 800  # the total over both domains
+    assert RepairStats.join([back.subset([(2, 3)])]).held_domains.keys() == {"prose", "code"}
 
 
 def test_a_normed_run_is_validated_too() -> None:

@@ -21,7 +21,7 @@ from tests.helpers.windows import token_windows
 def test_prune_and_repair_lowers_calibration_loss() -> None:
     """The whole call on a loaded model and a windows tensor: the repaired model fits the
     calibration tokens' next-token loss better than the unrepaired twin."""
-    from lorp.methods.removal_loss import calibration_loss
+    from lorp.models.perplexity import calibration_loss
 
     x = token_windows(n=16, T=32)
     dense = tiny_model("mistral")

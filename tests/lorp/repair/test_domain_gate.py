@@ -1,0 +1,68 @@
+"""The repair's last check: the repaired variant against its unrepaired twin by the
+held-out loss of every domain, the first candidate no worse anywhere kept."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lorp.models.perplexity import calibration_loss
+from lorp.models.surgery import drop_layers
+from lorp.repair.capture import capture_repair_stats
+from lorp.repair.domain_gate import as_unrepaired, domain_losses, gate_repair
+from lorp.repair.fit import fit_runs
+from lorp.repair.fold import fold
+from tests.helpers.repair_runs import LAYERS, RUNS, batches
+from tests.helpers.tiny_models import tiny_model
+from tests.helpers.windows import token_windows
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_candidate_worse_on_one_domain_is_passed_over(family: str) -> None:
+    model = tiny_model(family)
+    stats = capture_repair_stats(model, batches(token_windows(16)), RUNS, progress=False)
+    fits = fit_runs(model, stats)
+    held = {"prose": token_windows(4, seed=1), "code": token_windows(4, seed=2)}
+    before = copy.deepcopy(model.state_dict())
+    base = domain_losses(model, LAYERS, [], held)
+    fitted = domain_losses(model, LAYERS, fits, held)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # as found
+    # the unrepaired losses are the pruned model's own
+    pruned = copy.deepcopy(model)
+    drop_layers(pruned, LAYERS)
+    assert base["code"] == pytest.approx(calibration_loss(pruned, held["code"]), rel=1e-5)
+
+    # a map scaled off costs a domain (on these random weights, a scale found by trying):
+    # it is passed over for the next candidate
+    def scaled(k: float) -> list:  # type: ignore[type-arg]
+        return [
+            replace(f, matrix=f.matrix * k) if f.scale is None else replace(f, scale=f.scale * k)
+            for f in fits
+        ]
+
+    worse = lambda fs: any(v > base[d] for d, v in domain_losses(model, LAYERS, fs, held).items())  # noqa: E731
+    wild = next(scaled(k) for k in (-1.0, -3.0, 5.0, 20.0, 0.0) if worse(scaled(k)))
+    gate = gate_repair(model, LAYERS, [("wild", wild), ("fitted", fits)], held)
+    assert any(gate.losses["wild"][d] > base[d] for d in held)
+    if all(fitted[d] <= base[d] for d in held):
+        assert gate.kept == "fitted" and gate.fits == fits
+    else:
+        assert gate.kept == "unrepaired"
+    assert gate.losses.get("fitted", fitted) == pytest.approx(fitted)
+    record = gate.record()
+    assert record["tried"] == ["wild", "fitted"] and set(record["losses"]["unrepaired"]) == {
+        "prose", "code"}  # fmt: skip
+
+    # nothing passes: every map becomes its run's unrepaired map, and folding them changes
+    # no weight, so the variant is its unrepaired twin
+    gate = gate_repair(model, LAYERS, [("wild", wild)], held)
+    assert gate.kept == "unrepaired" and record["worst_loss_ratio"] <= 1.0
+    assert all(f.kept == "unrepaired" and f.residual == f.unrepaired for f in gate.fits)
+    assert gate.record()["worst_loss_ratio"] == 1.0
+    folded = copy.deepcopy(model)
+    fold(folded, gate.fits)
+    assert all(torch.equal(v, folded.state_dict()[k]) for k, v in model.state_dict().items())
+    assert as_unrepaired(model, fits[0]).distilled is None
