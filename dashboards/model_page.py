@@ -167,9 +167,10 @@ def perplexity_table(t: View) -> Markup | None:
     )
     if judged:
         caption += (
-            " ratio_<corpus> = variant / dense perplexity there; judged = the worst ratio on "
-            f"text the variants were not calibrated on ({'; '.join(judged)}), what the quality "
-            "gate and best rank by."
+            " ratio_<corpus> = variant / dense perplexity there; judged = the ratio on the "
+            "worst domain of the variant (each domain judged on text the variants were not "
+            f"calibrated on where it has some: {'; '.join(judged)}), what the quality gate "
+            "and best rank by."
         )
     elif t["ppl_ratio"]:
         caption += " Ratio = variant / dense perplexity on the first corpus."
@@ -238,6 +239,34 @@ def repair_table(mv: View) -> Markup | None:
     caption = repair_caption(metric, mv["dense_metric"])
     return frag(
         el("h2", "Pruned vs repaired"), sortable(head, rows), el("p", caption, class_="muted")
+    )
+
+
+def domain_table(mv: View) -> Markup | None:
+    """Each variant's ratio to dense on every domain, pruned and repaired side by side."""
+    dv = mv.get("domains")
+    if not dv:
+        return None
+    head = [th("method", left=True), th("L", el("sub", "p"), "/L", el("sub", "t"))]
+    for d in dv["domains"]:
+        head += [th(f"{d} pruned"), th(f"{d} repaired")]
+    head += [th("worst", left=True), th("repair gate", left=True)]
+    rows = []
+    for v in dv["rows"]:
+        cells = [td(v["label"], left=True), td(f"{v['budget']}/{v['n_blocks']}")]
+        for before, after in zip(v["pruned"], v["repaired"], strict=True):
+            cells += [value_td(before, 3), value_td(after, 3)]
+        cells += [td(v["worst"] or "-", left=True), td(v["gate"] or "-", left=True)]
+        rows.append(el("tr", *cells, class_="domain-row"))
+    caption = (
+        "Perplexity over dense's on each domain the job judged (prose: held-out text "
+        "where there is some; code: the code corpus's test files), each variant beside its "
+        "repaired twin. worst = the domain the quality gate judged the variant by; repair "
+        "gate = the maps kept after checking the repaired variant's held-out loss on every "
+        "calibration domain against its unrepaired twin's (unrepaired: none were kept)."
+    )
+    return frag(
+        el("h2", "Quality per domain"), sortable(head, rows), el("p", caption, class_="muted")
     )
 
 
@@ -349,6 +378,7 @@ def model_page(mv: View, S: np.ndarray | None, profiles: Mapping[str, np.ndarray
         layer_maps(mv),
         perplexity_table(t),
         repair_table(mv),
+        domain_table(mv),
         accuracy_table(t),
         speed_table(t),
         tradeoff_figures(mv),

@@ -241,6 +241,49 @@ def repair_pairs(points: Sequence[Row], metric: str | None) -> list[View]:
     return sorted(out, key=lambda v: (v["label"], v["budget"]))
 
 
+DOMAIN_PREFIX = "ratio_domain_"
+
+
+def domain_view(points: Sequence[Row]) -> View | None:
+    """Quality per domain (`ratio_domain_<domain>` columns: each domain's perplexity over
+    dense's) for every variant, its repaired twin's beside it, the worst domain and what
+    the repair gate kept. None for rows from before domains."""
+    domains = sorted({c.removeprefix(DOMAIN_PREFIX) for r in points for c in r
+                      if c.startswith(DOMAIN_PREFIX) and r.get(c) is not None})  # fmt: skip
+    if not domains:
+        return None
+    repaired = {
+        (r["method_label"].removesuffix(f"+{repair_of(r)}"), r["budget"]): r
+        for r in points
+        if repair_of(r) != "none"
+    }
+    rows = []
+    for r in points:
+        if repair_of(r) != "none":
+            continue
+        twin = repaired.pop((r["method_label"], r["budget"]), None)
+        rows.append(_domain_row(r["method_label"], r, twin, domains))
+    rows += [_domain_row(label, None, twin, domains) for (label, _), twin in repaired.items()]
+    return {"domains": domains, "rows": sorted(rows, key=lambda v: (v["budget"], v["label"]))}
+
+
+def _domain_row(label: str, plain: Row | None, twin: Row | None, domains: list[str]) -> View:
+    def of(r: Row | None, d: str) -> float | None:
+        return finite(r.get(DOMAIN_PREFIX + d)) if r is not None else None
+
+    any_row = plain if plain is not None else twin
+    assert any_row is not None
+    return {
+        "label": label,
+        "budget": any_row["budget"],
+        "n_blocks": any_row["n_blocks"],
+        "pruned": [of(plain, d) for d in domains],
+        "repaired": [of(twin, d) for d in domains],
+        "worst": (twin or plain or {}).get("worst_domain"),
+        "gate": twin.get("repair_gate") if twin is not None else None,
+    }
+
+
 def memory_view(rows: Sequence[Row]) -> View | None:
     """How the model's stages held it (`memory_plan`: the latest row's that has one) and
     why its speed was not timed (`speed_skipped`), None for rows from before either."""
@@ -295,6 +338,7 @@ def model_view(
         "tables": metric_tables(ordered, tracking, mlflow_ui),
         "tradeoffs": tradeoffs(dense, points),
         "repairs": repair_pairs(points, judged),
+        "domains": domain_view(points),
         "repair_metric": judged,
         "dense_metric": finite(dense.get(judged or "")) if dense else None,
         "jobs": tracking_view({j: tracking.get(j, NO_TRACKING) for j in jobs}, mlflow_ui),

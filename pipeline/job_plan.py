@@ -50,6 +50,10 @@ class ModelOutline:
     """Rows of this model the job's catalog already holds."""
     last_run: dict[str, float] = field(default_factory=dict)
     """Seconds the stages took in the job's last run (capture, mean per point)."""
+    calibrated: dict[str, list[str]] = field(default_factory=dict)
+    """Domain -> the corpora the model is calibrated on in it (with their shares)."""
+    judged: dict[str, list[str]] = field(default_factory=dict)
+    """Domain -> the corpora the model is judged on in it."""
 
 
 @dataclass
@@ -59,6 +63,8 @@ class JobOutline:
     storage: str
     models: list[ModelOutline] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """Lines about a job that runs but judges less than it seems to (`JobSpec.warnings`)."""
 
     @property
     def ok(self) -> bool:
@@ -71,12 +77,15 @@ def plan_job(spec: JobSpec) -> JobOutline:
     storage = Storage(spec.storage or spec.output_dir)
     out = JobOutline(spec.name, backend, storage.uri())
     out.problems += unwritable_locations(spec)
+    out.warnings = spec.warnings()
     if out.problems:
         return out  # nothing below can be read or written
     rows = _rows(storage, spec.name)
     events = read_events(spec.run_dir / "events.jsonl")
     for i, m in enumerate(spec.models):
         outline = ModelOutline(m.label, m.ref)
+        outline.calibrated = _shares(spec, m)
+        outline.judged = spec.judged_domains() if spec.evaluation.enabled else {}
         out.models.append(outline)
         try:
             plan = plan_model(spec, i, m)
@@ -97,6 +106,16 @@ def _describe(outline: ModelOutline, plan: ModelPlan) -> None:
     outline.family, outline.n_blocks = plan.family, plan.n_blocks
     outline.weights_gib = round(size.total / 2**30, 3)
     outline.dtype = plan.spec.dtype
+
+
+def _shares(spec: JobSpec, m: Any) -> dict[str, list[str]]:
+    """Domain -> "corpus share%" of `m`'s calibration text."""
+    parts = spec.calibration_for(m).parts
+    total = sum(w for _, w in parts)
+    out: dict[str, list[str]] = {}
+    for corpus, weight in parts:
+        out.setdefault(spec.domain(corpus), []).append(f"{corpus} {100 * weight / total:.0f}%")
+    return out
 
 
 def grid_points(spec: JobSpec, plan: ModelPlan) -> dict[str, int]:
@@ -138,6 +157,7 @@ def plan_lines(outline: JobOutline, workers: int) -> list[str]:
     total = sum(sum(m.points.values()) for m in outline.models)
     done = sum(m.done for m in outline.models)
     lines.append(f"grid: {total} points, {done} already in the catalog")
+    lines += [f"warning: {w}" for w in outline.warnings]
     lines += [f"problem: {p}" for p in outline.problems]
     return lines
 
@@ -149,6 +169,10 @@ def _model_lines(m: ModelOutline, workers: int) -> list[str]:
         f"{m.label}: {m.family}, {m.n_blocks} blocks, {m.weights_gib:g} GiB of weights at {m.dtype}"
     )
     lines = [head]
+    if m.calibrated:
+        cal = "; ".join(f"{d} ({', '.join(c)})" for d, c in m.calibrated.items())
+        judged = "; ".join(f"{d} ({', '.join(c)})" for d, c in m.judged.items())
+        lines.append(f"  domains: calibrated on {cal}; judged on {judged or 'nothing'}")
     for stage, d in m.stages.items():
         lines.append(
             f"  {stage}: {'held whole' if d['mode'] == 'memory' else 'streamed'}, needs "

@@ -84,10 +84,13 @@ class RepairTask:
     """Kept blocks after each cut that take a follower map
     (`lorp.repair.followers.fit_followers`)."""
     windows: Any = None
-    """With followers or distillation: an ObjectRef of the model's `FollowerWindows`."""
+    """An ObjectRef of the model's `FollowerWindows`: followers and distillation fit on
+    them, and the repair's domain gate judges on their held-out windows."""
     distill: int = 0
     """Epochs of distillation of the point's maps (`lorp.repair.distill`); 0: none."""
     distill_lr: float = 1e-4
+    gate: bool = True
+    """Judge the repair on the held-out loss per domain (`lorp.repair.domain_gate`)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,15 @@ class FollowerWindows:
     held: np.ndarray
     skip_prefix: int
     batch_size: int
+    held_domains: tuple[str, ...] = ()
+    """The domain of each held-out window (`pipeline.spec.domains`); empty: one domain."""
+
+    def held_by_domain(self) -> dict[str, np.ndarray]:
+        """Domain -> its held-out windows (one domain, "", when none are named)."""
+        if not self.held_domains:
+            return {"": self.held}
+        labels = np.array(self.held_domains)
+        return {d: self.held[labels == d] for d in dict.fromkeys(self.held_domains)}
 
 
 @dataclass(frozen=True)

@@ -207,21 +207,26 @@ def grid_key(
     ridge: float | str = "auto",
     followers: int = 0,
     distill: tuple[int, float] = (0, 0.0),
+    gate: bool = True,
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
     catalogs and caches of earlier runs stay valid."""
     if repair == "none":
         return content_key(model_key, point, dict(options), budget, ev)
     # validated: the ridge chosen (or fixed) and the map kept only where it beats the
-    # unrepaired map on held-out calibration windows (lorp.repair.fit.fit_runs)
+    # unrepaired map on held-out calibration windows drawn apart from the fit's, on every
+    # domain (lorp.repair.fit.fit_runs), and the whole repair gated by the held-out loss
+    # per domain (lorp.repair.domain_gate)
     fit = {"repair": repair, "ridge": ridge, "fit": "one-pass", "format": REPAIR_FORMAT,
-           "validated": "heldout"}  # fmt: skip
+           "validated": "heldout-apart-gated"}  # fmt: skip
     if rounds != MAX_ROUNDS:  # the default leaves earlier runs' keys as they were
         fit["rounds"] = rounds
     if followers:  # so do no followers
         fit["followers"] = followers
     if distill[0]:  # and no distillation (epochs, learning rate)
         fit["distill"] = {"epochs": distill[0], "lr": distill[1]}
+    if not gate:  # and the gate on
+        fit["gate"] = False
     return content_key(model_key, point, dict(options), budget, ev, fit)
 
 
@@ -277,7 +282,9 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
     except ValueError as exc:
         raise SpecError(f"models[{i}].ref: {exc}") from None
     n = int(config["num_hidden_layers"])
-    _check_context(spec.calibration, spec.evaluation, m, config.get("max_position_embeddings"))
+    _check_context(
+        spec.calibration_for(m), spec.evaluation, m, config.get("max_position_embeddings")
+    )
     budgets = []
     for j, b in enumerate(spec.budgets):
         try:
@@ -401,7 +408,7 @@ def plan_points(
                 key = grid_key(
                     model_key, m.name, options, budget, ev, repair, spec.repair_rounds,
                     spec.repair_ridge, spec.repair_followers,
-                    (spec.distill_epochs(m), float(spec.repair_distill_lr)),
+                    (spec.distill_epochs(m), float(spec.repair_distill_lr)), spec.repair_gate,
                 )  # fmt: skip
                 point = GridPoint(key, plan, m, sel, seconds, repair)
                 why = repair_refusal(plan, sel.layers) if repair != "none" else None

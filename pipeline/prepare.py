@@ -301,11 +301,8 @@ class _Preparation:
             )
             refs |= {(label, r): ray.put(rs.stats.subset([r])) for r in missing}
             self.job.records.repair_captured(label, rs, missing, variants)
-        if self.spec.repair_followers or self.spec.distills:
-            assert shards is not None
-            refs[(label, FOLLOWERS)] = ray.put(
-                follower_windows(self.spec.evaluation, self.spec.calibration, self.plan, shards)
-            )
+        if shards is not None:  # every repaired point is judged on the held-out windows
+            refs[(label, FOLLOWERS)] = ray.put(follower_windows(self.spec, self.plan, shards))
         return refs
 
 

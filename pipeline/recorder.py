@@ -273,7 +273,8 @@ class Recorder:
         self.summary.cached += ms.source == "cache"
         parent = self.tracker.model_run(self.spec.name, model_key, plan.label)
         seconds = ms.seconds if ms.source == "computed" else None
-        self.tracker.record_model(parent, self.spec.calibration, plan, ms.stats, profile, seconds)
+        cal = self.spec.calibration_for(plan.spec)
+        self.tracker.record_model(parent, cal, plan, ms.stats, profile, seconds)
         self.facts[plan.label] = model_facts(profile, ms.location, plan.path)
         self.parents[plan.label] = parent
 
@@ -433,19 +434,21 @@ class Recorder:
             self._update(key, values, metrics=values)
 
     def _warn_unjudged(self) -> None:
-        """One line when every perplexity corpus is a calibration corpus: the gate then
-        judges variants on the kind of text they were fitted on."""
-        warning = row_updates.unjudged(self.spec.evaluation, self.spec.calibration.corpora)
-        if warning is not None:
-            self.progress.note(warning)
+        """One line when every perplexity corpus is a calibration corpus (the gate then
+        judges variants on the kind of text they were fitted on), and one for each model
+        judged on a domain it was not calibrated on (`JobSpec.warnings`)."""
+        for line in self.spec.warnings():
+            self.progress.note(line)
 
     def _quality_gate(self, points: list[GridPoint]) -> None:
         """Every row's judgement on held-out text (`row_updates.quality_gate`): its
         ratios to dense, `ppl_ratio`, `degraded` and `fits_calibration_only`."""
         names = {p.key: f"{p.model.label} {p.name}" for p in points}
-        calibration = self.spec.calibration.corpora
+        spec = self.spec
+        calibration = {m.label: spec.calibration_for(m).corpora for m in spec.models}
         rows = self.catalog.by_key()
-        for v in row_updates.quality_gate(rows, points, self.spec.evaluation, calibration):
+        ev = spec.evaluation
+        for v in row_updates.quality_gate(rows, points, ev, calibration, spec.domains):
             if v.changed(rows[v.key]):
                 self._update(v.key, v.values(), metrics=v.metrics(), tags=v.tags())
             if v.degraded:

@@ -263,7 +263,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     itemsize = dtype.itemsize
     size = weight_size(tensor_index(plan.path), dtype)
     shape = ModelShape.from_config(read_config(plan.path))
-    cal, ev, res = spec.calibration, spec.evaluation, spec.resources
+    cal, ev, res = spec.calibration_for(plan.spec), spec.evaluation, spec.resources
     tp = 1
     if backend == "vllm" and res.grid.num_gpus > 0:
         tp = tensor_parallel(res.grid, ev.tensor_parallel_size, plan, size, shape)

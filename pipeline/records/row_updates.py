@@ -2,7 +2,7 @@
 figures (measured, or its unrepaired twin's), and the quality gate (`ppl_ratio` on held-
 out text, `degraded`, `fits_calibration_only`). Each returns the new values; the recorder
 (`pipeline.recorder`) writes them to the catalog and the point's MLflow run through its
-one update path, and says what they came to in the log (`speed_summary`, `unjudged`).
+one update path, and says what they came to in the log (`speed_summary`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.evaluation.metrics import metric_name
 from pipeline.plan import CHECKPOINTS, GridPoint
 from pipeline.records.protocol import FITS_CALIBRATION_ONLY, held_out, ratio_name
+from pipeline.spec.domains import domains_of
 from pipeline.spec.evaluation import EvaluationSpec
 
 SPEED_COLUMNS = (
@@ -163,11 +164,14 @@ def serving_speedups(
 @dataclass(frozen=True)
 class Verdict:
     """A row's quality judgement. `ratios`: each corpus's perplexity over dense's
-    (`ratio_<corpus>` columns). `ratio` is the gate's figure, the worst of them over the
-    corpora the job did not calibrate on (`judged_on`); only when every corpus is a
-    calibration corpus is the row judged on that, and `judged_on` says so. Over
-    `evaluation.degraded_ratio` it is `degraded`; held-out more than
-    `FITS_CALIBRATION_ONLY` x the calibration corpus's ratio, `fits_calibration_only`."""
+    (`ratio_<corpus>` columns). Each domain (`pipeline.spec.domains`) is judged on its
+    corpora the model was not calibrated on, or, where it has none, on its calibration
+    corpora's evaluation split (a test split that shares no document with the calibration
+    split); `worst_domain` is the domain whose ratio is highest, `worst_domain_ratio` that
+    ratio. `ratio` is the gate's figure: the worst domain's, or the job's `rank_domain`'s;
+    `judged_on` names the corpora it came from. Over `evaluation.degraded_ratio` it is
+    `degraded`; held-out more than `FITS_CALIBRATION_ONLY` x the calibration corpus's
+    ratio, `fits_calibration_only`."""
 
     key: str
     ratio: float
@@ -176,12 +180,20 @@ class Verdict:
     degraded: bool
     fits_calibration_only: bool | None
     """None: the job evaluated no calibration corpus, or no held-out one."""
+    worst_domain: str | None = None
+    worst_domain_ratio: float | None = None
+    domain_ratios: dict[str, float] | None = None
+    """Domain -> its ratio to dense (`ratio_domain_<domain>` columns)."""
 
     def values(self) -> dict[str, Any]:
         """The row's columns."""
+        per_domain = {f"ratio_domain_{d}": r for d, r in (self.domain_ratios or {}).items()}
         return {
             "ppl_ratio": self.ratio,
             **self.ratios,
+            **per_domain,
+            "worst_domain": self.worst_domain,
+            "worst_domain_ratio": self.worst_domain_ratio,
             "judged_on": self.judged_on,
             "degraded": self.degraded,
             "fits_calibration_only": self.fits_calibration_only,
@@ -193,18 +205,30 @@ class Verdict:
 
     def metrics(self) -> dict[str, float]:
         """The figures its point's MLflow run gets."""
-        return {"ppl_ratio": self.ratio, **self.ratios}
+        per_domain = {f"ratio_domain_{d}": r for d, r in (self.domain_ratios or {}).items()}
+        return {"ppl_ratio": self.ratio, **self.ratios, **per_domain}
 
     def tags(self) -> dict[str, str]:
         """The tags its point's MLflow run gets."""
         tags = {"degraded": str(self.degraded).lower(), "judged_on": self.judged_on}
+        if self.worst_domain is not None:
+            tags["worst_domain"] = self.worst_domain
         if self.fits_calibration_only is not None:
             tags["fits_calibration_only"] = str(self.fits_calibration_only).lower()
         return tags
 
 
-def judge(row: Row, dense: Row, corpora: list[str], calibration: list[str], limit: float):  # type: ignore[no-untyped-def]
-    """`row`'s Verdict against `dense` (both with every corpus's perplexity), or None."""
+def judge(  # type: ignore[no-untyped-def]
+    row: Row,
+    dense: Row,
+    corpora: list[str],
+    calibration: list[str],
+    limit: float,
+    domains: Mapping[str, str] | None = None,
+    rank_domain: str | None = None,
+):
+    """`row`'s Verdict against `dense` (both with every corpus's perplexity), or None.
+    `domains`: the job's corpus -> domain tags (`pipeline.spec.domains.domain_of`)."""
     ratios = {}
     for c in corpora:
         column = metric_name(c)
@@ -213,33 +237,41 @@ def judge(row: Row, dense: Row, corpora: list[str], calibration: list[str], limi
         ratios[c] = float(row[column]) / float(dense[column])
     unseen = held_out(corpora, calibration)
     seen = [c for c in corpora if c not in unseen]
-    judged = unseen or corpora[:1]
-    ratio = max(ratios[c] for c in judged)
+    per_domain: dict[str, float] = {}
+    judged: dict[str, list[str]] = {}
+    for domain, members in domains_of(corpora, domains or {}).items():
+        judged[domain] = [c for c in members if c in unseen] or members
+        per_domain[domain] = max(ratios[c] for c in judged[domain])
+    worst = max(per_domain, key=lambda d: (per_domain[d], d))
+    chosen = rank_domain if rank_domain in per_domain else worst
+    ratio = per_domain[chosen]
     fits_only = None
     if unseen and seen:
-        fits_only = ratio > FITS_CALIBRATION_ONLY * max(ratios[c] for c in seen)
-    label = ",".join(judged) if unseen else f"{judged[0]} (calibration text)"
-    named = {ratio_name(c): r for c, r in ratios.items()}
-    return Verdict(row["grid_key"], ratio, named, label, ratio > limit, fits_only)
-
-
-def unjudged(ev: EvaluationSpec, calibration: list[str]) -> str | None:
-    """A warning when every perplexity corpus is a calibration corpus (`calibration`: the
-    corpora the job calibrated on): the gate then judges variants on the kind of text they
-    were fitted on. None otherwise."""
-    if ev.enabled and ev.perplexity and not held_out(list(ev.perplexity), calibration):
-        return (
-            f"evaluation.perplexity: {', '.join(ev.perplexity)} is all calibration text; "
-            "variants are judged on what they were fitted on (add a held-out corpus: lee)"
+        fits_only = max(ratios[c] for c in unseen) > FITS_CALIBRATION_ONLY * max(
+            ratios[c] for c in seen
         )
-    return None
+    shown = [c for d in ([chosen] if rank_domain else judged) for c in judged[d]]
+    label = ",".join(c for c in shown if c in unseen)
+    fitted = [c for c in shown if c not in unseen]  # judged on a calibration corpus's test split
+    if fitted:
+        label += ("; " if label else "") + f"{','.join(fitted)} (calibration text)"
+    named = {ratio_name(c): r for c, r in ratios.items()}
+    return Verdict(
+        row["grid_key"], ratio, named, label, ratio > limit, fits_only,
+        worst, per_domain[worst], per_domain,
+    )  # fmt: skip
 
 
 def quality_gate(
-    rows: Rows, points: list[GridPoint], ev: EvaluationSpec, calibration: list[str]
+    rows: Rows,
+    points: list[GridPoint],
+    ev: EvaluationSpec,
+    calibration: Mapping[str, list[str]],
+    domains: Mapping[str, str] | None = None,
 ) -> list[Verdict]:
     """The verdict of every point whose row and dense row have every corpus's perplexity
-    (`calibration`: the corpora the job calibrated on)."""
+    (`calibration`: model label -> the corpora it was calibrated on; `domains`: the job's
+    corpus -> domain tags)."""
     if not (ev.enabled and ev.perplexity):
         return []
     corpora = list(ev.perplexity)
@@ -249,7 +281,10 @@ def quality_gate(
         row, base = rows.get(p.key), dense.get(p.model.label)
         if row is None or base is None:
             continue
-        verdict = judge({**row, "grid_key": p.key}, base, corpora, calibration, ev.degraded_ratio)
+        verdict = judge(
+            {**row, "grid_key": p.key}, base, corpora, list(calibration.get(p.model.label, [])),
+            ev.degraded_ratio, domains, ev.rank_domain,
+        )  # fmt: skip
         if verdict is not None:
             out.append(verdict)
     return out

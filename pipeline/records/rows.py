@@ -27,6 +27,7 @@ from pipeline.records.protocol import calibration_id, protocol_id
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
+from pipeline.spec.models import ModelSpec
 
 if TYPE_CHECKING:
     from lorp.locality.profile import Profile
@@ -69,7 +70,7 @@ def provenance(spec: JobSpec, point: GridPoint) -> dict[str, Any]:
         details=dict(point.selection.details) if point.selection else None,
         grid_key=point.key,
         job=spec.name,
-        calibration=asdict(spec.calibration),
+        calibration=asdict(spec.calibration_for(point.model.spec)),
         repair=repair_record(
             point, spec.repair_rounds, spec.repair_ridge,
             (spec.distill_epochs(point.method), float(spec.repair_distill_lr)),
@@ -217,7 +218,7 @@ def catalog_row(
         "rls": facts.rls,
         "k": int(k) if k is not None else None,
         "labels": facts.labels,
-        **protocol_columns(spec, plan.spec.dtype),
+        **protocol_columns(spec, plan.spec.dtype, plan.spec),
         "zero_shot": json.dumps(result.zero_shot, sort_keys=True) if result.zero_shot else None,
         "serving": json.dumps(result.serving, sort_keys=True) if result.serving else None,
         "stats_file": facts.stats_file,
@@ -234,7 +235,8 @@ def catalog_row(
     }
     row |= planning_columns(point)
     row |= repair_columns(result.repair)
-    row |= costs(point, facts, result, cost_seq_len(spec.evaluation, spec.calibration))
+    cal = spec.calibration_for(point.model.spec)
+    row |= costs(point, facts, result, cost_seq_len(spec.evaluation, cal))
     return row | {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
 
 
@@ -272,21 +274,36 @@ def repair_validation(fits: list[dict[str, Any]]) -> dict[str, Any]:
     followers = [f for f in validated if "follower" in f]
     if followers:
         kept += f", {sum(f.get('kept') in fitted for f in followers)}/{len(followers)} followers"
+    refused = sorted({
+        d for f in validated if f.get("kept") == "unrepaired"
+        for d, v in (f.get("held_by_domain") or {}).items() if v["residual"] >= v["unrepaired"]
+    })  # fmt: skip
+    if refused:
+        kept += f" (not kept: worse on held-out {', '.join(refused)})"
     distilled = runs[0].get("distilled")
     if distilled:
         best, epochs = distilled["best_epoch"], distilled["epochs"]
         kept += f"; distilled, epoch {best} of {epochs}" if best else "; distillation not kept"
-    return {
+    out = {
         "repair_held_residual": max(float(f["held_residual"]) for f in runs),
         "repair_kept": kept,
     }
+    gate = runs[0].get("gate")
+    if gate:
+        out |= {"repair_gate": gate["kept"], "repair_held_loss_ratio": gate["worst_loss_ratio"]}
+        tried = gate.get("tried") or []
+        if tried and gate["kept"] != tried[0]:  # a fallback: the row says which and why
+            out["repair_kept"] = f"{kept}; gate kept {gate['kept']} (held-out loss per domain)"
+    return out
 
 
-def protocol_columns(spec: JobSpec, dtype: str) -> dict[str, Any]:
-    """What a row was fitted on and measured under (`pipeline.records.protocol`)."""
+def protocol_columns(spec: JobSpec, dtype: str, model: ModelSpec | None = None) -> dict[str, Any]:
+    """What a row was fitted on (`model`'s calibration) and measured under
+    (`pipeline.records.protocol`)."""
+    cal = asdict(spec.calibration_for(model) if model is not None else spec.calibration)
     return {
-        "calibration": json.dumps(asdict(spec.calibration), sort_keys=True),
-        "calibration_id": calibration_id(asdict(spec.calibration)),
+        "calibration": json.dumps(cal, sort_keys=True),
+        "calibration_id": calibration_id(cal),
         "evaluation": json.dumps(asdict(spec.evaluation), sort_keys=True),
         "protocol": protocol_id(asdict(spec.evaluation), dtype),
         "reference_claim": spec.tracking.reference,

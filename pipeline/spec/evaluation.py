@@ -85,8 +85,11 @@ class EvaluationSpec:
     bos: str = "auto"
     """BOS before every perplexity window: auto (when the tokenizer adds one), always, never."""
     degraded_ratio: float = 3.0
-    """A variant whose perplexity (first corpus) exceeds this multiple of dense is marked
-    `degraded`: kept in the catalog, never a "best" variant."""
+    """A variant whose ratio to dense on its worst domain (or `rank_domain`) exceeds this
+    is marked `degraded`: kept in the catalog, never a "best" variant."""
+    rank_domain: str | None = None
+    """The domain the quality gate, `best-<b>` and the registry's ranking judge on (one of
+    the perplexity corpora's domains). Default: the worst domain of each variant."""
     tensor_parallel_size: int | str = "auto"
     """vLLM tensor parallelism per evaluation actor: auto (on GPUs, the fewest GPUs whose
     memory holds the model, `pipeline.cluster.memory.tensor_parallel`; 1 on CPUs) or a

@@ -8,11 +8,12 @@ with a one-line ValueError naming the field path (`calibration.samples`) and the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError, check_storage, is_number, positive, unique
+from pipeline.spec.domains import check_domains, domain_of, domains_of, uncovered
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
 from pipeline.spec.names import distinct_when_stored
@@ -40,7 +41,12 @@ class JobSpec:
     methods: tuple[MethodSpec, ...]
     """Selection methods and their options."""
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
-    """Calibration data for S."""
+    """Calibration data for S (a model may name its own text: `models[].calibration`)."""
+    domains: dict[str, str] = field(default_factory=dict)
+    """Corpus -> the domain it is text of (prose, code, or a name of the job's own), for
+    corpora that are not packaged (ptb, lee, wiki: prose; code: code). A corpus not named
+    is a domain of its own. The repair is validated on every calibration domain and a
+    variant judged by its worst evaluated domain (docs: Domains)."""
     output_dir: str = "runs/job"
     """Run directory: catalog/ (a Delta table), mlflow.db, checkpoints/, events.jsonl."""
     storage: str | None = None
@@ -116,6 +122,46 @@ class JobSpec:
     squares only. Not for a model streamed in its grid points (larger than its worker)."""
     repair_distill_lr: float = 1e-4
     """Adam's learning rate for `repair_distill`."""
+    repair_gate: bool = True
+    """Keep a repaired point's maps only where its held-out loss is no worse than its
+    unrepaired twin's on every calibration domain, falling back to fewer maps, then to
+    none (`lorp.repair.domain_gate`). false keeps every validated map as fitted (maps a
+    later finetune starts from); the row then has no `repair_gate`."""
+
+    def calibration_for(self, model: ModelSpec) -> CalibrationSpec:
+        """The calibration `model` is captured on: the job's, with the model's own text
+        (`models[].calibration`) where it names one."""
+        if model.calibration is None:
+            return self.calibration
+        return replace(self.calibration, dataset=model.calibration)
+
+    def domain(self, corpus: str) -> str:
+        """The domain of `corpus` (`pipeline.spec.domains.domain_of`)."""
+        return domain_of(corpus, self.domains)
+
+    def judged_domains(self) -> dict[str, list[str]]:
+        """Domain -> the perplexity corpora judged in it."""
+        return domains_of(self.evaluation.perplexity, self.domains)
+
+    def calibration_domains(self, model: ModelSpec) -> dict[str, list[str]]:
+        """Domain -> the corpora `model` is calibrated on in it."""
+        return domains_of(self.calibration_for(model).corpora, self.domains)
+
+    def warnings(self) -> list[str]:
+        """Lines about a spec that runs but judges less than it seems to: every perplexity
+        corpus a calibration corpus, or a model judged on a domain it is not calibrated on."""
+        ev, out = self.evaluation, []
+        if ev.enabled and ev.perplexity:
+            fitted = {c for m in self.models for c in self.calibration_for(m).corpora}
+            if set(ev.perplexity) <= fitted:
+                out.append(
+                    f"evaluation.perplexity: {', '.join(ev.perplexity)} is all calibration "
+                    "text; variants are judged on what they were fitted on (add a held-out "
+                    "corpus: lee)"
+                )
+            calibrated = {m.label: self.calibration_for(m).corpora for m in self.models}
+            out += uncovered(calibrated, ev.perplexity, self.domains)
+        return out
 
     def distill_epochs(self, method: MethodSpec | None) -> int:
         """Epochs of distillation of `method`'s repaired twins: its own, else the job's."""
@@ -179,6 +225,22 @@ class JobSpec:
             raise SpecError(f"repair_ridge: must be auto or a number > 0, got {ridge!r}")
         self._check_labels()
         self._check_vllm()
+        self._check_domains()
+
+    def _check_domains(self) -> None:
+        check_domains(self.domains)
+        for i, m in enumerate(self.models):
+            try:
+                self.calibration_for(m)
+            except SpecError as exc:
+                raise SpecError(f"models[{i}].calibration: {exc}") from None
+        rank = self.evaluation.rank_domain
+        judged = self.judged_domains()
+        if rank is not None and rank not in judged:
+            raise SpecError(
+                f"evaluation.rank_domain: no perplexity corpus is {rank!r} text, got {rank!r} "
+                f"(judged: {', '.join(judged) or 'none'})"
+            )
 
     def _check_catalog_table(self) -> None:
         from pipeline.storage import delta_location

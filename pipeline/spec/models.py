@@ -9,6 +9,7 @@ from typing import Any
 
 from lorp.methods import validate_options
 from lorp.models.loading import DTYPES
+from pipeline.spec.calibration import MixPart
 from pipeline.spec.checks import SpecError, positive
 
 
@@ -24,6 +25,10 @@ class ModelSpec:
     """Load pickled .bin weights. Off: only safetensors and GGUF load."""
     name: str | None = None
     """Display name in the catalog (default: the reference)."""
+    calibration: str | tuple[MixPart, ...] | None = None
+    """This model's calibration text where it differs from the job's `calibration.dataset`
+    (a corpus or a mix, as that field takes; the rest of `calibration:` is the job's): a
+    code model calibrated on a mix that includes `code` (docs: Domains)."""
 
     def __post_init__(self) -> None:
         if not self.ref.strip():

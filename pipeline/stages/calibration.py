@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,13 @@ from lorp.data.corpora import Corpus, tokenize_documents
 from lorp.data.windows import (
     calibration_fingerprint,
     calibration_windows,
+    cut,
+    interleave,
     mixed_windows,
+    mixture_counts,
     prepend_bos,
     resolve_bos,
+    window_offsets,
 )
 from pipeline.evaluation.corpora import load_any_corpus
 from pipeline.spec.calibration import CalibrationSpec
@@ -112,13 +117,59 @@ def _tokenizer_key(tokenizer: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def heldout_windows(tokenizer: Any, spec: CalibrationSpec) -> tuple[np.ndarray, str]:
+@dataclass(frozen=True)
+class HeldOutWindows:
+    """The held-out calibration windows: int [n, T] (BOS first where the policy puts one),
+    the domain of each window's corpus, and the set's fingerprint."""
+
+    windows: np.ndarray
+    domains: tuple[str, ...]
+    fingerprint: str
+
+    def by_domain(self) -> dict[str, np.ndarray]:
+        """Domain -> its windows, domains in the order first met."""
+        order = list(dict.fromkeys(self.domains))
+        labels = np.array(self.domains)
+        return {d: self.windows[labels == d] for d in order}
+
+
+def heldout_windows(
+    tokenizer: Any, spec: CalibrationSpec, domains: Mapping[str, str] | None = None
+) -> HeldOutWindows:
     """`spec.loss_samples` windows from the calibration split (of every corpus of a mix,
-    in its share), drawn with `seed + 1`, for the losses of loss-guided methods and the
-    repair's validation (never part of S or of the repair's fit), and their fingerprint."""
+    in its share, so every calibration domain has some), for the losses of loss-guided
+    methods and the repair's validation. Drawn with `seed + 1` apart from every window
+    the fit and S are computed on: no held-out token is a calibration token, by
+    construction (`lorp.data.windows.window_offsets(avoid=...)`). `domains`: the job's
+    corpus -> domain tags."""
+    from pipeline.spec.domains import domain_of
+
     bos = resolve_bos(tokenizer, spec.bos)
-    cut, fp = _windows(tokenizer, spec, spec.loss_samples, spec.seed + 1, bos)
-    return cut().numpy(), f"heldout:{fp}"
+    corpora = [load_any_corpus(c, spec.split, spec.text_field) for c in spec.corpora]
+    docs = [token_documents(tokenizer, c) for c in corpora]
+    weights = [w for _, w in spec.parts]
+    fit_counts = mixture_counts(weights, spec.samples)
+    held_counts = mixture_counts(weights, spec.loss_samples)
+    mix = len(corpora) > 1
+    blocks = []
+    for i, (d, name) in enumerate(zip(docs, spec.corpora, strict=True)):
+        label = f"corpus {name!r} ({corpora[i].split})"
+        fit = window_offsets(d, fit_counts[i], spec.seq_len, spec.seed + i * mix, label)
+        held = window_offsets(
+            d, held_counts[i], spec.seq_len, spec.seed + 1 + i, f"{label}'s held-out part", fit
+        )  # fmt: skip
+        blocks.append(cut(d, held, spec.seq_len))
+    windows, source = interleave(blocks, spec.seed + 1) if mix else (blocks[0], np.zeros(
+        len(blocks[0]), dtype=int))  # fmt: skip
+    windows = prepend_bos(windows, bos) if bos is not None else windows
+    fps = [
+        calibration_fingerprint(c, spec.loss_samples, spec.seq_len, spec.seed + 1, bos_id=bos)
+        for c in corpora
+    ]
+    key = json.dumps([fps, weights, spec.samples, spec.seed])
+    fp = "heldout-apart:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    labels = tuple(domain_of(spec.corpora[int(i)], domains or {}) for i in source)
+    return HeldOutWindows(windows.numpy(), labels, fp)
 
 
 def _write_parquet(path: Path, windows: np.ndarray) -> None:

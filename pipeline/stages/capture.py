@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -165,27 +166,32 @@ def distributed_repair_capture(
     shards: list[Shard],
     passes: list[list[tuple[int, int]]],
     workers: int | None = None,
-    held: Shard | None = None,
+    held: Mapping[str, Shard] | None = None,
 ) -> RepairStats:
     """The repair sums of every run in `passes` over all shards: each worker loads the
     model once and makes one pass per group of runs over each shard it takes (a group's
     sums fit the worker's memory budget, `lorp.repair.stats.repair_passes`); each group's
-    partials merge in their own tree, and the groups join into one object. `held`: the
-    held-out windows, summed apart by the same workers into the result's `held`."""
+    partials merge in their own tree, and the groups join into one object. `held`: domain
+    -> its held-out windows, each summed apart by the same workers into the result's
+    held-out sums of that domain (`RepairStats.held_domains`)."""
     actors = _start_workers(task, capture_workers(len(shards), workers))
+    domains = list(held or {})
     try:
-        put = _put(shards + ([held] if held is not None else []))
+        put = _put(shards + [held[d] for d in domains] if held else shards)
         jobs = [("repair", (ref, s.name, runs)) for runs in passes for ref, s in put]
         partials = _dispatch(actors, jobs)
         n, k = len(shards), len(put)
         groups = [tree_reduce(partials[i * k : i * k + n]) for i in range(len(passes))]
-        held_groups = ray.get([partials[i * k + n] for i in range(len(passes))]) if held else []
+        held_groups = {
+            d: ray.get([partials[i * k + n + j] for i in range(len(passes))])
+            for j, d in enumerate(domains)
+        }
     finally:
         for actor in actors:
             ray.kill(actor)
     stats = RepairStats.join(groups)
     if held_groups:
-        stats.held = RepairStats.join(held_groups)
+        stats.held_domains = {d: RepairStats.join(g) for d, g in held_groups.items()}
     return stats
 
 

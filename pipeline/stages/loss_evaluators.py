@@ -267,7 +267,9 @@ class LossSelector:
             from pipeline.stages.calibration import heldout_windows
             from pipeline.stages.statistics import plan_tokenizer
 
-            self.heldout = heldout_windows(plan_tokenizer(self.plan), self.spec.calibration)
+            cal = self.spec.calibration_for(self.plan.spec)
+            held = heldout_windows(plan_tokenizer(self.plan), cal, self.spec.domains)
+            self.heldout = held.windows, held.fingerprint
         return self.heldout
 
     def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:
@@ -326,7 +328,8 @@ def repaired_window_losses(
     from pipeline.stages.calibration import heldout_windows
     from pipeline.stages.statistics import plan_tokenizer, stats_store
 
-    windows, fp = heldout_windows(plan_tokenizer(plan), spec.calibration)
+    held = heldout_windows(plan_tokenizer(plan), spec.calibration_for(plan.spec), spec.domains)
+    windows, fp = held.windows, held.fingerprint
     task = loss_task(spec.evaluation, spec.resources.grid, plan, windows)
     res = task.resources
     device = "cuda" if res.num_gpus > 0 else "cpu"

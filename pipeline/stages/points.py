@@ -161,11 +161,37 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
                 f"({stats.model_fingerprint}, {stats.runs})"
             )
         fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
+    candidates = [("runs only", list(fits))]
     if rt.followers:
         fits += _followers(task, model, fits)
+        candidates.insert(0, ("least squares", list(fits)))
     if rt.distill:
         fits = _distill(task, model, fits)
+        candidates.insert(0, ("distilled", list(fits)))
+    fits = _gate(task, model, candidates)
     fold(model, fits)  # a streamed model's too: its files get the fold when written
+    return fits
+
+
+def _gate(task: PointTask, model: Any, candidates: list[tuple[str, list[Any]]]) -> list[Any]:
+    """The maps the point keeps: the first candidate (best first) whose held-out loss is
+    no worse than the unrepaired variant's on any domain (`lorp.repair.domain_gate`); its
+    record rides on the first run's."""
+    import torch
+
+    from lorp.repair.domain_gate import gate_repair
+
+    rt = task.repair
+    assert rt is not None
+    if rt.windows is None or not rt.gate:  # the job keeps its maps as validated
+        return candidates[0][1]
+    fw: FollowerWindows = ray.get(rt.windows)
+    held = {d: torch.from_numpy(w).long() for d, w in fw.held_by_domain().items()}
+    gate = gate_repair(model, task.layers, candidates, held, fw.batch_size)
+    log.info("%s %s: repair gate kept %s", task.model.label, task.name, gate.kept)
+    fits = list(gate.fits)
+    if fits:
+        fits[0] = dataclasses.replace(fits[0], gate=gate.record())
     return fits
 
 

@@ -30,10 +30,14 @@ from pipeline.cluster.model_source import model_source
 from pipeline.messages import CaptureTask, FollowerWindows, Shard
 from pipeline.plan import ModelPlan, content_key
 from pipeline.spec.calibration import CalibrationSpec
-from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
 from pipeline.spec.resources import Resources
-from pipeline.stages.calibration import CalibrationShards, read_shard, write_shards
+from pipeline.stages.calibration import (
+    CalibrationShards,
+    HeldOutWindows,
+    read_shard,
+    write_shards,
+)
 from pipeline.stages.capture import (
     distributed_capture,
     distributed_repair_capture,
@@ -79,7 +83,7 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
     S turn out cached anyway (a note lost), the early workers go unused.
     """
     store = stats_store(spec.cache_dir, spec.storage)
-    cal, workers = spec.calibration, spec.resources.capture_workers
+    cal, workers = spec.calibration_for(plan.spec), spec.resources.capture_workers
     pointer = f"{plan.stats_key(content_key(asdict(cal)))}.name"
     early: list[Any] = []
     noted = store.read_bytes(pointer) is not None
@@ -140,8 +144,13 @@ def repair_statistics(
     from lorp.repair.stats import FORMAT_VERSION, repair_passes
 
     runs = sorted(set(runs))
-    held_windows, held_fp = _held_windows(spec.calibration, plan)
-    key = content_key(plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs, held_fp)
+    cal = spec.calibration_for(plan.spec)
+    held = _held_windows(spec, cal, plan)
+    domains = held.domains
+    key = content_key(
+        plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs, held.fingerprint,
+        *([sorted(set(domains)), list(domains)] if len(set(domains)) > 1 else []),
+    )  # fmt: skip
     store, name = stats_store(spec.cache_dir, spec.storage), f"repair-{key}.npz"
     local = store.local_path(name) or run_dir / "stats" / name
     if not force and store.get_file(name, local):
@@ -156,38 +165,39 @@ def repair_statistics(
         passes = repair_passes(runs, hidden, budget)
     except ValueError as exc:
         raise ValueError(f"resources.repair_memory_gib: {exc}") from None
-    task = capture_task(spec.resources.capture, spec.calibration, plan, shards)
+    task = capture_task(spec.resources.capture, cal, plan, shards)
     workers = spec.resources.capture_workers
-    held = Shard("held-out", held_windows.astype(np.int32))
-    stats = distributed_repair_capture(task, load_shards(shards), passes, workers, held)
+    parts = {d: Shard(f"held-out {d}", w.astype(np.int32)) for d, w in held.by_domain().items()}
+    stats = distributed_repair_capture(task, load_shards(shards), passes, workers, parts)
     seconds = time.perf_counter() - start
-    stats.extra.update({"capture_seconds": seconds, "passes": len(passes), "held_out": held_fp})
+    stats.extra.update({"capture_seconds": seconds, "passes": len(passes),
+                        "held_out": held.fingerprint})  # fmt: skip
     stats.to_file(local)
     store.put_file(local, name)
     return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name), local)
 
 
-def follower_windows(
-    ev: EvaluationSpec, cal: CalibrationSpec, plan: ModelPlan, shards: CalibrationShards
-) -> FollowerWindows:
+def follower_windows(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> FollowerWindows:
     """The windows a repaired point fits its follower maps on (S's calibration shards, in
-    shard order) and validates them on (the held-out windows): tokens, not sums, since a
-    follower's inputs depend on the point's own maps."""
+    shard order) and validates them, its distillation and its whole repair on (the
+    held-out windows, each with its domain): tokens, not sums, since a follower's inputs
+    depend on the point's own maps."""
+    ev, cal = spec.evaluation, spec.calibration_for(plan.spec)
     windows = np.concatenate([s.windows for s in load_shards(shards)])
-    held, _ = _held_windows(cal, plan)
+    held = _held_windows(spec, cal, plan)
     # Per forward, no more tokens than the point's evaluation takes: its memory plan
     # (`pipeline.cluster.memory`) covers the follower's forwards too.
     tokens = plan.batch("evaluate", ev.batch_size) * (ev.seq_len + 1)
     batch = max(1, min(plan.batch("capture", cal.batch_size), tokens // windows.shape[1]))
     skip = int(shards.bos is not None)
-    return FollowerWindows(windows, held.astype(np.int32), skip, batch)
+    return FollowerWindows(windows, held.windows.astype(np.int32), skip, batch, held.domains)
 
 
-def _held_windows(calibration: CalibrationSpec, plan: ModelPlan) -> tuple[np.ndarray, str]:
+def _held_windows(spec: JobSpec, calibration: CalibrationSpec, plan: ModelPlan) -> HeldOutWindows:
     """The held-out calibration windows (`pipeline.stages.calibration.heldout_windows`)."""
     from pipeline.stages.calibration import heldout_windows
 
-    return heldout_windows(plan_tokenizer(plan), calibration)
+    return heldout_windows(plan_tokenizer(plan), calibration, spec.domains)
 
 
 def plan_tokenizer(plan: ModelPlan) -> Any:
@@ -220,7 +230,7 @@ def capture_task(
 def _early_task(spec: JobSpec, plan: ModelPlan) -> CaptureTask:
     """The capture task before the shards exist: their calibration comes with them."""
     res = spec.resources.capture
-    batch = plan.batch("capture", spec.calibration.batch_size)
+    batch = plan.batch("capture", spec.calibration_for(plan.spec).batch_size)
     return CaptureTask(model=model_source(plan, "capture"), calibration="", resources=res,
                        batch_size=batch)  # fmt: skip
 

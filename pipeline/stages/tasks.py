@@ -24,8 +24,8 @@ from pipeline.spec.resources import Resources, ResourcesSpec
 
 RepairRefs = Mapping[tuple[str, Any], Any]
 """(model label, run) -> ObjectRef of that run's one-run `RepairStats`; (model label,
-FOLLOWERS) -> ObjectRef of the model's `FollowerWindows`, where the job fits followers
-or distils the maps."""
+FOLLOWERS) -> ObjectRef of the model's `FollowerWindows`: what followers and distillation
+fit on, and the held-out windows every repaired point's gate judges it on."""
 FOLLOWERS = "follower windows"
 
 
@@ -82,10 +82,10 @@ def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask
     runs = tuple(point.runs)
     stats = tuple(refs[(point.model.label, r)] for r in runs)
     followers, distill = spec.repair_followers, spec.distill_epochs(point.method)
-    windows = refs[(point.model.label, FOLLOWERS)] if followers or distill else None
+    windows = refs.get((point.model.label, FOLLOWERS))
     return RepairTask(
         runs, stats, spec.ridge_value, spec.repair_rounds, followers, windows, distill,
-        float(spec.repair_distill_lr),
+        float(spec.repair_distill_lr), spec.repair_gate,
     )  # fmt: skip
 
 

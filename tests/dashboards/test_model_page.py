@@ -30,4 +30,4 @@ def test_held_out_judgement_ranks_and_marks_what_fits_only_calibration_text() ->
     assert t["ratio_cols"] == ["ratio_lee", "ratio_ptb"] and t["judged_on"] == ["lee"]
     html = str(perplexity_table(t))
     assert html.count("fits calibration only</span>") == 1
-    assert "judged = the worst ratio on text the variants were not calibrated on (lee)" in html
+    assert "judged = the ratio on the worst domain of the variant" in html and "some: lee)" in html

@@ -12,6 +12,7 @@ from dashboards.catalog_rows import judged_metric
 from dashboards.intervals import UNKNOWN
 from dashboards.model_view import (
     cluster_labels,
+    domain_view,
     memory_view,
     metric_tables,
     model_view,
@@ -94,6 +95,32 @@ def test_the_repair_table_judges_on_the_held_out_corpus(tmp_path: Path) -> None:
     build_site(rows, tmp_path / "site")
     page = (tmp_path / "site" / "model-m.html").read_text()
     assert "Perplexity on wiki; gain" in page and "Dense: 20.00." in page
+
+
+def test_every_variant_shows_each_domain_beside_its_repaired_twin(tmp_path: Path) -> None:
+    """Quality per domain: every unrepaired variant's ratio on prose and code, its
+    repaired twin's beside it, the worst domain and what the repair gate kept."""
+    rows = [row("m", "dense", 0, ratio_domain_prose=1.0, ratio_domain_code=1.0)]
+    for label, budget, fix, prose, code, gate in [
+        ("window", 2, "none", 1.8, 4.4, None),
+        ("window+linear", 2, "linear", 1.4, 4.3, "unrepaired"),
+        ("shortgpt", 4, "none", 3.6, 3.7, None),  # no repaired twin: its pruned figures only
+    ]:
+        extra = {"repair_gate": gate} if gate else {}
+        r = row("m", label.split("+")[0], budget, repair=fix, ratio_domain_prose=prose,
+                ratio_domain_code=code, worst_domain="code", **extra)  # fmt: skip
+        rows.append(r | {"method_label": label, "grid_key": f"{label}-{budget}"})
+    dv = domain_view(rows[1:])
+    assert dv is not None and dv["domains"] == ["code", "prose"]
+    window, short = dv["rows"]
+    assert window["label"] == "window" and window["pruned"] == [4.4, 1.8]
+    assert window["repaired"] == [4.3, 1.4] and window["gate"] == "unrepaired"
+    assert short["repaired"] == [None, None] and short["worst"] == "code"
+    assert domain_view([row()]) is None  # rows from before domains
+    build_site(rows, tmp_path / "site")
+    page = (tmp_path / "site" / "model-m.html").read_text()
+    assert "Quality per domain" in page and page.count('class="domain-row"') == 2
+    assert "code pruned" in page and "prose repaired" in page and 'data-v="4.3"' in page
 
 
 def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path: Path) -> None:

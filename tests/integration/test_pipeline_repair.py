@@ -12,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lorp.methods.removal_loss import calibration_loss
+from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import drop_layers
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import fit_runs
@@ -98,7 +98,9 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
     losses = _window_scores(rows["window-loss"], "window_loss")
     best = min(candidates, key=lambda r: (losses[r[0]], r[0]))
     assert _runs(rows["window-loss"]["pruned_layers"]) == [best]
-    held, _ = heldout_windows(AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration)
+    held = heldout_windows(
+        AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration
+    ).windows
     held = torch.from_numpy(held).long()
     windows = torch.cat(
         [read_shard(p) for p in sorted((run_dir / "calibration").glob("*/shard-*.parquet"))]
@@ -145,7 +147,16 @@ def test_repaired_twins_are_made_from_ray_sums_and_recorded_everywhere(
         kept = f"{sum(f['kept'] == 'fit' for f in fits)}/{len(fits)} runs"
         if followers:
             kept += f", {sum(f['kept'] == 'fit' for f in followers)}/{len(followers)} followers"
-        assert repaired["repair_kept"] == kept
+        # the gate: the kept maps' held-out loss is no worse than the unrepaired twin's
+        gate = records[0]["gate"]
+        tried = gate["tried"]
+        assert tried == (["least squares", "runs only"] if followers else ["runs only"])
+        if gate["kept"] != tried[0]:
+            kept += f"; gate kept {gate['kept']} (held-out loss per domain)"
+        assert repaired["repair_kept"] == kept and repaired["repair_gate"] == gate["kept"]
+        base = gate["losses"]["unrepaired"]["prose"]
+        assert gate["losses"].get(gate["kept"], gate["losses"]["unrepaired"])["prose"] <= base
+        _gate_losses_are_the_checkpoints(held, twin, repaired, gate)
         prov = json.loads(Path(repaired["checkpoint"], "lorp_pruning.json").read_text())
         assert prov["repair"]["method"] == "linear" and prov["repair"]["runs"] == records
         assert (
@@ -187,7 +198,7 @@ def test_distilled_maps_are_what_the_checkpoint_holds(
     spec = tiny_job(
         tmp_path, model, "distill", budgets=[2],
         methods=[{"name": "shortgpt", "repair_distill": 3}, {"name": "streamline"}],
-        repair=["linear"], repair_distill_lr=3e-3,
+        repair=["linear"], repair_distill_lr=3e-3, repair_gate=False,
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         ray={"num_cpus": 2}, checkpoints="full",
     )  # fmt: skip
@@ -209,7 +220,9 @@ def test_distilled_maps_are_what_the_checkpoint_holds(
     prov = json.loads(Path(row["checkpoint"], "lorp_pruning.json").read_text())
     assert prov["repair"]["distill"]["epochs"] == 3 and prov["repair"]["runs"] == records
 
-    held, _ = heldout_windows(AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration)
+    held = heldout_windows(
+        AutoTokenizer.from_pretrained(model), parse_spec(spec).calibration
+    ).windows
     held = torch.from_numpy(held).long()
     dense = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     got = AutoModelForCausalLM.from_pretrained(row["checkpoint"], dtype=torch.float32).eval()
@@ -255,6 +268,20 @@ def _repaired(
 
 
 @torch.no_grad()
+def _gate_losses_are_the_checkpoints(held, twin, repaired, gate) -> None:  # type: ignore[no-untyped-def]
+    """The gate's figures are the saved checkpoints' held-out losses."""
+    windows = torch.as_tensor(held).long()
+    load = lambda r: AutoModelForCausalLM.from_pretrained(r["checkpoint"], dtype=torch.float32)  # noqa: E731
+    unrepaired = calibration_loss(load(twin).eval(), windows)
+    assert unrepaired == pytest.approx(gate["losses"]["unrepaired"]["prose"], rel=1e-4)
+    mine = calibration_loss(load(repaired).eval(), windows)
+    assert mine <= unrepaired * (1 + 1e-5)
+    assert mine == pytest.approx(
+        gate["losses"].get(gate["kept"], {"prose": unrepaired})["prose"], rel=1e-4
+    )
+    assert repaired["repair_held_loss_ratio"] == pytest.approx(mine / unrepaired, rel=1e-3)
+
+
 def _same_logits(
     model: Path,
     windows: torch.Tensor,

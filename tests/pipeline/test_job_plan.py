@@ -36,7 +36,8 @@ def test_the_plan_names_models_decisions_points_and_the_figure_it_used(
     lines = run.stdout.splitlines()
     assert lines[0].startswith("job planned: backend none")  # evaluation is off
     assert lines[1].startswith("tiny: Llama, 6 blocks,")
-    capture, evaluate = lines[2], lines[3]
+    assert lines[2] == "  domains: calibrated on prose (ptb 100%); judged on nothing"
+    capture, evaluate = lines[3], lines[4]
     assert capture.startswith("  capture: held whole,") and "this machine" in capture
     assert (
         evaluate.startswith("  evaluate: held whole,")
@@ -47,6 +48,35 @@ def test_the_plan_names_models_decisions_points_and_the_figure_it_used(
     assert lines[-1] == "grid: 18 points, 0 already in the catalog"
     as_json = json.loads(lorp("plan", "--json", str(write_job(tmp_path, spec))).stdout)
     assert as_json["ok"] and as_json["models"][0]["stages"]["evaluate"]["worker_gib"] == 2.0
+
+
+def test_the_plan_shows_each_models_domains_and_warns_of_one_it_is_not_calibrated_on(
+    model: Path, tmp_path: Path
+) -> None:
+    spec = tiny_job(tmp_path, model, "domains")
+    spec["evaluation"] = {"perplexity": ["ptb", "lee", "data/tickets.jsonl"], "seq_len": 64,
+                          "speed": False}  # fmt: skip
+    spec["domains"] = {"data/tickets.jsonl": "support"}
+    spec["calibration"]["dataset"] = [{"name": "ptb", "weight": 3}, {"name": "code"}]
+    run = lorp("plan", str(write_job(tmp_path, spec)))
+    lines = run.stdout.splitlines()
+    assert lines[2] == (
+        "  domains: calibrated on prose (ptb 75%); code (code 25%); "
+        "judged on prose (ptb, lee); support (data/tickets.jsonl)"
+    ), run.stdout
+    warnings = [line for line in lines if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: tiny: judged on support text but calibrated on prose, code only; add a "
+        "support corpus to its calibration (calibration.dataset, or models[].calibration)"
+    ]
+    spec["domains"] = {"lee": "code"}  # a packaged corpus keeps its domain
+    run = lorp("plan", str(write_job(tmp_path, spec)))
+    assert run.returncode == 2
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .endswith("domains.lee: 'lee' is packaged prose text, got 'code'")
+    ), run.stderr
 
 
 def test_every_problem_is_one_line_and_the_job_is_refused(model: Path, tmp_path: Path) -> None:

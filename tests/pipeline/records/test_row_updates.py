@@ -41,6 +41,26 @@ def test_without_a_held_out_corpus_the_row_says_what_it_was_judged_on() -> None:
     assert judge({"grid_key": "v", "ppl_ptb": 30.0}, DENSE, ["ptb", "lee"], ["ptb"], 3.0) is None
 
 
+def test_a_row_is_judged_by_its_worst_domain_or_the_one_the_job_ranks_on() -> None:
+    dense = {**DENSE, "ppl_code": 4.0}
+    # calibrated on PTB and code: prose is judged on lee (held out), code on its test split
+    row = {"grid_key": "v", "ppl_ptb": 30.0, "ppl_lee": 80.0, "ppl_code": 12.0}
+    v = judge(row, dense, ["ptb", "lee", "code"], ["ptb", "code"], limit=2.5)
+    assert v.domain_ratios == {"prose": 2.0, "code": 3.0}
+    assert (v.worst_domain, v.worst_domain_ratio, v.ratio) == ("code", 3.0, 3.0)
+    assert v.degraded and v.judged_on == "lee; code (calibration text)"
+    values = v.values()
+    assert values["ratio_domain_code"] == 3.0 and values["worst_domain"] == "code"
+    assert v.tags()["worst_domain"] == "code"
+    # a job serving prose ranks on prose: the gate takes prose's ratio, the worst stays named
+    prose = judge(row, dense, ["ptb", "lee", "code"], ["ptb", "code"], 2.5, rank_domain="prose")
+    assert prose.ratio == 2.0 and not prose.degraded and prose.judged_on == "lee"
+    assert prose.worst_domain == "code" and prose.worst_domain_ratio == 3.0
+    # a corpus the job tags joins its domain
+    tagged = judge(row, dense, ["ptb", "lee", "code"], ["ptb"], 2.5, {"code": "code"})
+    assert tagged.domain_ratios == {"prose": 2.0, "code": 3.0}
+
+
 @dataclass(frozen=True)
 class _Model:
     label: str = "m"

@@ -35,7 +35,13 @@ def test_mixed_windows_hold_each_corpus_in_its_share(tmp_path) -> None:  # type:
     again = write_shards(tok, cal, tmp_path / "again")
     assert again.fingerprint == shards.fingerprint and again.fingerprint.startswith("mix-")
     assert torch.equal(torch.cat([read_shard(p) for p in again.paths]), windows)
-    held, fp = heldout_windows(tok, cal)
-    assert held.shape == (4, 16) and fp.startswith("heldout:mix-") and fp != shards.fingerprint
+    held = heldout_windows(tok, cal, {str(tmp_path / "b.txt"): "other"})
+    assert held.windows.shape == (4, 16) and held.fingerprint.startswith("heldout-apart:")
+    assert sorted(held.domains) == ["a", "a", "other", "other"]  # a.txt's own domain, b's tag
+    by = held.by_domain()
+    assert all(set(w.tolist()) <= a for w in by["a"]) and all(
+        set(w.tolist()) <= b for w in by["other"]
+    )
+
     single = write_shards(tok, _spec(str(tmp_path / "a.txt")).calibration, tmp_path / "one")
     assert not single.fingerprint.startswith("mix-")

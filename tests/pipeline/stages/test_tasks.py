@@ -94,7 +94,10 @@ def test_remote_calls_get_no_driver_paths(ray_s3, model: Path, tmp_path: Path) -
         ),
         *shards,
         loss_task(
-            spec.evaluation, spec.resources.grid, plan, heldout_windows(tok, spec.calibration)[0]
+            spec.evaluation,
+            spec.resources.grid,
+            plan,
+            heldout_windows(tok, spec.calibration).windows,
         ),
         *[task(p) for p in points],
         speed_task(
