@@ -46,7 +46,9 @@ def protocol_fields(evaluation: Mapping[str, Any], dtype: str) -> dict[str, Any]
 
     corpora = list(evaluation.get("perplexity") or ())
     tasks = list(evaluation.get("zero_shot") or ())
+    ranked = evaluation.get("rank_domain")  # ppl_ratio is another figure: not comparable
     return {
+        **({"rank_domain": ranked} if ranked else {}),
         "perplexity": [[c, _eval_split(c)] for c in corpora],
         "seq_len": evaluation.get("seq_len"),
         "max_windows": evaluation.get("max_windows"),

@@ -22,8 +22,10 @@ def test_protocol_ids_name_what_makes_figures_comparable() -> None:
     base = protocol_id(ev, "float32")
     assert base.startswith("ptb256-") and len(base) == len("ptb256-") + 8
     assert protocol_id(ev | {"batch_size": 16, "backend": "vllm"}, "float32") == base
+    assert protocol_id(ev | {"rank_domain": None}, "float32") == base  # the default: as before
     for change in ({"seq_len": 512}, {"max_windows": 4}, {"bos": "never"},
-                   {"zero_shot": ["boolq"]}, {"perplexity": ["ptb", "wikitext2"]}):  # fmt: skip
+                   {"zero_shot": ["boolq"]}, {"perplexity": ["ptb", "wikitext2"]},
+                   {"rank_domain": "prose"}):  # fmt: skip
         assert protocol_id(ev | change, "float32") != base, change
     assert protocol_id(ev, "bfloat16") != base
     assert protocol_id({"enabled": False}, "float32") == "none"
