@@ -71,3 +71,17 @@ def test_table_puts_twins_side_by_side() -> None:
         "| 1.250 |" in text
     )
     assert "| shortgpt | 2-5 | 45.00 (degraded) | - | 9.00 | - | not timed | 1.667 |" in text
+
+
+def test_a_demo_judged_on_code_shows_it_and_names_the_worst_domain() -> None:
+    rows = [r | {"ppl_code": 2.0 * (1 + (r["budget"] or 0))} for r in ROWS]
+    for r in rows:
+        r |= {"worst_domain": "code", "worst_domain_ratio": r["ppl_code"] / 2.0}
+    rows[3]["worst_domain"], rows[3]["worst_domain_ratio"] = "prose", 4.0
+    page = render(rows, None, None)
+    assert "| PTB x dense: pruned | repaired | code x dense: pruned | repaired |" in page
+    assert "| dense | - | 1 (20.0) | - | 1 (10.0) | - | 1 (2.00) | - | 1 | 1 |" in page
+    assert "| shortgpt | 2-3 | 4.00 (degraded) | - | 2.00 | - | 3.00 | - |" in page  # on prose
+    said = summary(rows)
+    assert "best lorp+linear at 3.00x dense on its worst domain (code; lee 2.50x)" in said[2]
+    assert "| lorp | 2-3 | 5.00 | 2.50 | 3.00 | 1.50 | 3.00 (degraded) | 3.00 |" in page
