@@ -47,6 +47,8 @@ def test_findings_name_the_best_by_worst_domain_and_every_repair_that_costs_one(
     assert f["mislabelled"] == []
     bad = {"mix": [row("lorp", 4, 1.2, 3.4) | {"degraded": False}]}
     assert findings(bad)["mislabelled"] == ["m lorp (mix)"]
+    unjudged = {"mix": [{"model": "m", "method_label": "lorp", "budget": 4, "repair": "none"}]}
+    assert findings(unjudged)["mislabelled"] == [] and findings(unjudged)["models"]["m"] == {}
     args = SimpleNamespace(methods=["window"], max_windows=16, dtype="bfloat16")
     text = page(DATA, args)
     assert "--max-windows 16 --dtype bfloat16" in text
@@ -54,7 +56,7 @@ def test_findings_name_the_best_by_worst_domain_and_every_repair_that_costs_one(
 
 
 def test_the_job_is_the_quality_job_calibrated_as_asked() -> None:
-    args = SimpleNamespace(dtype="bfloat16", max_windows=8, runs="runs/x")
+    args = SimpleNamespace(dtype="bfloat16", max_windows=8, runs="runs/x", distill=False)
     spec = job_spec("code", ["smollm2-135m"], ["shortgpt", "window"], args)
     assert [m.label for m in spec.models] == ["smollm2-135m"]
     assert spec.models[0].dtype == "bfloat16"
