@@ -3,7 +3,7 @@
     python benchmarks/domains.py [--models smollm2-135m ...] [--calibrations prose code mix]
         [--methods lorp shortgpt streamline window] [--max-windows 32] [--dtype bfloat16]
         [--distill] [--runs runs/domains] [--page docs/results/domains.md] [--json domains.json]
-    python benchmarks/domains.py --from-runs runs/domains --page docs/results/domains.md
+    python benchmarks/domains.py --from-runs [--also runs/domains-distill:distilled] --page ...
 
 For each calibration (`CALIBRATIONS`: prose, PTB and Wikipedia; code, the code corpus's
 train files; mix, all three, a third each) it runs `jobs/quality.yaml` through `lorp run`
@@ -131,7 +131,7 @@ def model_table(model: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
     for cal, rows in data.items():
         for twin, rep in twins([r for r in rows if r["model"] == model]):
             entries.append((twin["method_label"], twin["budget"], cal, twin, rep))
-    order = list(CALIBRATIONS)
+    order = list(data)
     for label, budget, cal, twin, rep in sorted(
         entries, key=lambda e: (e[1], e[0], order.index(e[2]))
     ):
@@ -219,8 +219,14 @@ def page(data: dict[str, list[dict[str, Any]]], args: Any) -> str:
         "through `lorp run`). Ratios to dense perplexity on the held-out news (lee, prose) and "
         f"the code corpus's test files, {args.max_windows} x 512 tokens each; repaired: the "
         "validated maps with one follower, as the repair gate kept them.",
-        "",
     ]
+    for extra in getattr(args, "also", []):
+        where, label = extra.split(":", 1)
+        out.append(
+            f"Rows calibrated on `<calibration>, {label}`: the same command with `--{label.split()[0]}"
+            f" --runs {where}` and the models and methods they name."
+        )
+    out.append("")
     for model in models:
         out += [f"**{model}**", "", *model_table(model, data), ""]
     out += finding_lines(findings(data))
@@ -254,12 +260,23 @@ def main() -> None:
         help="distil as jobs/quality.yaml's methods ask (window, streamline: 2 epochs)",
     )
     p.add_argument("--from-runs", action="store_true", help="render what --runs holds; run nothing")
+    p.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        metavar="DIR:LABEL",
+        help="another run's calibrations beside them, labelled `<cal>, LABEL`",
+    )
     p.add_argument("--page", type=Path)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if not args.from_runs:
         run(args)
     data = load(Path(args.runs), args.calibrations)
+    for extra in args.also:
+        where, label = extra.split(":", 1)
+        more = load(Path(where), args.calibrations)
+        data |= {f"{cal}, {label}": rows for cal, rows in more.items() if rows}
     text = page(data, args)
     print(text)
     if args.page:
