@@ -222,9 +222,10 @@ def page(data: dict[str, list[dict[str, Any]]], args: Any) -> str:
     ]
     for extra in getattr(args, "also", []):
         where, label = extra.split(":", 1)
+        flag = label.split()[0]
         out.append(
-            f"Rows calibrated on `<calibration>, {label}`: the same command with `--{label.split()[0]}"
-            f" --runs {where}` and the models and methods they name."
+            f"Rows calibrated on `<calibration>, {label}`: the same command with `--{flag} "
+            f"--runs {where}` and the models and methods they name."
         )
     out.append("")
     for model in models:
