@@ -151,7 +151,8 @@ def best(rows: list[dict[str, Any]], model: str, budget: int) -> dict[str, Any] 
 
 def findings(data: dict[str, list[dict[str, Any]]], limit: float = 3.0) -> dict[str, Any]:
     """The figures the issue's Done-when reads, per model."""
-    out: dict[str, Any] = {"models": {}, "twins_worse": [], "mislabelled": []}
+    out: dict[str, Any] = {
+        "models": {}, "twins_worse": [], "mislabelled": [], "calibrations": list(data)}  # fmt: skip
     for cal, rows in data.items():
         for twin, rep in twins(rows):
             for d in DOMAINS:
@@ -196,10 +197,13 @@ def finding_lines(f: dict[str, Any]) -> list[str]:
                 f"is {v['variant']}: news {fmt(v['lee'])}, code {fmt(v['code'])}"
             )
     worse = f["twins_worse"]
-    lines.append(
-        f"- repaired variants more than {100 * (TWIN_SLACK - 1):.0f}% worse than their "
-        f"unrepaired twin on a domain: {len(worse)}" + (f" ({'; '.join(worse)})" if worse else "")
-    )
+    for cal in dict.fromkeys(f.get("calibrations") or [""]):
+        mine = [w for w in worse if not cal or f"({cal})" in w]
+        lines.append(
+            f"- repaired variants more than {100 * (TWIN_SLACK - 1):.0f}% worse than their "
+            f"unrepaired twin on a domain{f', calibrated on {cal}' if cal else ''}: {len(mine)}"
+            + (f" ({'; '.join(mine)})" if mine else "")
+        )
     bad = f["mislabelled"]
     lines.append(
         f"- rows marked not degraded whose worst domain is over the gate: {len(bad)}"

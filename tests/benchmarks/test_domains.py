@@ -52,7 +52,8 @@ def test_findings_name_the_best_by_worst_domain_and_every_repair_that_costs_one(
     args = SimpleNamespace(methods=["window"], max_windows=16, dtype="bfloat16")
     text = page(DATA, args)
     assert "--max-windows 16 --dtype bfloat16" in text
-    assert "unrepaired twin on a domain: 1 (m window+linear" in text
+    assert "unrepaired twin on a domain, calibrated on prose: 1 (m window+linear" in text
+    assert "unrepaired twin on a domain, calibrated on mix: 0" in text
 
 
 def test_the_job_is_the_quality_job_calibrated_as_asked() -> None:
