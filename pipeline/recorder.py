@@ -451,8 +451,9 @@ class Recorder:
         for v in row_updates.quality_gate(rows, points, ev, calibration, spec.domains):
             if v.changed(rows[v.key]):
                 self._update(v.key, v.values(), metrics=v.metrics(), tags=v.tags())
-            if v.degraded:
-                self.summary.degraded.append(f"{names[v.key]}: {v.judged_on} x{v.ratio:,.1f}")
+            if v.degraded:  # the domain it was judged by: the worst, or the one ranked on
+                domain = ev.rank_domain or v.worst_domain
+                self.summary.degraded.append(f"{names[v.key]}: {domain} x{v.ratio:,.1f}")
 
     def _reference_claim(self, points: list[GridPoint]) -> None:
         """Rows say whether their job claims the reference protocol

@@ -9,7 +9,8 @@ first (every map as fitted, distilled where the job distils; the least-squares m
 without distillation; the runs' maps without followers), are scored by the mean loss per
 held-out token of each domain, with the blocks dropped and the maps applied by hooks
 (nothing copied, the model left as it was). The first candidate no worse than the
-unrepaired variant on any domain is kept; where none is, every map becomes its run's
+unrepaired variant on any domain, and better by `MIN_GAIN` on their mean, is kept; where
+none is, every map becomes its run's
 unrepaired map (folding it changes no weight) and the variant equals its unrepaired twin.
 """
 
@@ -28,6 +29,9 @@ from lorp.repair.fold import applied_by_hooks
 from lorp.repair.maps import RunFit, unrepaired_map
 
 UNREPAIRED = "unrepaired"
+MIN_GAIN = 0.005
+"""The least mean relative fall of the held-out loss over the domains a kept repair
+must bring (`passes`)."""
 
 
 @dataclass(frozen=True)
@@ -76,17 +80,28 @@ def gate_repair(
     held: Mapping[str, torch.Tensor],
     batch_size: int = 8,
 ) -> GateResult:
-    """The first of `candidates` ((name, maps), best first) whose held-out loss is no
-    worse than the unrepaired variant's on any domain of `held`, or every map
-    unrepaired (module docstring)."""
+    """The first of `candidates` ((name, maps), best first) that `passes` against the
+    unrepaired variant on the domains of `held`, or every map unrepaired (module
+    docstring)."""
     losses = {UNREPAIRED: domain_losses(model, layers, [], held, batch_size)}
     base, tried = losses[UNREPAIRED], tuple(name for name, _ in candidates)
     for name, fits in candidates:
         losses[name] = domain_losses(model, layers, fits, held, batch_size)
-        if all(losses[name][d] <= base[d] for d in held):
+        if passes(losses[name], base):
             return GateResult(name, fits, losses, tried)
     last = candidates[-1][1] if candidates else []
     return GateResult(UNREPAIRED, [as_unrepaired(model, f) for f in last], losses, tried)
+
+
+def passes(mine: Mapping[str, float], base: Mapping[str, float]) -> bool:
+    """No domain's loss above the unrepaired variant's, and the mean over the domains at
+    least `MIN_GAIN` below its mean: a gain smaller than that on a few held-out windows
+    is their noise, not the repair's (the demo's 8 windows of 256 tokens passed a map at
+    0.998 of the unrepaired loss that was 8-12% worse on the test windows)."""
+    if any(mine[d] > base[d] for d in base):
+        return False
+    ratio = sum(mine[d] / base[d] for d in base) / len(base)
+    return ratio <= 1 - MIN_GAIN
 
 
 def as_unrepaired(model: nn.Module, fit: RunFit) -> RunFit:

@@ -12,7 +12,7 @@ import torch
 from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import drop_layers
 from lorp.repair.capture import capture_repair_stats
-from lorp.repair.domain_gate import as_unrepaired, domain_losses, gate_repair
+from lorp.repair.domain_gate import MIN_GAIN, as_unrepaired, domain_losses, gate_repair, passes
 from lorp.repair.fit import fit_runs
 from lorp.repair.fold import fold
 from tests.helpers.repair_runs import LAYERS, RUNS, batches
@@ -47,7 +47,7 @@ def test_a_candidate_worse_on_one_domain_is_passed_over(family: str) -> None:
     wild = next(scaled(k) for k in (-1.0, -3.0, 5.0, 20.0, 0.0) if worse(scaled(k)))
     gate = gate_repair(model, LAYERS, [("wild", wild), ("fitted", fits)], held)
     assert any(gate.losses["wild"][d] > base[d] for d in held)
-    if all(fitted[d] <= base[d] for d in held):
+    if passes(fitted, base):
         assert gate.kept == "fitted" and gate.fits == fits
     else:
         assert gate.kept == "unrepaired"
@@ -66,3 +66,13 @@ def test_a_candidate_worse_on_one_domain_is_passed_over(family: str) -> None:
     fold(folded, gate.fits)
     assert all(torch.equal(v, folded.state_dict()[k]) for k, v in model.state_dict().items())
     assert as_unrepaired(model, fits[0]).distilled is None
+
+
+def test_a_gain_within_the_noise_or_a_loss_anywhere_does_not_pass() -> None:
+    base = {"prose": 4.0, "code": 2.0}
+    assert passes({"prose": 3.8, "code": 1.9}, base)  # 5% on both
+    assert not passes({"prose": 3.99, "code": 1.999}, base)  # 0.15%: within the noise
+    assert not passes({"prose": 3.0, "code": 2.001}, base)  # costs code, however it helps prose
+    edge = 1 - MIN_GAIN
+    assert passes({"prose": 4.0 * edge, "code": 2.0 * edge}, base)
+    assert passes({"prose": 4.0 * (1 - 2 * MIN_GAIN), "code": 2.0}, base)  # prose only
