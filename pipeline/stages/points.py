@@ -177,7 +177,6 @@ def _gate(task: PointTask, model: Any, candidates: list[tuple[str, list[Any]]]) 
     """The maps the point keeps: the first candidate (best first) whose held-out loss is
     no worse than the unrepaired variant's on any domain (`lorp.repair.domain_gate`); its
     record rides on the first run's."""
-    import torch
 
     from lorp.repair.domain_gate import gate_repair
 
@@ -186,13 +185,20 @@ def _gate(task: PointTask, model: Any, candidates: list[tuple[str, list[Any]]]) 
     if rt.windows is None or not rt.gate:  # the job keeps its maps as validated
         return candidates[0][1]
     fw: FollowerWindows = ray.get(rt.windows)
-    held = {d: torch.from_numpy(w).long() for d, w in fw.held_by_domain().items()}
-    gate = gate_repair(model, task.layers, candidates, held, fw.batch_size)
+    gate = gate_repair(model, task.layers, candidates, _held(fw), fw.batch_size)
     log.info("%s %s: repair gate kept %s", task.model.label, task.name, gate.kept)
     fits = list(gate.fits)
     if fits:
         fits[0] = dataclasses.replace(fits[0], gate=gate.record())
     return fits
+
+
+def _held(fw: FollowerWindows) -> dict[str, Any]:
+    """Domain -> its held-out windows as token tensors: what the followers, distillation
+    and the gate each judge on per domain."""
+    import torch
+
+    return {d: torch.from_numpy(w).long() for d, w in fw.held_by_domain().items()}
 
 
 def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
@@ -207,7 +213,7 @@ def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
     fw: FollowerWindows = ray.get(rt.windows)
     return fit_followers(
         model, fits, task.layers, torch.from_numpy(fw.windows).long(),
-        torch.from_numpy(fw.held).long(), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
+        _held(fw), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
         batch_size=fw.batch_size, skip_prefix=fw.skip_prefix,
     )  # fmt: skip
 
@@ -224,7 +230,7 @@ def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
     fw: FollowerWindows = ray.get(rt.windows)
     return distill_fits(
         model, fits, task.layers, torch.from_numpy(fw.windows).long(),
-        torch.from_numpy(fw.held).long(), epochs=rt.distill, lr=rt.distill_lr,
+        _held(fw), epochs=rt.distill, lr=rt.distill_lr,
         batch_size=min(fw.batch_size, DEFAULT_BATCH),
         say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
     )  # fmt: skip
