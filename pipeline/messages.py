@@ -108,10 +108,9 @@ class FollowerWindows:
 
     def held_by_domain(self) -> dict[str, np.ndarray]:
         """Domain -> its held-out windows (one domain, "", when none are named)."""
-        if not self.held_domains:
-            return {"": self.held}
-        labels = np.array(self.held_domains)
-        return {d: self.held[labels == d] for d in dict.fromkeys(self.held_domains)}
+        from lorp.data.windows import by_label
+
+        return by_label(self.held, self.held_domains) if self.held_domains else {"": self.held}
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,9 @@ def window_offsets(
         return np.array(list(zip(docs, starts, strict=True)), dtype=np.int64).reshape(-1, 2)
     taken = [tuple(int(x) for x in row) for row in np.asarray(avoid).reshape(-1, 2)]
     out: list[tuple[int, int]] = []
+    p = room / room.sum()
     for _ in range(100 * n_samples):
-        d = int(rng.choice(eligible, p=room / room.sum()))
+        d = int(rng.choice(eligible, p=p))
         start = int(rng.integers(0, lengths[d] - seq_len + 1))
         if all(d != e or abs(start - s) >= seq_len for e, s in taken):
             out.append((d, start))
@@ -127,6 +128,13 @@ def interleave(blocks: list[torch.Tensor], seed: int) -> tuple[torch.Tensor, np.
     source = np.concatenate([np.full(len(b), i) for i, b in enumerate(blocks)])
     order = np.random.default_rng(seed).permutation(len(windows))
     return windows[torch.from_numpy(order)], source[order]
+
+
+def by_label(windows: np.ndarray, labels: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Label -> the windows [n, T] carrying it (`labels`: one per window), labels in the
+    order first met."""
+    mine = np.array(labels)
+    return {label: windows[mine == label] for label in dict.fromkeys(labels)}
 
 
 def eval_windows(

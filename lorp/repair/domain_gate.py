@@ -26,7 +26,7 @@ from torch import nn
 from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import blocks_dropped
 from lorp.repair.fold import applied_by_hooks
-from lorp.repair.maps import RunFit, unrepaired_map
+from lorp.repair.maps import RunFit, unrepaired_map, unrepaired_matrices
 
 UNREPAIRED = "unrepaired"
 MIN_GAIN = 0.005
@@ -107,11 +107,7 @@ def passes(mine: Mapping[str, float], base: Mapping[str, float]) -> bool:
 def as_unrepaired(model: nn.Module, fit: RunFit) -> RunFit:
     """`fit` with the map the pruned model applies already (T0): folding it changes no
     weight, and the record says `kept: unrepaired`."""
-    T0 = unrepaired_map(model, fit.run, fit.form)
-    if fit.form == "full":
-        matrix, scale = T0, None
-    else:
-        matrix, scale = torch.eye(T0.shape[0], dtype=T0.dtype), torch.diagonal(T0).clone()
+    matrix, scale = unrepaired_matrices(unrepaired_map(model, fit.run, fit.form), fit.form)
     held = fit.held_unrepaired if fit.held_residual is not None else None
     return replace(
         fit, matrix=matrix, scale=scale, kept=UNREPAIRED, distilled=None,

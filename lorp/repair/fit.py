@@ -43,6 +43,7 @@ from lorp.repair.maps import (
     residual_of,
     tied_embeddings,
     unrepaired_map,
+    unrepaired_matrices,
 )
 from lorp.repair.normed import fit_normed
 from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs
@@ -167,9 +168,7 @@ def validated(
     signal = [d for d, h in held.items() if h[2] > 0]  # a domain the blocks changed
     if not signal or any(not per_domain[d] < base[d] for d in signal):
         kept = "unrepaired"
-        d = T0.shape[0]
-        eye = torch.eye(d, dtype=T0.dtype, device=T0.device)
-        matrix, scale = (T0, None) if form == "full" else (eye, torch.diagonal(T0).clone())
+        matrix, scale = unrepaired_matrices(T0, form)
         unrepaired = residual_of(A, B, energy, T0)
         out = replace(out, matrix=matrix, scale=scale, residual=unrepaired)
         per_domain = dict(base)

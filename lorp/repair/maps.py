@@ -144,6 +144,16 @@ def unrepaired_map(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
     return torch.diag(norm.weight.detach().double().cpu() + arch.norm_offset)
 
 
+def unrepaired_matrices(T0: torch.Tensor, form: Form) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(matrix, scale) of a fit that applies T0, the map the pruned model applies already:
+    T0 itself (full), or the identity and T0's diagonal (normed). Folding it changes no
+    weight."""
+    if form == "full":
+        return T0, None
+    eye = torch.eye(T0.shape[0], dtype=T0.dtype, device=T0.device)
+    return eye, torch.diagonal(T0).clone()
+
+
 def regularised(A: torch.Tensor, B: torch.Tensor, T0: torch.Tensor, ridge: float):  # type: ignore[no-untyped-def]
     """A + lambda I, B + lambda T0 and lambda: the ridge towards T0 as plain least squares."""
     d = A.shape[0]

@@ -23,6 +23,7 @@ import torch
 from lorp.atomic import atomic_file
 from lorp.data.corpora import Corpus, tokenize_documents
 from lorp.data.windows import (
+    by_label,
     calibration_fingerprint,
     calibration_windows,
     cut,
@@ -128,9 +129,7 @@ class HeldOutWindows:
 
     def by_domain(self) -> dict[str, np.ndarray]:
         """Domain -> its windows, domains in the order first met."""
-        order = list(dict.fromkeys(self.domains))
-        labels = np.array(self.domains)
-        return {d: self.windows[labels == d] for d in order}
+        return by_label(self.windows, self.domains)
 
 
 def heldout_windows(
