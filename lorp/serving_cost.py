@@ -20,6 +20,11 @@ which blocks it keeps:
   tokens: every weight once (of an untied input embedding only the token's row) and
   the whole KV cache.
 
+A sub-layer variant (`lorp.models.sublayers`) keeps every block but not every block's
+attention or MLP: `kept` then names the blocks that keep their attention (the ones with
+a KV cache and attention scores) and `kept_mlp` those that keep their MLP; without
+`kept_mlp` a block keeps both or neither.
+
 The predicted speed-ups are dense over variant: prefill when compute-bound, decode when
 memory-bound. They are predictions; what a machine measures is in the speed columns.
 """
@@ -39,17 +44,22 @@ def mean_context(seq_len: int, window: int | None) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 
-def prefill_flops_per_token(shape: ModelShape, kept: Sequence[int], seq_len: int) -> float:
-    """Matmul FLOPs per token of a causal prefill of `seq_len` tokens (module docstring)."""
+def prefill_flops_per_token(
+    shape: ModelShape, kept: Sequence[int], seq_len: int, kept_mlp: Sequence[int] | None = None
+) -> float:
+    """Matmul FLOPs per token of a causal prefill of `seq_len` tokens (module docstring);
+    `kept`: the blocks keeping their attention, `kept_mlp` their MLP (default: `kept`)."""
     scores = 2 * 2 * shape.heads * shape.head_dim  # q.k and the weighted v, per key
-    blocks = sum(
-        2 * shape.block_matmul_weights + scores * mean_context(seq_len, shape.windows[b])
+    attention = sum(
+        2 * shape.attention_matmul_weights + scores * mean_context(seq_len, shape.windows[b])
         for b in kept
     )
-    return blocks + 2 * shape.hidden * shape.vocab / seq_len  # the head: last position only
+    mlp = 2 * shape.mlp_matmul_weights * len(kept if kept_mlp is None else kept_mlp)
+    return attention + mlp + 2 * shape.hidden * shape.vocab / seq_len  # the head: last only
 
 
 def kv_bytes_per_token(shape: ModelShape, kept: Sequence[int], dtype_bytes: int) -> int:
+    """K and V of one token in every block of `kept` (the blocks that keep attention)."""
     return len(kept) * 2 * shape.kv_heads * shape.head_dim * dtype_bytes
 
 
@@ -70,13 +80,15 @@ def cost_columns(
     params_dense: int,
     dtype: str,
     seq_len: int,
+    kept_mlp: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """The catalog's cost columns of a variant keeping `kept` blocks (`params` of its
     dense model's `params_dense`), served in `dtype`, prefill and decode context
-    `seq_len`; the predicted speed-ups are dense over this variant."""
+    `seq_len`; the predicted speed-ups are dense over this variant. A sub-layer variant:
+    `kept` keep their attention, `kept_mlp` their MLP."""
     b = DTYPES[dtype].itemsize  # the same names a model spec's `dtype` takes
     dense = range(shape.n_blocks)
-    flops = prefill_flops_per_token(shape, kept, seq_len)
+    flops = prefill_flops_per_token(shape, kept, seq_len, kept_mlp)
     decode = decode_bytes_per_token(shape, kept, params, b, seq_len)
     return {
         "weight_bytes": float(params * b),

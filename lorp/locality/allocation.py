@@ -101,13 +101,19 @@ def allocate_detailed(
     budget: int,
     variant: Variant = "paper",
     stage1: bool = True,
+    eligible: Sequence[int] | None = None,
 ) -> Allocation:
-    """`allocate`, keeping r(l), the pick order and the stage each block came from."""
-    S, lab = _validate(S, labels, budget, variant)
-    n = S.shape[0]
+    """`allocate`, keeping r(l), the pick order and the stage each block came from.
+
+    `eligible`: the layers the budget may take (default: all but the first and last).
+    Sub-layer LoRP clusters all 2N units and spends an attention-only budget on the
+    attention units (`lorp.methods.sublayer_selection`)."""
+    n_all = np.asarray(S).shape[0]
+    pool = sorted({int(i) for i in (range(1, n_all - 1) if eligible is None else eligible)})
+    S, lab = _validate(S, labels, budget, variant, pool)
     r = redundancy_scores(S, lab)
     members = [np.flatnonzero(lab == k).tolist() for k in range(int(lab.max()) + 1)]
-    eligible = set(range(1, n - 1))
+    eligible = set(pool)
     pruned: list[int] = []
     stages: dict[int, str] = {}
 
@@ -162,8 +168,9 @@ def allocate_detailed(
 
 
 def _validate(
-    S: np.ndarray, labels: Sequence[int] | np.ndarray, budget: int, variant: str
-) -> tuple[np.ndarray, np.ndarray]:
+    S: np.ndarray, labels: Sequence[int] | np.ndarray, budget: int, variant: str,
+    pool: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     S = np.asarray(S, dtype=np.float64)
     check_similarity_matrix(S)
     n = S.shape[0]
@@ -174,12 +181,16 @@ def _validate(
         raise ValueError(f"labels must be non-negative integers, got {lab.tolist()}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
-    eligible = max(n - 2, 0)
+    if any(not 0 <= i < n for i in pool):
+        raise ValueError(f"eligible layers must be in [0, {n - 1}], got {list(pool)}")
+    eligible = len(pool)
     if isinstance(budget, bool) or not isinstance(budget, int | np.integer):
         raise ValueError(f"budget must be an integer, got {budget!r}")
     if not 1 <= budget <= eligible:
-        raise ValueError(
-            f"budget must be in [1, {eligible}] (N={n} blocks less the 2 boundary blocks), "
-            f"got {budget}"
-        )
+        if eligible == max(n - 2, 0) and list(pool) == list(range(1, n - 1)):
+            raise ValueError(
+                f"budget must be in [1, {eligible}] (N={n} blocks less the 2 boundary blocks), "
+                f"got {budget}"
+            )
+        raise ValueError(f"budget must be in [1, {eligible}] (the eligible layers), got {budget}")
     return S, reindex_by_depth(lab)

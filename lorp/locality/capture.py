@@ -11,6 +11,11 @@ N + 1 states (float64, a few KB), for the last-token statistics of the angular-d
 method. With a BOS prepended to every window, `skip_prefix=1` keeps its position out of S
 (the BOS state is an attention sink with a norm far above the text's); the last token is
 recorded regardless.
+
+`sublayers=True` records the 2N + 1 sub-layer boundaries instead (`lorp.models.sublayers`):
+block i's input as state 2i, and the stream between its attention and its MLP (its input
+plus what its attention site adds) as state 2i + 1, so S is (2N + 1) x (2N + 1) over 2N
+units, and its even rows and columns are the block S of the same tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from tqdm.auto import tqdm
 
 from lorp.locality.similarity import normalize_states, token_selection
 from lorp.locality.similarity_stats import SimilarityStats
-from lorp.models.architectures import decoder_blocks, decoder_stack
+from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
 from lorp.models.streaming import device_of
+from lorp.models.sublayers import attention_site
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,48 @@ class _Recorder:
         self.last_buf[index] = last
 
 
+def _hook_states(
+    blocks: nn.ModuleList, rec: _Recorder, sublayers: bool, post_attn: str | None
+) -> list[Any]:
+    """Hooks storing every state `rec` records: each block's input (state i, or 2i with
+    `sublayers`, which adds its input plus what its attention site adds as 2i + 1) and
+    the last block's output, which stops the forward."""
+    n, step = len(blocks), 2 if sublayers else 1
+    block_input: list[torch.Tensor] = []  # sublayers: the current block's input
+
+    def pre_hook(index: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            rec.store(step * index, x)
+            block_input[:] = [x]
+
+        return hook
+
+    def attention_hook(index: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            added = output[0] if isinstance(output, tuple | list) else output
+            rec.store(2 * index + 1, block_input[0] + added)
+
+        return hook
+
+    def last_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        block_input.clear()
+        rec.store(step * n, output[0] if isinstance(output, tuple | list) else output)
+        raise _StopForward
+
+    handles = [
+        block.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
+        for i, block in enumerate(blocks)
+    ]
+    if sublayers:
+        handles += [
+            attention_site(block, post_attn).register_forward_hook(attention_hook(i))
+            for i, block in enumerate(blocks)
+        ]
+    handles.append(blocks[n - 1].register_forward_hook(last_hook, with_kwargs=True))
+    return handles
+
+
 def capture_stats(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -86,6 +134,7 @@ def capture_stats(
     progress: bool = True,
     total: int | None = None,
     skip_prefix: int = 0,
+    sublayers: bool = False,
 ) -> SimilarityStats:
     """Run `batches` (token tensors [B, T], or dicts with input_ids and attention_mask)
     through the decoder stack of `model` and return the similarity statistics.
@@ -93,35 +142,23 @@ def capture_stats(
     The model's dtype and device are the caller's (fp32 on CPU, bf16 on GPU);
     normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded;
     so are the first `skip_prefix` real tokens of each sequence (1 for BOS windows,
-    `lorp.data.windows.prepend_bos`), from S only.
+    `lorp.data.windows.prepend_bos`), from S only. `sublayers`: the 2N + 1 sub-layer
+    boundaries instead of the N + 1 block boundaries (module docstring).
     """
     blocks = decoder_blocks(model)
     stack = decoder_stack(model)
     n = len(blocks)
     device = device_of(model)
+    step = 2 if sublayers else 1  # the state index of block i's input: step * i
     stats = SimilarityStats(
-        n,
+        step * n,
         model_fingerprint=model_fingerprint,
         calibration_fingerprint=calibration_fingerprint,
         extra=extra,
     )
-    rec = _Recorder(n + 1, skip_prefix)
-
-    def pre_hook(index: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            rec.store(index, args[0] if args else kwargs["hidden_states"])
-
-        return hook
-
-    def last_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        rec.store(n, output[0] if isinstance(output, tuple | list) else output)
-        raise _StopForward
-
-    handles = [
-        block.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
-        for i, block in enumerate(blocks)
-    ]
-    handles.append(blocks[n - 1].register_forward_hook(last_hook, with_kwargs=True))
+    rec = _Recorder(step * n + 1, skip_prefix)
+    post_attn = architecture_of(model).post_attn_norm if sublayers else None
+    handles = _hook_states(blocks, rec, sublayers, post_attn)
     start = time.perf_counter()
     try:
         with torch.inference_mode():

@@ -107,7 +107,7 @@ def explain(
     options = {"variant": variant, "k": k, "thresholds": thresholds, "ks": ks, "seed": seed}
     check_lorp_options(options, S.shape[0])
     n_budget = resolve_budget(budget, similarity.n_blocks)
-    score, chosen_k, labels = _clusters(S, k, thresholds, ks, int(seed), profile)
+    score, chosen_k, labels = cluster_labels(S, k, thresholds, ks, int(seed), profile)
     alloc = allocate_detailed(S, labels, n_budget, variant=variant, stage1=stage1)
     return LorpExplanation(
         rls=score,
@@ -123,7 +123,7 @@ def explain(
     )
 
 
-def _clusters(
+def cluster_labels(
     S: np.ndarray,
     k: int | None,
     thresholds: Sequence[float],
@@ -202,4 +202,12 @@ lorp_stage2 = register_method("lorp-stage2", check=check_lorp_options)(
 )
 
 
-__all__ = ["STAGE1", "LorpExplanation", "check_lorp_options", "explain", "lorp", "lorp_stage2"]
+__all__ = [
+    "STAGE1",
+    "LorpExplanation",
+    "check_lorp_options",
+    "cluster_labels",
+    "explain",
+    "lorp",
+    "lorp_stage2",
+]

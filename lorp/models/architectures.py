@@ -30,7 +30,14 @@ class Architecture:
     # `down_proj`), and the constant its weight is offset by (Gemma scales by 1 + w).
     post_mlp_norm: str | None = None
     norm_offset: float = 0.0
+    # Sub-layer pruning (`lorp.models.sublayers`): the RMSNorm a block applies to its
+    # attention output before the residual add (None: `self_attn`'s output is added as
+    # it is, so a map folds into `o_proj`). Llama's `post_attention_layernorm` is the
+    # MLP's input norm, not this.
+    post_attn_norm: str | None = None
 
+
+_POST_MLP, _POST_ATTN = "post_feedforward_layernorm", "post_attention_layernorm"
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("Llama"),
@@ -39,13 +46,23 @@ ARCHITECTURES: dict[str, Architecture] = {
     # attention blocks at the bottom, from which transformers rebuilds layer_types.
     "qwen2": Architecture("Qwen2", ("layer_types",), ("max_window_layers",)),
     "qwen3": Architecture("Qwen3", ("layer_types",), ("max_window_layers",)),
-    "olmo2": Architecture("OLMo2", post_mlp_norm="post_feedforward_layernorm"),
-    "olmo3": Architecture("OLMo3", ("layer_types",), post_mlp_norm="post_feedforward_layernorm"),
+    "olmo2": Architecture("OLMo2", post_mlp_norm=_POST_MLP, post_attn_norm=_POST_ATTN),
+    "olmo3": Architecture(
+        "OLMo3", ("layer_types",), post_mlp_norm=_POST_MLP, post_attn_norm=_POST_ATTN
+    ),
     "gemma2": Architecture(
-        "Gemma2", ("layer_types",), post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0
+        "Gemma2",
+        ("layer_types",),
+        post_mlp_norm=_POST_MLP,
+        norm_offset=1.0,
+        post_attn_norm=_POST_ATTN,
     ),
     "gemma3_text": Architecture(
-        "Gemma3", ("layer_types",), post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0
+        "Gemma3",
+        ("layer_types",),
+        post_mlp_norm=_POST_MLP,
+        norm_offset=1.0,
+        post_attn_norm=_POST_ATTN,
     ),
     "phi3": Architecture("Phi3"),
 }

@@ -44,11 +44,20 @@ class ModelShape:
         )
 
     @property
+    def attention_matmul_weights(self) -> int:
+        """Weights one token multiplies through in a block's attention: q, k, v and o."""
+        d, hd = self.hidden, self.head_dim
+        return d * self.heads * hd * 2 + d * self.kv_heads * hd * 2
+
+    @property
+    def mlp_matmul_weights(self) -> int:
+        """Weights one token multiplies through in a block's gated MLP."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
     def block_matmul_weights(self) -> int:
         """Weights one token multiplies through in a block: q, k, v, o and the gated MLP."""
-        d, hd = self.hidden, self.head_dim
-        attention = d * self.heads * hd * 2 + d * self.kv_heads * hd * 2
-        return attention + 3 * d * self.intermediate
+        return self.attention_matmul_weights + self.mlp_matmul_weights
 
 
 def _windows(config: Mapping[str, Any], n: int) -> tuple[int | None, ...]:

@@ -101,7 +101,7 @@ def fit_runs(
         A, B = stats.gram[run[0]].double(), stats.cross[run].double()
         T0 = unrepaired_map(model, run, form).to(A.device)
         if not stats.held_domains:
-            fits.append(_fit(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
+            fits.append(fit_form(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
             continue
         held = {d: held_sums(h, run, A.device) for d, h in stats.held_domains.items()}
         fits.append(
@@ -117,7 +117,7 @@ def held_sums(held: RepairStats, run: Run, device: torch.device):  # type: ignor
     return A, B, held.energy[run]
 
 
-def _fit(
+def fit_form(
     form: Form, A: torch.Tensor, B: torch.Tensor, energy: float, T0: torch.Tensor,
     ridge: float, run: Run, rounds: int,
 ) -> RunFit:  # fmt: skip
@@ -161,7 +161,7 @@ def validated(
         out = best
     else:  # the candidate goes before the normed fit's own matrices come
         del best
-        out = _fit(form, A, B, energy, T0, chosen, run, rounds)
+        out = fit_form(form, A, B, energy, T0, chosen, run, rounds)
     T = out.matrix if out.scale is None else out.matrix * out.scale
     per_domain = {d: residual_of(*h, T) for d, h in held.items()}
     kept = "fit"

@@ -77,3 +77,20 @@ def test_half_precision_halves_every_byte_count(dtype: str) -> None:
     half = cost_columns(shape, [0, 3], PARAMS, PARAMS_DENSE, dtype, 48)
     assert half["weight_bytes"] == PARAMS * 2 and half["kv_bytes_per_token"] == KV / 2
     assert half["decode_bytes_per_token"] == DECODE / 2
+
+
+def test_sub_layers_cost_what_the_hand_count_says() -> None:
+    """Attention removed from blocks 1 and 2, the MLP from block 3: 2 blocks keep a KV
+    cache, 2 attentions and 3 MLPs multiply."""
+    shape = ModelShape.from_config(CONFIG.to_dict())
+    params = PARAMS_DENSE - 2 * 12_288 - 24_576
+    got = cost_columns(shape, [0, 3], params, PARAMS_DENSE, "float32", 48, kept_mlp=[0, 1, 2])
+    assert got["kv_bytes_per_token"] == 2 * 256
+    flops = 2 * (2 * 12_288 + 6_272) + 3 * 2 * 24_576 + 65_536 / 48
+    assert got["prefill_flops_per_token"] == pytest.approx(flops)
+    assert got["decode_bytes_per_token"] == (params - 32_704) * 4 + 48 * 2 * 256
+    assert got["predicted_decode_speedup"] == pytest.approx(
+        DECODE_DENSE / ((params - 32_704) * 4 + 48 * 2 * 256)
+    )
+    whole = cost_columns(shape, [0, 3], PARAMS, PARAMS_DENSE, "float32", 48, kept_mlp=[0, 3])
+    assert whole["prefill_flops_per_token"] == pytest.approx(FLOPS)  # both halves: a block

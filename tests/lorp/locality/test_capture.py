@@ -103,3 +103,32 @@ def test_capture_names_the_layer_on_overflow() -> None:
         model.model.layers[3].mlp.down_proj.weight.fill_(float("inf"))
     with pytest.raises(NonFiniteActivationError, match="layer 4 \\(the input of block 4\\)"):
         capture_stats(model, [batch()["input_ids"]], progress=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "olmo2"])
+def test_sublayer_capture_equals_brute_force(family: str) -> None:
+    """Boundary 2i + 1 is block i's output with its MLP removed (transformers' own
+    hidden states of that model); the even boundaries are the block capture's."""
+    from lorp.methods.sublayer_selection import block_similarity
+    from lorp.models.sublayers import sublayers_removed
+
+    model = tiny_model(family)
+    batches = [batch(0), batch(1)]
+    stats = capture_stats(model, batches, progress=False, sublayers=True)
+    assert stats.n_blocks == 2 * N_BLOCKS
+    blocks = np.concatenate([independent_states(model, b) for b in batches], axis=1)
+    mid = []
+    for i in range(N_BLOCKS):
+        with sublayers_removed(model, [2 * i + 1]):
+            mid.append(np.concatenate([independent_states(model, b)[i + 1] for b in batches]))
+    states = np.empty((2 * N_BLOCKS + 1, *blocks.shape[1:]))
+    states[0::2], states[1::2] = blocks, np.stack(mid)
+    states = states.reshape(2 * N_BLOCKS + 1, -1, states.shape[-1])
+    mask = torch.cat([b["attention_mask"] for b in batches]).reshape(-1).numpy().astype(bool)
+    np.testing.assert_allclose(
+        stats.matrix(include_output=True), brute_force_S(states, mask), rtol=1e-5, atol=1e-5
+    )
+    whole = capture_stats(model, batches, progress=False).similarity()
+    halves = block_similarity(stats.similarity())
+    np.testing.assert_allclose(halves.matrix, whole.matrix, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(halves.last_token, whole.last_token, rtol=1e-6, atol=1e-6)

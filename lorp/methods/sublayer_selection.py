@@ -1,0 +1,149 @@
+"""Selecting sub-layers: the methods at attention, MLP and mixed granularity.
+
+All of them read one S over the 2N + 1 sub-layer boundaries
+(`lorp.locality.capture.capture_stats(sublayers=True)`), whose unit u maps boundary u to
+boundary u + 1 (`lorp.models.sublayers`). A budget counts units of the granularity; the
+first and last block's units are never candidates, as for whole blocks.
+
+- ``shortgpt``: ShortGPT's Block Influence per sub-layer, 1 - S[u, u + 1], the criterion
+  LLM-Drop applies to attention and MLP layers; the lowest go (ties: lower unit).
+- ``lorp``: LoRP on the 2N units (the paper's Sec. 4 with sub-layers for blocks): RLS of
+  the unit S picks K, spectral clustering partitions all 2N units, and the two-stage
+  allocation spends the budget on the granularity's units only, so an attention-only
+  budget still sees which MLPs cluster with which attentions.
+
+``block`` granularity runs any registered method on the block S (the even boundaries) and
+returns the units of the blocks it chose, so every granularity is compared on the same
+calibration pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lorp.locality.allocation import VARIANTS, allocate_detailed
+from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
+from lorp.locality.similarity import LayerSimilarity
+from lorp.methods.lorp_method import cluster_labels
+from lorp.methods.registry import Selection, select_layers
+from lorp.models.sublayers import (
+    block_units,
+    budget_limit,
+    candidate_units,
+    check_granularity,
+    unit_label,
+)
+
+SUBLAYER_METHODS = ("lorp", "shortgpt")
+"""The methods with a sub-layer form; any registered method runs at `block` granularity."""
+
+
+def check_sublayer_method(method: str, granularity: str, field: str = "method") -> None:
+    """One line naming the method when it has no form at `granularity`."""
+    check_granularity(granularity)
+    if granularity != "block" and method not in SUBLAYER_METHODS:
+        raise ValueError(
+            f"{field}: {method!r} has no sub-layer form (granularity {granularity!r} takes "
+            f"{', '.join(SUBLAYER_METHODS)})"
+        )
+
+
+def check_unit_budget(budget: int, granularity: str, n_blocks: int) -> int:
+    limit = budget_limit(granularity, n_blocks)
+    if isinstance(budget, bool) or not isinstance(budget, int | np.integer):
+        raise ValueError(f"budget: must be an integer, got {budget!r}")
+    if not 1 <= budget <= limit:
+        raise ValueError(
+            f"budget: {budget} {granularity} units, but a {n_blocks}-block model has {limit} "
+            "to remove (its first and last blocks stay)"
+        )
+    return int(budget)
+
+
+def eligible_units(granularity: str, n_blocks: int) -> list[int]:
+    return [u for u in candidate_units(granularity, n_blocks) if 0 < u // 2 < n_blocks - 1]
+
+
+def select_units(
+    similarity: LayerSimilarity,
+    budget: int,
+    granularity: str,
+    method: str,
+    **options: Any,
+) -> Selection:
+    """The units (`lorp.models.sublayers`) `method` removes at `granularity` for `budget`
+    units of it, from a sub-layer S (2N units). `Selection.layers` are units, its
+    `n_blocks` 2N, its details name the granularity and the units' labels."""
+    check_sublayer_method(method, granularity)
+    if similarity.n_blocks % 2:
+        raise ValueError("select_units needs the sub-layer S (capture_stats(sublayers=True))")
+    n_blocks = similarity.n_blocks // 2
+    check_unit_budget(budget, granularity, n_blocks)
+    if granularity == "block":
+        chosen = select_layers(block_similarity(similarity), budget, method, **options)
+        units = tuple(block_units(chosen.layers))
+        details: dict[str, Any] = {"blocks": list(chosen.layers), **dict(chosen.details)}
+    elif method == "shortgpt":
+        units, details = _shortgpt(similarity, budget, granularity)
+    else:
+        units, details = _lorp(similarity, budget, granularity, **options)
+    details = {"granularity": granularity, "sublayers": [unit_label(u) for u in units], **details}
+    return Selection(
+        layers=tuple(units), method=method, budget=int(budget), n_blocks=similarity.n_blocks,
+        options=dict(options), details=details,
+    )  # fmt: skip
+
+
+def block_similarity(units: LayerSimilarity) -> LayerSimilarity:
+    """The block S of a sub-layer S: its even boundaries are the blocks' inputs (and the
+    last block's output), so one capture serves every granularity."""
+    if units.n_blocks % 2:
+        raise ValueError(f"a sub-layer S has an even number of units, got {units.n_blocks}")
+    pick = lambda m: None if m is None else np.ascontiguousarray(m[::2, ::2])  # noqa: E731
+    return LayerSimilarity(
+        pick(units.matrix), units.n_blocks // 2, pick(units.last_token),
+        pick(units.last_token_angular),
+    )  # fmt: skip
+
+
+def sublayer_influence(similarity: LayerSimilarity) -> np.ndarray:
+    """1 - cos(input, output) of every unit, token-averaged: S[u, u + 1]."""
+    if not similarity.has_output:
+        raise ValueError("sub-layer ShortGPT needs the last block's output state")
+    S = similarity.matrix
+    return 1.0 - np.array([S[u, u + 1] for u in range(similarity.n_blocks)])
+
+
+def _shortgpt(
+    similarity: LayerSimilarity, budget: int, granularity: str
+) -> tuple[tuple[int, ...], dict[str, Any]]:
+    bi = sublayer_influence(similarity)
+    pool = eligible_units(granularity, similarity.n_blocks // 2)
+    order = sorted(pool, key=lambda u: (bi[u], u))
+    return tuple(sorted(order[:budget])), {"influence": bi.tolist(), "candidates": pool}
+
+
+def _lorp(
+    similarity: LayerSimilarity,
+    budget: int,
+    granularity: str,
+    *,
+    variant: str = "paper",
+    k: int | None = None,
+    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    ks: Sequence[int] = DEFAULT_KS,
+    seed: int = 0,
+) -> tuple[tuple[int, ...], dict[str, Any]]:
+    if variant not in VARIANTS:
+        raise ValueError(f"option 'variant': must be one of {list(VARIANTS)}, got {variant!r}")
+    S = similarity.blocks  # the 2N unit inputs
+    score, chosen_k, labels = cluster_labels(S, k, thresholds, ks, int(seed), None)
+    pool = eligible_units(granularity, similarity.n_blocks // 2)
+    alloc = allocate_detailed(S, labels, budget, variant=variant, eligible=pool)  # type: ignore[arg-type]
+    return alloc.layers, {
+        "rls": score, "k": chosen_k, "labels": [int(x) for x in alloc.labels],
+        "order": list(alloc.order), "stages": {str(u): s for u, s in alloc.stages.items()},
+    }  # fmt: skip

@@ -1,0 +1,279 @@
+"""The linear repair of removed sub-layers: the block repair with units for blocks.
+
+Removing units s..e (a run of consecutive sub-layers, `lorp.models.sublayers`) leaves
+boundary s at Y + M, M being what unit s-1 adds to the residual stream; the dense model
+had boundary e + 1 there. As for blocks (`lorp.repair.stats`), M is replaced by X T with
+T fitted in closed form from the same mergeable sums, in a `RepairStats` over the 2N
+units, so fitting, validation on held-out windows (`lorp.repair.fit.validated`) and the
+record are the block repair's. Only the site differs:
+
+- unit s-1 an MLP: the map folds into that block's `down_proj` (its post-MLP norm's weight
+  too for a `normed` family), as for a block run;
+- unit s-1 an attention: into that block's `o_proj` (W <- T^T W, a bias b <- b T), or for a
+  family with a post-attention norm (Gemma 2/3, OLMo 2/3) the orthogonal map into `o_proj`
+  and the diagonal into that norm: the exact fold of a `normed` run.
+
+Unit 0 (block 0's attention) is never removed (`lorp.models.sublayers.check_units`), so
+every run has a site. The repaired variant has the unrepaired one's architecture and
+parameter count: only the kept sub-layers' weights change.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lorp.locality.capture import unpack_batch
+from lorp.locality.similarity import token_selection
+from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.models.streaming import device_of
+from lorp.models.sublayers import (
+    ATTENTION,
+    attention_site,
+    check_units,
+    remove_sublayers,
+    unit_site,
+)
+from lorp.repair.fit import fit_form, validated
+from lorp.repair.fold import folded_down_bias, folded_down_weight, folded_norm_weight
+from lorp.repair.maps import DEFAULT_RIDGE, MAX_ROUNDS, RIDGES, RunFit
+from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs, mlp_site, rms_unit
+
+Batch = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def unit_runs(model: nn.Module, units: Iterable[int]) -> list[Run]:
+    """The maximal runs of consecutive removed units, in depth order."""
+    n_units = 2 * len(decoder_blocks(model))
+    return contiguous_runs(check_units(units, n_units // 2), n_units)
+
+
+def site_norm(model: nn.Module, unit: int) -> nn.Module | None:
+    """The RMSNorm unit `unit`'s output passes before the residual add, or None."""
+    arch = architecture_of(model)
+    name = arch.post_attn_norm if unit % 2 == 0 else arch.post_mlp_norm
+    return getattr(decoder_blocks(model)[unit // 2], name) if name else None
+
+
+def unit_form(model: nn.Module, run: Run) -> Form:
+    return "normed" if site_norm(model, run[0] - 1) is not None else "full"
+
+
+def unit_T0(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
+    """What the pruned model applies to X now: I, or the site norm's scale."""
+    d = int(model.config.hidden_size)
+    if form == "full":
+        return torch.eye(d, dtype=torch.float64)
+    norm = site_norm(model, run[0] - 1)
+    assert norm is not None
+    return torch.diag(norm.weight.detach().double().cpu() + architecture_of(model).norm_offset)
+
+
+class _UnitStates:
+    """Hooks on one model recording, per batch, the block inputs (and the last block's
+    output) and the outputs of the sub-layer sites `sites` (X as well for `normed`)."""
+
+    def __init__(self, model: nn.Module, sites: Iterable[int], normed: set[int]) -> None:
+        blocks = decoder_blocks(model)
+        self.n = len(blocks)
+        self.seen: dict[Any, torch.Tensor] = {}
+        self.keep: torch.Tensor | None = None
+        self.handles = [
+            b.register_forward_pre_hook(self._block_in(i), with_kwargs=True)
+            for i, b in enumerate(blocks)
+        ]
+        self.handles.append(blocks[-1].register_forward_hook(self._block_out, with_kwargs=True))
+        for u in sorted(set(sites)):
+            site = unit_site(model, u, blocks)
+            self.handles.append(site.register_forward_hook(self._site(u, u in normed)))
+
+    def flat(self, x: Any) -> torch.Tensor:
+        x = x[0] if isinstance(x, tuple | list) else x
+        x = x.reshape(-1, x.shape[-1])
+        return x if self.keep is None else x[self.keep]
+
+    def _block_in(self, i: int):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.seen[("in", i)] = self.flat(args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def _block_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.seen[("in", self.n)] = self.flat(output)
+
+    def _site(self, unit: int, normed: bool):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.seen[("M", unit)] = self.flat(output)
+            self.seen[("X", unit)] = self.flat(rms_unit(module, args[0]) if normed else output)
+
+        return hook
+
+    def boundary(self, j: int) -> torch.Tensor:
+        """Boundary state j in float32: block j/2's input, or for odd j block (j-1)/2's
+        input plus what its attention added."""
+        if j % 2 == 0:
+            return self.seen[("in", j // 2)].float()
+        return self.seen[("in", j // 2)].float() + self.seen[("M", j - 1)].float()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def capture_unit_stats(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    runs: Sequence[Run],
+    *,
+    skip_prefix: int = 0,
+    target: nn.Module | None = None,
+) -> RepairStats:
+    """The repair sums of unit `runs` over `batches`: X, M and boundary s from `model`,
+    boundary e + 1 (what a run's map aims at) from `target` (default: `model` itself, the
+    dense model's one-pass fit). With a pruned and repaired `model` and the dense model
+    as `target`, the fit corrects what the earlier maps left (`repair_sublayers(rounds=2)`);
+    its maps then compose with the folded ones."""
+    n = len(decoder_blocks(model))
+    forms = {r: unit_form(model, r) for r in runs}
+    stats = RepairStats(2 * n, int(model.config.hidden_size), runs, forms)
+    device = device_of(model)
+    # Unit s-1's site for each start s (X and M), and the attention site of every odd
+    # boundary a run reads (M: the stream between a block's attention and its MLP).
+    starts = {r[0] - 1 for r in runs}
+    normed = {r[0] - 1 for r in runs if forms[r] == "normed"}
+    odd_s = {s - 1 for s, _ in runs if s % 2 == 1}
+    odd_e = {e for _, e in runs if (e + 1) % 2 == 1}
+    source = _UnitStates(model, starts | odd_s | (odd_e if target is None else set()), normed)
+    aim = source if target is None else _UnitStates(target, odd_e, set())
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                ids, mask = unpack_batch(batch)
+                ids, mask = ids.to(device), None if mask is None else mask.to(device)
+                keep, _ = token_selection(tuple(ids.shape), mask, skip_prefix, device)
+                for states in {id(source): source, id(aim): aim}.values():
+                    states.keep = keep
+                    states.seen.clear()
+                decoder_stack(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+                if target is not None:
+                    decoder_stack(target)(input_ids=ids, attention_mask=mask, use_cache=False)
+                features = {s: source.seen[("X", s - 1)] for s in stats.starts}
+                targets = {
+                    (s, e): aim.boundary(e + 1) - source.boundary(s)
+                    + source.seen[("M", s - 1)].float()
+                    for s, e in stats.runs
+                }  # fmt: skip
+                ends = {(s, e): aim.boundary(e + 1) for s, e in stats.runs}
+                stats.add(features, targets, ends)
+    finally:
+        source.remove()
+        if aim is not source:
+            aim.remove()
+    return stats
+
+
+def fit_unit_runs(
+    model: nn.Module,
+    stats: RepairStats,
+    *,
+    ridge: float | None = None,
+    ridges: Sequence[float] = RIDGES,
+    rounds: int = MAX_ROUNDS,
+) -> list[RunFit]:
+    """Every unit run's map, validated on `stats.held_domains` where it has them (the
+    ridge chosen on the worst domain, the map kept only if no domain is worse), as
+    `lorp.repair.fit.fit_runs` does for block runs."""
+    fits = []
+    for run in stats.runs:
+        form = stats.forms[run]
+        A, B = stats.gram[run[0]].double(), stats.cross[run].double()
+        T0 = unit_T0(model, run, form).to(A.device)
+        if not stats.held_domains:
+            fixed = ridge or DEFAULT_RIDGE
+            fits.append(fit_form(form, A, B, stats.energy[run], T0, fixed, run, rounds))
+            continue
+        held = {
+            d: (h.gram[run[0]].double(), h.cross[run].double(), h.energy[run])
+            for d, h in stats.held_domains.items()
+        }
+        tried = [ridge] if ridge is not None else list(ridges)
+        fits.append(validated(form, (A, B, stats.energy[run]), held, T0, tried, run, rounds))
+    return fits
+
+
+@torch.no_grad()
+def fold_units(model: nn.Module, fits: Sequence[RunFit]) -> None:
+    """Fold every unit fit into the dense `model`'s weights, in place: the site's output
+    projection (`o_proj` or `down_proj`) and, for a `normed` fit, its post-norm's weight."""
+    arch = architecture_of(model)
+    blocks = decoder_blocks(model)
+    for fit in fits:
+        u = fit.run[0] - 1
+        block = blocks[u // 2]
+        proj = getattr(block, ATTENTION).o_proj if u % 2 == 0 else block.mlp.down_proj
+        proj.weight.copy_(folded_down_weight(proj.weight, fit))
+        if proj.bias is not None:
+            proj.bias.copy_(folded_down_bias(proj.bias, fit))
+        if fit.form == "normed":
+            norm = (
+                attention_site(block, arch.post_attn_norm)
+                if u % 2 == 0
+                else mlp_site(block, arch.post_mlp_norm)
+            )
+            norm.weight.copy_(folded_norm_weight(norm.weight, fit, arch.norm_offset))
+
+
+def repair_sublayers(
+    model: nn.Module,
+    units: Iterable[int],
+    batches: Sequence[Batch],
+    *,
+    held: Mapping[str, Sequence[Batch]] | None = None,
+    skip_prefix: int = 0,
+    ridge: float | None = None,
+    sequential: bool = False,
+) -> list[RunFit]:
+    """Remove `units` from the dense `model` in place and fold their repair: every run's
+    map fitted on `batches`, validated on `held` (domain -> held-out batches; without
+    them `ridge` is fixed). One pass (default): every run fitted from the dense model's
+    states, one forward per batch for all of them. `sequential`: runs in depth order,
+    each fitted on the states the model pruned and repaired so far gives it, against the
+    dense model's (a copy is held meanwhile): an earlier run's leftover error is part of
+    what a later map corrects, at two forwards per run and batch."""
+    wanted = list(units)
+    runs = unit_runs(model, wanted)
+    if not sequential:
+        fits = _fit_round(model, runs, batches, held, skip_prefix, ridge, None)
+        fold_units(model, fits)
+        remove_sublayers(model, wanted)
+        return fits
+    dense = copy.deepcopy(model)
+    fits = []
+    for run in runs:
+        fit = _fit_round(model, [run], batches, held, skip_prefix, ridge, dense if fits else None)
+        fold_units(model, fit)
+        remove_sublayers(model, range(run[0], run[1] + 1))
+        fits += fit
+    return fits
+
+
+def _fit_round(
+    model: nn.Module,
+    runs: list[Run],
+    batches: Sequence[Batch],
+    held: Mapping[str, Sequence[Batch]] | None,
+    skip_prefix: int,
+    ridge: float | None,
+    target: nn.Module | None,
+) -> list[RunFit]:
+    stats = capture_unit_stats(model, batches, runs, skip_prefix=skip_prefix, target=target)
+    if held:
+        stats.held_domains = {
+            d: capture_unit_stats(model, b, runs, skip_prefix=skip_prefix, target=target)
+            for d, b in held.items()
+        }
+    return fit_unit_runs(model, stats, ridge=ridge)

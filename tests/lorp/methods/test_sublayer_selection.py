@@ -1,0 +1,82 @@
+"""Selecting sub-layers from an S over 2N + 1 boundaries: ShortGPT per unit, LoRP's
+clusters over all units with the budget spent on the granularity's, blocks from the even
+boundaries, and one-line refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lorp.locality.similarity import LayerSimilarity
+from lorp.methods import select_layers
+from lorp.methods.sublayer_selection import (
+    block_similarity,
+    check_sublayer_method,
+    select_units,
+    sublayer_influence,
+)
+from tests.helpers.similarity_matrices import chain, random_S, set_sym
+
+N = 6  # blocks: 12 units, 13 boundaries
+
+
+def unit_S() -> LayerSimilarity:
+    """A chain over 13 boundaries with three units made nearly idle: attn.2 (unit 4),
+    attn.4 (unit 8) and mlp.3 (unit 7)."""
+    S = chain(2 * N + 1, 0.7)
+    for u, value in [(4, 0.99), (8, 0.98), (7, 0.995), (0, 0.999)]:
+        set_sym(S, u, u + 1, value)
+    return LayerSimilarity(S, 2 * N)
+
+
+def test_shortgpt_per_unit_takes_the_idlest_units_of_the_granularity() -> None:
+    sim = unit_S()
+    bi = sublayer_influence(sim)
+    assert bi[7] == pytest.approx(0.005)
+    attention = select_units(sim, 2, "attention", "shortgpt")
+    assert attention.layers == (4, 8)  # attn.0 is idler still, but block 0 stays
+    assert attention.details["sublayers"] == ["attn.2", "attn.4"]
+    assert attention.n_blocks == 2 * N and attention.budget == 2
+    assert select_units(sim, 1, "mlp", "shortgpt").layers == (7,)
+    assert select_units(sim, 2, "mixed", "shortgpt").layers == (4, 7)
+
+
+def test_lorp_spends_an_attention_budget_on_attention_units_only() -> None:
+    S = random_S(2 * N + 1, seed=3)
+    sim = LayerSimilarity(S, 2 * N)
+    for granularity, parity in [("attention", 0), ("mlp", 1)]:
+        sel = select_units(sim, 3, granularity, "lorp", k=3)
+        assert len(sel.layers) == 3
+        assert all(u % 2 == parity and 0 < u // 2 < N - 1 for u in sel.layers)
+        assert len(sel.details["labels"]) == 2 * N  # clusters over every unit
+    mixed = select_units(sim, 5, "mixed", "lorp", k=3)
+    assert len(mixed.layers) == 5 and {u % 2 for u in mixed.layers} <= {0, 1}
+
+
+def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
+    sim = LayerSimilarity(random_S(2 * N + 1, seed=1), 2 * N)
+    for method in ("shortgpt", "lorp", "streamline"):
+        sel = select_units(sim, 2, "block", method)
+        blocks = select_layers(block_similarity(sim), 2, method).layers
+        assert sel.layers == tuple(u for b in blocks for u in (2 * b, 2 * b + 1))
+        assert sel.details["blocks"] == list(blocks)
+    np.testing.assert_array_equal(block_similarity(sim).matrix, sim.matrix[::2, ::2])
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: select_units(s, 5, "attention", "shortgpt"), r"budget: 5 attention units"),
+        (lambda s: select_units(s, 0, "mlp", "lorp"), "budget: 0"),
+        (lambda s: select_units(s, 2, "attention", "sleb"), "method: 'sleb' has no sub-layer"),
+        (lambda s: select_units(s, 2, "heads", "lorp"), "granularity: must be one of"),
+        (
+            lambda s: select_units(LayerSimilarity(s.matrix[:12, :12], 11), 2, "mlp", "lorp"),
+            "needs the sub-layer S",
+        ),
+    ],
+)
+def test_bad_points_are_refused_in_one_line(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        call(unit_S())
+    check_sublayer_method("sleb", "block")  # any method runs on whole blocks
