@@ -1,7 +1,11 @@
 """Run as a script: score token windows with vLLM in this fresh process.
 
 vLLM engines must start under `if __name__ == "__main__"` (they spawn workers that
-re-import the main module), so tests call this file in a subprocess.
+re-import the main module), so tests call this file in a subprocess. Besides the scores
+it reports the engine's KV cache: the space it was given (`VLLM_CPU_KVCACHE_SPACE`,
+GiB), the blocks it cut that space into and their size in tokens, and the layers it
+allocates a cache for. A checkpoint carrying its
+own modelling code (lorp's Nemotron-NAS form) is loaded with `trust_remote_code`.
 usage: python vllm_score.py MODEL_DIR WINDOWS.json OUT.json
 """
 
@@ -24,7 +28,13 @@ def score_in_subprocess(model_dir: Path, windows: list[list[int]], tmp: Path) ->
         timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return [np.array(x) for x in json.loads((tmp / "o.json").read_text())]
+    return [np.array(x) for x in json.loads((tmp / "o.json").read_text())["scores"]]
+
+
+def kv_cache(tmp: Path) -> dict:
+    """The KV cache of the engine the last `score_in_subprocess` started: `space` (bytes),
+    `blocks`, `block_size` (tokens) and `layers` (those with a cache)."""
+    return json.loads((tmp / "o.json").read_text())["kv_cache"]
 
 
 if __name__ == "__main__":
@@ -33,9 +43,22 @@ if __name__ == "__main__":
 
     model_dir, windows_file, out_file = sys.argv[1:4]
     windows = json.loads(Path(windows_file).read_text())
-    engine = make_engine(model_dir, max_model_len=max(len(w) for w in windows) + 8)
+    remote = (Path(model_dir) / "modeling_decilm.py").exists()
+    engine = make_engine(
+        model_dir, max_model_len=max(len(w) for w in windows) + 8, trust_remote_code=remote
+    )
     scores = prompt_logprobs(engine, windows)
-    Path(out_file).write_text(json.dumps([s.tolist() for s in scores]))
+    config = engine.llm_engine.vllm_config
+    kv = {
+        "space": float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30,
+        "blocks": config.cache_config.num_gpu_blocks,
+        "block_size": config.cache_config.block_size,
+        "layers": config.model_config.get_num_layers_by_block_type(
+            config.parallel_config, "attention"
+        ),
+    }
+    out = {"scores": [s.tolist() for s in scores], "kv_cache": kv}
+    Path(out_file).write_text(json.dumps(out))
     # vllm-cpu 0.32 aborts at interpreter exit more often than not ("terminate called
     # without an active exception", rc 134) once the scores are written: stop its engine
     # core (and workers) here, then leave without the interpreter's teardown.
