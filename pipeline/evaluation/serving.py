@@ -55,6 +55,14 @@ def synthetic_prompts(spec: ServingSpec, vocab_size: int, seed: int = 0) -> list
     return out
 
 
+def round_prompts(spec: ServingSpec, vocab_size: int) -> list[list[list[int]]]:
+    """The warm-up's prompts (one wave), then each timed round's. Every round has its own
+    prompts (seeded by the round): an engine's prefix cache (on by default in vLLM) must
+    not serve a round's prefills from an earlier round's."""
+    warm = synthetic_prompts(spec, vocab_size, seed=0)[: spec.concurrency]
+    return [warm, *(synthetic_prompts(spec, vocab_size, seed=1 + i) for i in range(spec.rounds))]
+
+
 def serve_round(llm: Any, spec: ServingSpec, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
     """One closed-loop round over `prompts` (see the module): its output tokens/s, and
     the medians of TTFT and TPOT over its requests (ms)."""
@@ -96,6 +104,9 @@ def _round_figures(
     ended: dict[str, tuple[float, int]],
     wall: float,
 ) -> dict[str, float]:
+    """A round's figures from its clock readings: output tokens over the round's wall
+    time; TTFT per request from its own submission to its first token; TPOT per request
+    over its n - 1 tokens after the first (a one-token request has none)."""
     tokens = sum(n for _, n in ended.values())
     ttft = [(first[r] - sent[r]) * 1000 for r in sent if r in first]
     tpot = [(end - first[r]) * 1000 / (n - 1) for r, (end, n) in ended.items() if n > 1]
@@ -111,14 +122,9 @@ def measure_serving(llm: Any, spec: ServingSpec, vocab_size: int) -> dict[str, A
     """A warm-up round, then `spec.rounds` timed rounds. Returns the row's medians
     (`serve_output_tps`, `serve_ttft_ms`, `serve_tpot_ms`) and, under `serving`, the
     settings and every round's figures."""
-    # Every round its own prompts (seeded by the round): an engine's prefix cache (on by
-    # default in vLLM) must not serve a round's prefills from an earlier round's.
-    warm = synthetic_prompts(spec, vocab_size, seed=0)[: spec.concurrency]
+    warm, *timed = round_prompts(spec, vocab_size)
     serve_round(llm, spec, warm)  # warm-up: one wave, untimed
-    rounds = [
-        serve_round(llm, spec, synthetic_prompts(spec, vocab_size, seed=1 + i))
-        for i in range(spec.rounds)
-    ]
+    rounds = [serve_round(llm, spec, prompts) for prompts in timed]
     return {
         "serve_output_tps": statistics.median(r["output_tps"] for r in rounds),
         "serve_ttft_ms": statistics.median(r["ttft_ms"] for r in rounds),

@@ -1,5 +1,7 @@
-"""The serving speed-up's rule (`pipeline.evaluation.serving`): Hodges-Lehmann ratio and Moses
-interval over two samples of rounds (vLLM serves in tests/integration/test_pipeline.py)."""
+"""The serving figures (`pipeline.evaluation.serving`): a round's TTFT, TPOT and throughput
+by value from scripted clock readings, each round's own prompts, and the speed-up's rule,
+Hodges-Lehmann ratio and Moses interval over two samples of rounds (vLLM serves in
+tests/integration/test_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,41 @@ import statistics
 
 import pytest
 
-from pipeline.evaluation.serving import _mann_whitney_counts, ratio_interval, serving_speedup
+from pipeline.evaluation.serving import (
+    _mann_whitney_counts,
+    _round_figures,
+    ratio_interval,
+    round_prompts,
+    serving_speedup,
+)
+from pipeline.spec.evaluation import ServingSpec
+
+
+def test_a_rounds_figures_by_value_from_scripted_times() -> None:
+    """Three requests; the third is sent late (the first two were in flight), so its TTFT
+    counts from its own submission, not the round's start; a one-token request has no
+    TPOT."""
+    sent = {"a": 0.0, "b": 0.0, "c": 1.0}
+    first = {"a": 0.1, "b": 0.3, "c": 1.2}
+    ended = {"a": (1.0, 10), "b": (2.3, 21), "c": (1.2, 1)}
+    got = _round_figures(sent, first, ended, wall=2.5)
+    assert got["output_tokens"] == 32
+    assert got["output_tps"] == pytest.approx(32 / 2.5)
+    assert got["ttft_ms"] == pytest.approx(200.0)  # median of 100, 300 and 200 (not 1200)
+    # TPOT over n - 1: a (1.0 - 0.1) / 9 = 100 ms, b (2.3 - 0.3) / 20 = 100 ms; c has none.
+    assert got["tpot_ms"] == pytest.approx(100.0)
+    assert math.isnan(_round_figures({}, {}, {}, 1.0)["ttft_ms"])
+
+
+def test_every_round_has_its_own_prompts_and_a_rerun_the_same() -> None:
+    spec = ServingSpec(concurrency=2, prompt_len=8, output_len=4, requests=3, rounds=4)
+    warm, *timed = round_prompts(spec, 5000)
+    assert len(warm) == 2 and len(timed) == 4 and all(len(r) == 3 for r in timed)
+    firsts = [tuple(map(tuple, r)) for r in [warm[:2], *timed]]
+    assert len({p for r in firsts for p in r}) == 2 + 4 * 3  # no prompt served twice
+    assert len({r for r in firsts[1:]}) == 4  # no two timed rounds alike
+    assert all(1000 <= t < 5000 for r in timed for p in r for t in p)
+    assert round_prompts(spec, 5000) == [warm, *timed]  # seeded: the same on a rerun
 
 
 def test_the_mann_whitney_distribution_is_exact() -> None:
