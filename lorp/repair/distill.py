@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lorp.models.architectures import decoder_blocks, decoder_stack
+from lorp.models.sublayers import sublayers_removed, unit_site
 from lorp.models.surgery import blocks_dropped
 from lorp.repair.fold import map_site
 from lorp.repair.maps import RepairRefused, RunFit
@@ -101,25 +102,50 @@ class _Map(nn.Module):
             )
 
 
-@contextmanager
-def _applied(model: nn.Module, maps: Sequence[_Map], layers: Sequence[int]) -> Iterator[None]:
-    """`model` without `layers`, each map applied by a hook on its site (differentiable:
-    `lorp.repair.fold.applied_by_hooks` applies fixed maps in float64)."""
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """What a variant removes, in memory, and where each map applies: whole blocks
+    (`block_cut`), or sub-layers (`sublayer_cut`)."""
+
+    removed: Callable[[], Any]
+    """A context manager factory: inside, the model runs without what is removed."""
+    site: Callable[[RunFit], nn.Module]
+    """The module whose output a fit's map replaces."""
+
+
+def block_cut(model: nn.Module, layers: Sequence[int]) -> Cut:
     blocks = decoder_blocks(model)
+    return Cut(lambda: blocks_dropped(model, layers), lambda fit: map_site(model, blocks, fit))
+
+
+def sublayer_cut(model: nn.Module, units: Sequence[int]) -> Cut:
+    """Sub-layer `units` removed; a map of unit run (s, e) applies at unit s-1's site."""
+    return Cut(
+        lambda: sublayers_removed(model, units), lambda fit: unit_site(model, fit.run[0] - 1)
+    )
+
+
+@contextmanager
+def _applied(model: nn.Module, maps: Sequence[_Map], cut: Cut) -> Iterator[None]:
+    """`model` without what `cut` removes, each map applied by a hook on its site
+    (differentiable: `lorp.repair.fold.applied_by_hooks` applies fixed maps in float64).
+    An attention site returns (output, weights): the map replaces the output."""
     handles = []
 
-    def hook(m: _Map, normed: bool) -> Callable[..., torch.Tensor]:
-        def apply(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            x = rms_unit(module, args[0]) if normed else output.float()
-            return (x @ m.matrix()).to(output.dtype)
+    def hook(m: _Map, normed: bool) -> Callable[..., Any]:
+        def apply(module: nn.Module, args: tuple, output: Any) -> Any:
+            out = output[0] if isinstance(output, tuple) else output
+            x = rms_unit(module, args[0]) if normed else out.float()
+            new = (x @ m.matrix()).to(out.dtype)
+            return (new, *output[1:]) if isinstance(output, tuple) else new
 
         return apply
 
     try:
         for m in maps:
-            site = map_site(model, blocks, m.fit)
+            site = cut.site(m.fit)
             handles.append(site.register_forward_hook(hook(m, m.fit.form == "normed")))
-        with blocks_dropped(model, layers):
+        with cut.removed():
             yield
     finally:
         for h in handles:
@@ -189,7 +215,7 @@ def _held_kl(model, maps, layers, held: list, amp: bool) -> float:  # type: igno
 def distill_fits(
     model: nn.Module,
     fits: Sequence[RunFit],
-    layers: Sequence[int],
+    layers: Sequence[int] | Cut,
     windows: torch.Tensor,
     held: torch.Tensor | Mapping[str, torch.Tensor],
     *,
@@ -201,7 +227,8 @@ def distill_fits(
     say: Callable[[str], None] | None = None,
 ) -> list[RunFit]:
     """`fits` (every run's and follower's maps of the dense `model` pruned of `layers`,
-    not folded yet) distilled for `epochs` on `windows` [n, T] and validated on `held`
+    not folded yet; or a `Cut`, e.g. `sublayer_cut`) distilled for `epochs` on `windows`
+    [n, T] and validated on `held`
     (module docstring; or domain -> its held-out windows: an epoch is kept only where it
     beats the least-squares maps on every domain, the one whose worst domain gains most).
     The model is left as it was found. Returns the fits to fold: the best epoch's maps
@@ -225,10 +252,11 @@ def distill_fits(
         p.requires_grad_(False)
     device = next(model.parameters()).device
     maps = [_Map(f).to(device) for f in fits]
+    cut = layers if isinstance(layers, Cut) else block_cut(model, layers)
     try:
         parts = dict(held) if isinstance(held, Mapping) else {"": held}
         heldkl, train, best, per_domain = _train(
-            model, maps, layers, windows, parts, epochs, lr, batch_size, autocast, seed, say
+            model, maps, cut, windows, parts, epochs, lr, batch_size, autocast, seed, say
         )
     finally:
         for p in frozen:

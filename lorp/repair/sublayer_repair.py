@@ -38,6 +38,7 @@ from lorp.models.sublayers import (
     remove_sublayers,
     unit_site,
 )
+from lorp.repair.distill import distill_fits, sublayer_cut
 from lorp.repair.fit import fit_form, validated
 from lorp.repair.fold import folded_down_bias, folded_down_weight, folded_norm_weight
 from lorp.repair.maps import DEFAULT_RIDGE, MAX_ROUNDS, RIDGES, RunFit
@@ -236,6 +237,7 @@ def repair_sublayers(
     skip_prefix: int = 0,
     ridge: float | None = None,
     sequential: bool = False,
+    distill_epochs: int = 0,
 ) -> list[RunFit]:
     """Remove `units` from the dense `model` in place and fold their repair: every run's
     map fitted on `batches`, validated on `held` (domain -> held-out batches; without
@@ -243,11 +245,21 @@ def repair_sublayers(
     states, one forward per batch for all of them. `sequential`: runs in depth order,
     each fitted on the states the model pruned and repaired so far gives it, against the
     dense model's (a copy is held meanwhile): an earlier run's leftover error is part of
-    what a later map corrects, at two forwards per run and batch."""
+    what a later map corrects, at two forwards per run and batch. `distill_epochs`
+    (one pass only): the fitted maps then trained jointly towards the dense model's
+    next-token distribution on `batches`, an epoch kept only where it beats them on every
+    domain of `held` (`lorp.repair.distill`)."""
     wanted = list(units)
     runs = unit_runs(model, wanted)
+    if distill_epochs and (sequential or not held):
+        raise ValueError("distill_epochs: needs held-out batches and the one-pass fit")
     if not sequential:
         fits = _fit_round(model, runs, batches, held, skip_prefix, ridge, None)
+        if distill_epochs:
+            windows = torch.cat([torch.as_tensor(b) for b in batches])
+            parts = {d: torch.cat([torch.as_tensor(b) for b in h]) for d, h in (held or {}).items()}
+            cut = sublayer_cut(model, wanted)
+            fits = distill_fits(model, fits, cut, windows, parts, epochs=distill_epochs)
         fold_units(model, fits)
         remove_sublayers(model, wanted)
         return fits

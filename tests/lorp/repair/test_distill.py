@@ -11,7 +11,7 @@ import torch
 
 from lorp.models.surgery import drop_layers
 from lorp.repair.capture import capture_repair_stats
-from lorp.repair.distill import _applied, _Map, distill_fits
+from lorp.repair.distill import _applied, _Map, block_cut, distill_fits
 from lorp.repair.fit import fit_runs
 from lorp.repair.fold import fold
 from lorp.repair.followers import fit_followers
@@ -95,7 +95,7 @@ def test_the_maps_apply_as_the_fold_does_before_training() -> None:
     x, held = token_windows(16, seed=0), token_windows(8, seed=1)
     fits = least_squares(model, x, held)
     maps = [_Map(f) for f in fits]
-    with torch.no_grad(), _applied(model, maps, LAYERS):
+    with torch.no_grad(), _applied(model, maps, block_cut(model, LAYERS)):
         hooked = model(input_ids=held, use_cache=False).logits
     folded = copy.deepcopy(model)
     fold(folded, fits)

@@ -99,3 +99,28 @@ def test_a_sequential_fit_of_one_run_is_the_one_pass_fit_and_later_runs_differ()
     stats = capture_unit_stats(dense, batches(x), [(7, 8)])
     A, B = stats.gram[7].double(), stats.cross[(7, 8)].double()
     assert residual_of(A, B, stats.energy[(7, 8)], a[1].matrix) == pytest.approx(a[1].residual)
+
+
+def mean_kl(dense: torch.nn.Module, variant: torch.nn.Module, x: torch.Tensor) -> float:
+    """Mean KL(dense || variant) of the next-token distribution over every position."""
+    p, q = (torch.log_softmax(logits(m, x).double(), -1) for m in (dense, variant))
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_distilled_unit_maps_fold_to_the_held_out_kl_they_were_kept_for() -> None:
+    """Distillation trains the maps through hooks on the attention and MLP sites (an
+    attention site returns a tuple); the folded variant's held-out KL is the record's."""
+    dense = tiny_model("llama")
+    fit_x, held_x = token_windows(n=16, T=24, seed=0), token_windows(n=8, T=24, seed=9)
+    variant = copy.deepcopy(dense)
+    fits = repair_sublayers(
+        variant, UNITS, batches(fit_x), held={"": batches(held_x)}, distill_epochs=3
+    )
+    record = fits[0].distilled
+    assert record is not None and len(record["held_kl"]) == 4
+    best = record["best_epoch"]
+    assert best > 0 and record["held_kl"][best] < record["held_kl"][0]  # training helped
+    assert {f.kept for f in fits} == {"distilled"}
+    assert mean_kl(dense, variant, held_x) == pytest.approx(record["held_kl"][best], rel=2e-3)
+    with pytest.raises(ValueError, match="distill_epochs: needs held-out batches"):
+        repair_sublayers(copy.deepcopy(dense), UNITS, batches(fit_x), distill_epochs=1)
