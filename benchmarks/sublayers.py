@@ -158,7 +158,12 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     dense = {"ppl": ppl(model), "zero_shot": zero_shot(model)}
     print(f"{alias}: dense {dense} ({time.perf_counter() - start:.0f} s)", flush=True)
     rows, seen = [], {}
-    for granularity, method, budget in grid(model, shape, args.dtype):
+    points = grid(model, shape, args.dtype)
+    if args.points:
+        points = [p for p in points if ":".join(map(str, p)) in args.points] or [
+            (g, m, int(b)) for g, m, b in (x.split(":") for x in args.points)
+        ]
+    for granularity, method, budget in points:
         sel = select_units(similarity, budget, granularity, method)
         units = list(sel.layers)
         row: dict[str, Any] = {
@@ -177,10 +182,13 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         t = time.perf_counter()
         variant = copy.deepcopy(model)
         fits = repair_sublayers(
-            variant, units, fit, held=held, skip_prefix=skip, sequential=args.sequential
-        )
+            variant, units, fit, held=held, skip_prefix=skip, sequential=args.sequential,
+            distill_epochs=args.distill_epochs,
+        )  # fmt: skip
         row["repair_s"] = round(time.perf_counter() - t, 1)
-        row["maps"] = {k: sum(f.kept == k for f in fits) for k in ("fit", "unrepaired")}
+        row["maps"] = {
+            k: sum(f.kept == k for f in fits) for k in ("fit", "unrepaired", "distilled")
+        }
         row["ppl"] = ppl(variant)
         del variant
         seen[key] = row
@@ -197,7 +205,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     result = {
         "model": alias, "n_blocks": shape.n_blocks, "dtype": args.dtype, "dense": dense,
         "rows": rows, "max_windows": args.max_windows, "loss_samples": args.loss_samples,
-        "sequential": args.sequential,
+        "sequential": args.sequential, "distill_epochs": args.distill_epochs,
     }  # fmt: skip
     result["comparison"] = compare(result)
     for c in result["comparison"]:  # zero-shot of the compared variants, rebuilt
@@ -207,8 +215,9 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
                 units = [parse_unit_label(x) for x in r["sublayers"]]
                 variant = copy.deepcopy(model)
                 repair_sublayers(
-                    variant, units, fit, held=held, skip_prefix=skip, sequential=args.sequential
-                )
+                    variant, units, fit, held=held, skip_prefix=skip,
+                    sequential=args.sequential, distill_epochs=args.distill_epochs,
+                )  # fmt: skip
                 r["zero_shot"] = zero_shot(variant)
                 del variant
             c[f"{side}_zero_shot"] = r.get("zero_shot")
@@ -231,6 +240,8 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for b in BLOCK_BUDGETS:
         blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
+        if not blocks:
+            continue
         best_block = min(blocks, key=lambda r: worst(r, dense))
         cap = max(r["decode_bytes_4k"] for r in blocks)
         subs = [r for r in rows if r["granularity"] != "block" and r["decode_bytes_4k"] <= cap]
@@ -349,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-shot", nargs="*", default=["arc_easy", "copa"])
     p.add_argument("--zero-shot-limit", type=int, default=200)
     p.add_argument("--sequential", action="store_true")
+    p.add_argument("--distill-epochs", type=int, default=0)
+    p.add_argument(
+        "--points", nargs="*", metavar="GRANULARITY:METHOD:BUDGET", help="only these points"
+    )
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sublayers")
     p.add_argument("--from-runs", action="store_true", help="render what --runs holds")
     p.add_argument("--page", type=Path)
