@@ -86,14 +86,17 @@ def matched_budget(model: Any, shape: Any, granularity: str, target: float, dtyp
     return len(pool)
 
 
-def grid(model: Any, shape: Any, dtype: str) -> list[tuple[str, str, int]]:
-    """(granularity, method, budget) points: whole blocks at `BLOCK_BUDGETS`, and at each
-    the attention, MLP and mixed budgets matched to its decode cost at 4k."""
+def grid(
+    model: Any, shape: Any, dtype: str, budgets: tuple[int, ...] = BLOCK_BUDGETS
+) -> list[tuple[str, str, int]]:
+    """(granularity, method, budget) points: whole blocks at `budgets`, and at each the
+    attention and mixed budgets matched to its decode cost at 4k (and the MLP budget at
+    the first)."""
     from lorp.models.sublayers import block_units, sublayer_parameters
 
     dense = sum(p.numel() for p in model.parameters())
     points = []
-    for b in [b for b in BLOCK_BUDGETS if b <= shape.n_blocks - 2]:
+    for b in [b for b in budgets if b <= shape.n_blocks - 2]:
         units = block_units(range(1, b + 1))
         target = decode_bytes(shape, units, dense - sublayer_parameters(model, units), dtype,
                               CONTEXT)  # fmt: skip
@@ -101,7 +104,7 @@ def grid(model: Any, shape: Any, dtype: str) -> list[tuple[str, str, int]]:
         k_attn = matched_budget(model, shape, "attention", target, dtype)
         points += [("attention", m, k_attn) for m in METHODS]
         points += [("mixed", m, k_attn) for m in METHODS]
-        if b == BLOCK_BUDGETS[0]:
+        if b == budgets[0]:
             k_mlp = matched_budget(model, shape, "mlp", target, dtype)
             points.append(("mlp", "shortgpt", k_mlp))
     return points
@@ -122,8 +125,18 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     from lorp.models.loading import load_model
     from lorp.models.perplexity import perplexity
     from lorp.models.shape import ModelShape
-    from lorp.models.sublayers import parse_unit_label, sublayer_parameters, sublayers_removed
-    from lorp.repair.sublayer_repair import repair_sublayers
+    from lorp.models.sublayers import (
+        parse_unit_label,
+        sublayer_parameters,
+        sublayers_removed,
+        unit_label,
+    )
+    from lorp.repair.sublayer_repair import (
+        repair_from_stats,
+        repair_sublayers,
+        unit_runs,
+        unit_stats,
+    )
     from pipeline.evaluation.metrics import corpus_windows
     from pipeline.spec.parse import load_spec
     from pipeline.stages.calibration import _windows, heldout_windows
@@ -157,35 +170,46 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     similarity = stats.similarity()
     dense = {"ppl": ppl(model), "zero_shot": zero_shot(model)}
     print(f"{alias}: dense {dense} ({time.perf_counter() - start:.0f} s)", flush=True)
-    rows, seen = [], {}
-    points = grid(model, shape, args.dtype)
+    points = grid(model, shape, args.dtype, args.block_budgets)
     if args.points:
         points = [p for p in points if ":".join(map(str, p)) in args.points] or [
             (g, m, int(b)) for g, m, b in (x.split(":") for x in args.points)
         ]
-    for granularity, method, budget in points:
-        sel = select_units(similarity, budget, granularity, method)
-        units = list(sel.layers)
+    chosen = {p: list(select_units(similarity, p[2], p[0], p[1]).layers) for p in points}
+    one_pass = not (args.sequential or args.distill_epochs)
+    shared = None
+    if one_pass:  # one capture of every point's runs: each variant fits from its subset
+        runs = sorted({r for units in chosen.values() for r in unit_runs(model, units)})
+        shared = unit_stats(model, runs, fit, held, skip_prefix=skip)
+        print(f"  repair sums of {len(runs)} runs ({time.perf_counter() - start:.0f} s)")
+
+    def repaired(units: list[int]) -> tuple[Any, list[Any]]:
+        variant = copy.deepcopy(model)
+        if shared is not None:
+            return variant, repair_from_stats(variant, units, shared)
+        fits = repair_sublayers(
+            variant, units, fit, held=held, skip_prefix=skip, sequential=args.sequential,
+            distill_epochs=args.distill_epochs,
+        )  # fmt: skip
+        return variant, fits
+
+    rows, seen = [], {}
+    for (granularity, method, budget), units in chosen.items():
         row: dict[str, Any] = {
             "granularity": granularity, "method": method, "budget": budget,
-            "sublayers": sel.details["sublayers"],
+            "sublayers": [unit_label(u) for u in units],
         }  # fmt: skip
         params = dense_params - sublayer_parameters(model, units)
         row |= costs(shape, units, params, dense_params, args.dtype)
         key = tuple(units)
         if key in seen:  # the same units as another point: measured once
-            row |= {k: seen[key][k] for k in ("ppl", "unrepaired", "maps", "repair_s")}
+            row |= {k: seen[key][k] for k in ("ppl", "unrepaired", "maps") if k in seen[key]}
             rows.append(row)
             continue
-        with sublayers_removed(model, units):
-            row["unrepaired"] = ppl(model)
-        t = time.perf_counter()
-        variant = copy.deepcopy(model)
-        fits = repair_sublayers(
-            variant, units, fit, held=held, skip_prefix=skip, sequential=args.sequential,
-            distill_epochs=args.distill_epochs,
-        )  # fmt: skip
-        row["repair_s"] = round(time.perf_counter() - t, 1)
+        if args.unrepaired:
+            with sublayers_removed(model, units):
+                row["unrepaired"] = ppl(model)
+        variant, fits = repaired(units)
         row["maps"] = {
             k: sum(f.kept == k for f in fits) for k in ("fit", "unrepaired", "distilled")
         }
@@ -196,9 +220,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         print(
             f"  {granularity} {method} {budget}: "
             + " ".join(f"{d} {row['ppl'][d] / dense['ppl'][d]:.3f}x" for d in DOMAINS)
-            + " (unrepaired "
-            + " ".join(f"{row['unrepaired'][d] / dense['ppl'][d]:.3f}x" for d in DOMAINS)
-            + f"), decode at 4k {row['decode_bytes_4k'] / row['decode_bytes_4k_dense']:.3f}"
+            + f", decode at 4k {row['decode_bytes_4k'] / row['decode_bytes_4k_dense']:.3f}"
             f" ({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
@@ -206,18 +228,14 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         "model": alias, "n_blocks": shape.n_blocks, "dtype": args.dtype, "dense": dense,
         "rows": rows, "max_windows": args.max_windows, "loss_samples": args.loss_samples,
         "sequential": args.sequential, "distill_epochs": args.distill_epochs,
+        "zero_shot_limit": args.zero_shot_limit,
     }  # fmt: skip
     result["comparison"] = compare(result)
     for c in result["comparison"]:  # zero-shot of the compared variants, rebuilt
         for side in ("block", "sub_block"):
             r = _row(rows, c[side])
             if args.zero_shot and "zero_shot" not in r:
-                units = [parse_unit_label(x) for x in r["sublayers"]]
-                variant = copy.deepcopy(model)
-                repair_sublayers(
-                    variant, units, fit, held=held, skip_prefix=skip,
-                    sequential=args.sequential, distill_epochs=args.distill_epochs,
-                )  # fmt: skip
+                variant, _ = repaired([parse_unit_label(x) for x in r["sublayers"]])
                 r["zero_shot"] = zero_shot(variant)
                 del variant
             c[f"{side}_zero_shot"] = r.get("zero_shot")
@@ -238,7 +256,7 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     decode bytes at 4k are at most its, by worst-domain perplexity ratio."""
     rows, dense = result["rows"], result["dense"]
     out = []
-    for b in BLOCK_BUDGETS:
+    for b in sorted({r["budget"] for r in rows if r["granularity"] == "block"}):
         blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
         if not blocks:
             continue
@@ -278,13 +296,17 @@ def model_table(result: dict[str, Any]) -> list[str]:
     ]
     for r in result["rows"]:
         ratios = [r["ppl"][d] / dense["ppl"][d] for d in DOMAINS]
-        un = max(r["unrepaired"][d] / dense["ppl"][d] for d in DOMAINS)
+        un = (
+            f"{max(r['unrepaired'][d] / dense['ppl'][d] for d in DOMAINS):.3f}x"
+            if "unrepaired" in r
+            else "-"
+        )
         dec = r["decode_bytes_4k"] / r["decode_bytes_4k_dense"]
         names = ", ".join(r["sublayers"]) if r["granularity"] != "block" else (
             ", ".join(sorted({s.split(".")[1] for s in r["sublayers"]}, key=int)))  # fmt: skip
         out.append(
             f"| {r['granularity']} | {r['method']} | {r['budget']} | {ratios[0]:.3f}x | "
-            f"{ratios[1]:.3f}x | {un:.3f}x | {r['kv_bytes_per_token']:.0f} B | {dec:.3f} | "
+            f"{ratios[1]:.3f}x | {un} | {r['kv_bytes_per_token']:.0f} B | {dec:.3f} | "
             f"{1 / dec:.3f}x | {names} |"
         )
     return out
@@ -313,26 +335,30 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
 
 
 def page(results: list[dict[str, Any]], args: Any) -> str:
-    first = results[0]
     out = [
-        "Reproduce: `python benchmarks/sublayers.py "
-        f"--max-windows {first['max_windows']} --zero-shot {' '.join(args.zero_shot)} "
-        f"--zero-shot-limit {args.zero_shot_limit} --page docs/results/sublayers.md`. "
         "Calibration: `jobs/quality.yaml`'s (PTB, Wikipedia and code, 128 x 256 tokens); "
-        f"every map validated on {first['loss_samples']} held-out windows drawn apart from "
-        "them and kept only where no domain is worse. Ratios: perplexity over dense on "
-        f"the held-out news (lee) and the code test files, {first['max_windows']} x 512 "
-        "tokens each, all variants repaired (worst, unrepaired: the same sub-layers "
-        "without their maps). Decode: predicted bytes per generated token at a 4k context "
-        "over dense's (weights read once plus the KV cache), so 1 / decode is the "
-        "memory-bound speed-up's bound. Zero-shot retained: the variant's accuracy over "
-        f"dense's, averaged over {', '.join(args.zero_shot) or 'no tasks'} "
-        f"({args.zero_shot_limit} items each).",
+        "every map validated on held-out windows drawn apart from them and kept only "
+        "where no domain is worse. Ratios: perplexity over dense on the held-out news "
+        "(lee) and the code test files (512-token windows), every variant repaired by "
+        "least squares in one pass (worst, unrepaired: the same sub-layers without their "
+        "maps, where measured). Decode: predicted bytes per generated token at a 4k "
+        "context over dense's (weights read once plus the KV cache), so 1 / decode bounds "
+        "the memory-bound decode speed-up. Zero-shot retained: the variant's accuracy over "
+        f"dense's, averaged over {', '.join(args.zero_shot) or 'no tasks'}.",
         "",
     ]
     for r in results:
+        budgets = sorted({x["budget"] for x in r["rows"] if x["granularity"] == "block"})
+        command = (
+            f"python benchmarks/sublayers.py --models {r['model']} --max-windows "
+            f"{r['max_windows']} --block-budgets {' '.join(map(str, budgets))} "
+            f"--zero-shot-limit {r.get('zero_shot_limit', args.zero_shot_limit)} "
+            f"--loss-samples {r['loss_samples']}"
+        )
         out += [
-            f"**{r['model']}** (N = {r['n_blocks']}, {r['dtype']}, {r['seconds']} s)",
+            f"**{r['model']}** (N = {r['n_blocks']}, {r['dtype']}; {r['max_windows']} windows "
+            f"per domain, {r.get('zero_shot_limit', args.zero_shot_limit)} zero-shot items "
+            f"per task; `{command}`)",
             "",
             *comparison_lines(r),
             "",
@@ -361,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-shot-limit", type=int, default=200)
     p.add_argument("--sequential", action="store_true")
     p.add_argument("--distill-epochs", type=int, default=0)
+    p.add_argument("--block-budgets", nargs="*", type=int, default=list(BLOCK_BUDGETS))
+    p.add_argument(
+        "--unrepaired", action="store_true", help="also measure each point without its maps"
+    )
     p.add_argument(
         "--points", nargs="*", metavar="GRANULARITY:METHOD:BUDGET", help="only these points"
     )

@@ -9,6 +9,7 @@ never imports Ray, MLflow or vLLM. Bad input prints one line on stderr and exits
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -23,7 +24,10 @@ from lorp.locality.allocation import VARIANTS
 from lorp.locality.similarity import LayerSimilarity
 from lorp.locality.similarity_stats import SimilarityStats, load_similarity
 from lorp.methods import available_methods, get_method, select_layers
+from lorp.methods.registry import Selection
 from lorp.methods.shortgpt import CANDIDATES
+from lorp.methods.sublayer_selection import select_units
+from lorp.models.sublayers import GRANULARITIES, check_units, parse_unit_label, unit_label
 from lorp.version import __version__
 
 EXIT_BAD_INPUT = 2
@@ -67,9 +71,37 @@ def add_select(sub: argparse._SubParsersAction) -> None:
     p.add_argument("stats_file", metavar="STATS_FILE")
     p.add_argument("--budget", required=True, type=parse_budget, help="blocks, or a fraction of N")
     p.add_argument("--method", default="lorp", help=f"one of {', '.join(available_methods())}")
+    add_granularity(p)
     add_method_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_select)
+
+
+def add_granularity(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--granularity",
+        choices=GRANULARITIES,
+        default="block",
+        help="what the budget counts: whole blocks (default), or attention / MLP sub-layers "
+        "(or both, mixed), from statistics captured with --sublayers",
+    )
+
+
+def choose(stats: SimilarityStats | LayerSimilarity, args: argparse.Namespace) -> Selection:
+    """The selection `args` ask for: blocks, or sub-layer units from sub-layer statistics
+    (`capture --sublayers`), where the budget counts units of the granularity."""
+    options = method_options(args)
+    sublayers = isinstance(stats, SimilarityStats) and bool(stats.extra.get("sublayers"))
+    if not sublayers:
+        if args.granularity != "block":
+            raise ValueError(
+                f"--granularity {args.granularity} needs sub-layer statistics: capture with "
+                "--sublayers"
+            )
+        return select_layers(stats, args.budget, args.method, **options)
+    if not isinstance(args.budget, int):
+        raise ValueError(f"--budget: a sub-layer budget counts units, got {args.budget!r}")
+    return select_units(stats.similarity(), args.budget, args.granularity, args.method, **options)
 
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
@@ -90,7 +122,7 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
 
 def run_select(args: argparse.Namespace) -> int:
     stats: SimilarityStats | LayerSimilarity = load_similarity(args.stats_file)
-    selection = select_layers(stats, args.budget, args.method, **method_options(args))
+    selection = choose(stats, args)
     if args.json:
         print(json.dumps(selection.to_dict(), sort_keys=True))
         return 0
@@ -101,7 +133,10 @@ def run_select(args: argparse.Namespace) -> int:
         source = "from RLS" if d["k_from_rls"] else "fixed"
         print(f"RLS      {d['rls']:.4f}   K = {d['k']} ({source})")
         print(f"clusters {' '.join(str(x) for x in d['labels'])}")
-    print(f"pruned   {', '.join(str(x) for x in selection.layers)}")
+    if "sublayers" in d:
+        print(f"pruned   {', '.join(d['sublayers'])}  ({d['granularity']})")
+    else:
+        print(f"pruned   {', '.join(str(x) for x in selection.layers)}")
     if "stages" in d:
         print(f"stages   {'  '.join(f'{k}:{v}' for k, v in d['stages'].items())}")
     return 0
@@ -144,6 +179,12 @@ def add_capture(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument(
+        "--sublayers",
+        action="store_true",
+        help="S over the 2N + 1 sub-layer boundaries: select attention / MLP sub-layers "
+        "(select --granularity); whole blocks select from it too",
+    )
     p.add_argument("--out", required=True, metavar="STATS_FILE", help="where to write the .npz")
     p.set_defaults(func=run_capture)
 
@@ -190,13 +231,16 @@ def run_capture(args: argparse.Namespace) -> int:
             "corpus": args.data,
             "bos": args.bos,
             "bos_id": bos_id,
+            **({"sublayers": True} if args.sublayers else {}),
         },
         total=len(batches),
         skip_prefix=int(bos_id is not None),
+        sublayers=args.sublayers,
     )
     stats.to_file(args.out)
     bos_note = f", BOS {bos_id} first" if bos_id is not None else ""
-    print(f"wrote {args.out}: {stats.n_blocks} blocks, {stats.tokens} tokens{bos_note}")
+    what = f"{stats.n_blocks} sub-layers" if args.sublayers else f"{stats.n_blocks} blocks"
+    print(f"wrote {args.out}: {what}, {stats.tokens} tokens{bos_note}")
     return 0
 
 
@@ -213,8 +257,13 @@ def add_prune(sub: argparse._SubParsersAction) -> None:
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--layers", type=parse_layers, help="blocks to drop, e.g. 3,7-9")
     how.add_argument("--stats", metavar="STATS_FILE", help="select with a method from these stats")
+    how.add_argument(
+        "--units", type=parse_units, help="sub-layers to remove, e.g. attn.3,mlp.5 (vLLM-servable "
+        "Nemotron-NAS checkpoint)",
+    )  # fmt: skip
     p.add_argument("--budget", type=parse_budget)
     p.add_argument("--method", default="lorp")
+    add_granularity(p)
     add_method_options(p)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -241,6 +290,8 @@ def run_prune(args: argparse.Namespace) -> int:
     if args.layers is not None:
         check_layers(args.layers, n_blocks)
     record = _prune_provenance(args, stats, fingerprint, n_blocks)
+    if (record.get("details") or {}).get("granularity", "block") != "block":
+        return _prune_sublayers(args, record)
     lm = load_model(args.model, trust_remote_code=args.trust_remote_code)
     kept = drop_layers(lm.model, record["pruned"])
     save_pruned(lm.model, lm.tokenizer, args.out, record, overwrite=args.overwrite)
@@ -248,11 +299,39 @@ def run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_units(text: str) -> list[int]:
+    """'attn.3,mlp.5' -> [6, 11] (`lorp.models.sublayers`)."""
+    try:
+        return [parse_unit_label(x.strip()) for x in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prune_sublayers(args: argparse.Namespace, record: dict[str, Any]) -> int:
+    """Remove the record's sub-layer units and write the Nemotron-NAS checkpoint (refused
+    in one line, before loading, for a family the form cannot carry)."""
+    from lorp.models.loading import load_model, materialize, read_config
+    from lorp.models.nemotron_nas import check_servable, save_sublayer_variant
+    from lorp.models.sublayers import remove_sublayers
+
+    check_servable(read_config(materialize(args.model)))
+    units = record["pruned"]
+    lm = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    remove_sublayers(lm.model, units)
+    save_sublayer_variant(lm.model, lm.tokenizer, args.out, units, record, overwrite=args.overwrite)
+    names = ", ".join(record["details"]["sublayers"])
+    print(f"removed sub-layers {names} -> {args.out} (Nemotron-NAS form: vLLM serves it; "
+          "transformers loads it with trust_remote_code)")  # fmt: skip
+    return 0
+
+
 def _prune_stats(args: argparse.Namespace) -> SimilarityStats | None:
-    """The statistics `--stats` names (needs --budget), or None for `--layers`."""
+    """The statistics `--stats` names (needs --budget), or None for `--layers`/`--units`."""
     if args.stats is None:
         if args.budget is not None:
             raise ValueError("--budget applies only with --stats")
+        if args.units is not None and args.granularity == "block":
+            args.granularity = "mixed"  # explicit units: whatever kinds they name
         return None
     if args.budget is None:
         raise ValueError("--stats needs --budget")
@@ -267,7 +346,7 @@ def _check_stats_match(
             f"stats {stats_file!r} were captured from model {stats.model_fingerprint}, "
             f"not {model!r} ({fingerprint})"
         )
-    if stats.n_blocks != n_blocks:
+    if stats.n_blocks != n_blocks * (2 if stats.extra.get("sublayers") else 1):
         raise ValueError(
             f"stats {stats_file!r} describe {stats.n_blocks} blocks, model {model!r} has {n_blocks}"
         )
@@ -281,6 +360,13 @@ def _prune_provenance(
     from lorp.provenance import provenance
 
     source = {"source_model": args.model, "source_fingerprint": fingerprint}
+    if args.units is not None:
+        units = check_units(args.units, n_blocks)
+        return provenance(
+            **source, method="manual", options={}, budget=len(units), n_blocks=2 * n_blocks,
+            pruned=units, details={"granularity": args.granularity,
+                                   "sublayers": [unit_label(u) for u in units]},
+        )  # fmt: skip
     if stats is None:
         layers = sorted(set(args.layers))
         return provenance(
@@ -291,7 +377,11 @@ def _prune_provenance(
             n_blocks=n_blocks,
             pruned=layers,
         )
-    selection = select_layers(stats, args.budget, args.method, **method_options(args))
+    selection = choose(stats, args)
+    if args.granularity == "block" and "blocks" in selection.details:  # from sub-layer stats
+        selection = dataclasses.replace(
+            selection, layers=tuple(selection.details["blocks"]), n_blocks=n_blocks
+        )
     return provenance(
         **source,
         method=selection.method,

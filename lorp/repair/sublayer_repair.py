@@ -273,6 +273,38 @@ def repair_sublayers(
     return fits
 
 
+def unit_stats(
+    model: nn.Module,
+    runs: Sequence[Run],
+    batches: Sequence[Batch],
+    held: Mapping[str, Sequence[Batch]] | None,
+    *,
+    skip_prefix: int = 0,
+    target: nn.Module | None = None,
+) -> RepairStats:
+    """The sums of `runs` over `batches`, with `held`'s per domain: one capture serves
+    every variant whose runs are among them (`repair_from_stats`)."""
+    stats = capture_unit_stats(model, batches, runs, skip_prefix=skip_prefix, target=target)
+    if held:
+        stats.held_domains = {
+            d: capture_unit_stats(model, b, runs, skip_prefix=skip_prefix, target=target)
+            for d, b in held.items()
+        }
+    return stats
+
+
+def repair_from_stats(
+    model: nn.Module, units: Iterable[int], stats: RepairStats, *, ridge: float | None = None
+) -> list[RunFit]:
+    """`repair_sublayers`' one-pass fit from sums captured already (`unit_stats` of the
+    dense `model`, holding at least these units' runs): fit, fold, remove, in place."""
+    wanted = list(units)
+    fits = fit_unit_runs(model, stats.subset(unit_runs(model, wanted)), ridge=ridge)
+    fold_units(model, fits)
+    remove_sublayers(model, wanted)
+    return fits
+
+
 def _fit_round(
     model: nn.Module,
     runs: list[Run],
@@ -282,10 +314,5 @@ def _fit_round(
     ridge: float | None,
     target: nn.Module | None,
 ) -> list[RunFit]:
-    stats = capture_unit_stats(model, batches, runs, skip_prefix=skip_prefix, target=target)
-    if held:
-        stats.held_domains = {
-            d: capture_unit_stats(model, b, runs, skip_prefix=skip_prefix, target=target)
-            for d, b in held.items()
-        }
+    stats = unit_stats(model, runs, batches, held, skip_prefix=skip_prefix, target=target)
     return fit_unit_runs(model, stats, ridge=ridge)

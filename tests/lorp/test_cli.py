@@ -200,3 +200,61 @@ def test_cli_bad_models_and_corpora(tmp_path: Path) -> None:
     assert out.returncode == 2 and "non-finite activations at layer 3" in out.stderr, out.stderr
     assert "float32 or bfloat16" in out.stderr and out.stderr.count("\n") == 1
     assert not (tmp_path / "s.npz").exists()
+
+
+def test_sublayers_capture_select_and_prune_to_a_servable_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`capture --sublayers`, `select --granularity attention`, then `prune` writes the
+    Nemotron-NAS checkpoint; whole blocks still select from the same statistics."""
+    from lorp.methods.sublayer_selection import select_units
+    from tests.helpers.tiny_models import save_tiny_ptb
+
+    monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
+    model = save_tiny_ptb("llama", tmp_path / "llama")
+    stats = tmp_path / "units.npz"
+    common = ["--data", "ptb", "--samples", "3", "--seq-len", "16"]
+    assert main(["capture", str(model), *common, "--sublayers", "--out", str(stats)]) == 0
+    assert "12 sub-layers" in capsys.readouterr().out
+    out = run("select", str(stats), "--budget", "2", "--granularity", "attention",
+              "--method", "shortgpt", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    picked = json.loads(out.stdout)
+    expected = select_units(SimilarityStats.from_file(stats).similarity(), 2, "attention",
+                            "shortgpt")  # fmt: skip
+    assert picked["pruned"] == list(expected.layers) and all(u % 2 == 0 for u in expected.layers)
+    blocks = run("select", str(stats), "--budget", "2", "--method", "shortgpt", "--json")
+    assert len(json.loads(blocks.stdout)["details"]["blocks"]) == 2
+
+    dest = tmp_path / "attention-2"
+    argv = ["prune", str(model), "--stats", str(stats), "--budget", "2", "--method", "shortgpt"]
+    assert main([*argv, "--granularity", "attention", "--out", str(dest)]) == 0
+    config = json.loads((dest / "config.json").read_text())
+    gone = [i for i, b in enumerate(config["block_configs"]) if b["attention"]["no_op"]]
+    assert gone == [u // 2 for u in expected.layers]
+    loaded = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
+    assert sum(hasattr(layer, "self_attn") for layer in loaded.model.layers) == 4
+    record = json.loads((dest / "lorp_pruning.json").read_text())
+    assert record["details"]["granularity"] == "attention" and record["trust_remote_code"]
+
+    manual = tmp_path / "manual"
+    assert main(["prune", str(model), "--units", "attn.2,mlp.4", "--out", str(manual)]) == 0
+    assert json.loads((manual / "lorp_pruning.json").read_text())["pruned"] == [4, 9]
+
+
+def test_sublayer_bad_input_is_one_line(tmp_path: Path, stats_file: Path) -> None:
+    from tests.helpers.tiny_models import tiny_model
+
+    out = run("select", str(stats_file), "--budget", "2", "--granularity", "attention")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "--granularity attention needs sub-layer statistics: capture with --sublayers" in (
+        out.stderr
+    )
+    gemma = tmp_path / "gemma"
+    tiny_model("gemma3_text").save_pretrained(gemma)
+    out = run("prune", str(gemma), "--units", "attn.2", "--out", str(tmp_path / "g"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "model_type 'gemma3_text': sub-layer variants are served by vLLM only" in out.stderr
+    assert not (tmp_path / "g").exists()
+    out = run("prune", str(gemma), "--units", "att.2", "--out", str(tmp_path / "g"))
+    assert out.returncode == 2 and "sub-layer 'att.2'" in out.stderr

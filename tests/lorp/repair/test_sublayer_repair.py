@@ -124,3 +124,19 @@ def test_distilled_unit_maps_fold_to_the_held_out_kl_they_were_kept_for() -> Non
     assert mean_kl(dense, variant, held_x) == pytest.approx(record["held_kl"][best], rel=2e-3)
     with pytest.raises(ValueError, match="distill_epochs: needs held-out batches"):
         repair_sublayers(copy.deepcopy(dense), UNITS, batches(fit_x), distill_epochs=1)
+
+
+def test_one_capture_serves_every_variant_whose_runs_it_holds() -> None:
+    from lorp.repair.sublayer_repair import repair_from_stats, unit_stats
+
+    dense = tiny_model("gemma3_text")
+    x, held = batches(token_windows(n=12, T=24)), {"": batches(token_windows(n=4, seed=5))}
+    shared = unit_stats(dense, unit_runs(dense, UNITS) + [(2, 3)], x, held)
+    alone, from_shared = copy.deepcopy(dense), copy.deepcopy(dense)
+    a = repair_sublayers(alone, UNITS, x, held=held)
+    b = repair_from_stats(from_shared, UNITS, shared)
+    assert [f.run for f in b] == [(4, 4), (7, 8)]
+    for f, g in zip(a, b, strict=True):
+        torch.testing.assert_close(f.matrix, g.matrix)
+    y = token_windows(n=2, T=16, seed=7)
+    torch.testing.assert_close(logits(alone, y), logits(from_shared, y))
