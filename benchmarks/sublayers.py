@@ -281,10 +281,12 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def mean_zero_shot(scores: dict[str, float], dense: dict[str, float]) -> float | None:
-    """Retention: the variant's accuracy over dense's, averaged over the tasks."""
-    if not scores or not dense:
+    """Retention: the variant's accuracy over dense's, averaged over the tasks (the
+    `acc_<task>` entries; not their average `acc_avg` nor the item counts `n_<task>`)."""
+    tasks = [t for t in dense if t.startswith("acc_") and t != "acc_avg"]
+    if not scores or not tasks:
         return None
-    return sum(scores[t] / dense[t] for t in dense) / len(dense)
+    return sum(scores[t] / dense[t] for t in tasks) / len(tasks)
 
 
 def model_table(result: dict[str, Any]) -> list[str]:

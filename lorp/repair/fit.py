@@ -25,7 +25,7 @@ what the later map corrects.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -85,12 +85,15 @@ def fit_runs(
     ridge: float | None = DEFAULT_RIDGE,
     rounds: int = MAX_ROUNDS,
     ridges: Sequence[float] = RIDGES,
+    unrepaired: Callable[[Run, Form], torch.Tensor] | None = None,
 ) -> list[RunFit]:
     """Fit every run of `stats` (the model is the dense one the stats came from);
     `rounds` caps the descent of a `normed` fit (each round is one d x d SVD). With
     held-out sums (`stats.held_domains`) each fit is validated (module docstring):
     `ridge=None` chooses it among `ridges`, a number fixes it; either way a map that does
-    no better than the unrepaired one on held-out windows of every domain is not kept."""
+    no better than the unrepaired one on held-out windows of every domain is not kept.
+    `unrepaired(run, form)`: the map the pruned model applies now, T0 (default: a block
+    run's, `unrepaired_map`; sub-layer runs give theirs)."""
     if ridge is not None and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it makes every solve well posed), got {ridge!r}")
     if ridge is None and not stats.held_domains:
@@ -99,7 +102,7 @@ def fit_runs(
     for run in stats.runs:
         form = stats.forms[run]
         A, B = stats.gram[run[0]].double(), stats.cross[run].double()
-        T0 = unrepaired_map(model, run, form).to(A.device)
+        T0 = (unrepaired or (lambda r, f: unrepaired_map(model, r, f)))(run, form).to(A.device)
         if not stats.held_domains:
             fits.append(fit_form(form, A, B, stats.energy[run], T0, ridge, run, rounds))  # type: ignore[arg-type]
             continue

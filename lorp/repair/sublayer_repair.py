@@ -39,9 +39,9 @@ from lorp.models.sublayers import (
     unit_site,
 )
 from lorp.repair.distill import distill_fits, sublayer_cut
-from lorp.repair.fit import fit_form, validated
+from lorp.repair.fit import fit_runs
 from lorp.repair.fold import folded_down_bias, folded_down_weight, folded_norm_weight
-from lorp.repair.maps import DEFAULT_RIDGE, MAX_ROUNDS, RIDGES, RunFit
+from lorp.repair.maps import DEFAULT_RIDGE, RunFit
 from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs, mlp_site, rms_unit
 
 Batch = torch.Tensor | Mapping[str, torch.Tensor]
@@ -178,32 +178,14 @@ def capture_unit_stats(
 
 
 def fit_unit_runs(
-    model: nn.Module,
-    stats: RepairStats,
-    *,
-    ridge: float | None = None,
-    ridges: Sequence[float] = RIDGES,
-    rounds: int = MAX_ROUNDS,
+    model: nn.Module, stats: RepairStats, *, ridge: float | None = None
 ) -> list[RunFit]:
-    """Every unit run's map, validated on `stats.held_domains` where it has them (the
-    ridge chosen on the worst domain, the map kept only if no domain is worse), as
-    `lorp.repair.fit.fit_runs` does for block runs."""
-    fits = []
-    for run in stats.runs:
-        form = stats.forms[run]
-        A, B = stats.gram[run[0]].double(), stats.cross[run].double()
-        T0 = unit_T0(model, run, form).to(A.device)
-        if not stats.held_domains:
-            fixed = ridge or DEFAULT_RIDGE
-            fits.append(fit_form(form, A, B, stats.energy[run], T0, fixed, run, rounds))
-            continue
-        held = {
-            d: (h.gram[run[0]].double(), h.cross[run].double(), h.energy[run])
-            for d, h in stats.held_domains.items()
-        }
-        tried = [ridge] if ridge is not None else list(ridges)
-        fits.append(validated(form, (A, B, stats.energy[run]), held, T0, tried, run, rounds))
-    return fits
+    """Every unit run's map, as `lorp.repair.fit.fit_runs` fits block runs: validated on
+    `stats.held_domains` where it has them (the ridge chosen on the worst domain unless
+    `ridge` fixes it, the map kept only if no domain is worse), else at `ridge` or the
+    default. T0 is the unit's (`unit_T0`)."""
+    fixed = ridge if stats.held_domains else (ridge or DEFAULT_RIDGE)
+    return fit_runs(model, stats, ridge=fixed, unrepaired=lambda r, f: unit_T0(model, r, f))
 
 
 @torch.no_grad()
@@ -254,7 +236,8 @@ def repair_sublayers(
     if distill_epochs and (sequential or not held):
         raise ValueError("distill_epochs: needs held-out batches and the one-pass fit")
     if not sequential:
-        fits = _fit_round(model, runs, batches, held, skip_prefix, ridge, None)
+        sums = unit_stats(model, runs, batches, held, skip_prefix=skip_prefix)
+        fits = fit_unit_runs(model, sums, ridge=ridge)
         if distill_epochs:
             windows = torch.cat([torch.as_tensor(b) for b in batches])
             parts = {d: torch.cat([torch.as_tensor(b) for b in h]) for d, h in (held or {}).items()}
@@ -266,7 +249,10 @@ def repair_sublayers(
     dense = copy.deepcopy(model)
     fits = []
     for run in runs:
-        fit = _fit_round(model, [run], batches, held, skip_prefix, ridge, dense if fits else None)
+        sums = unit_stats(
+            model, [run], batches, held, skip_prefix=skip_prefix, target=dense if fits else None
+        )
+        fit = fit_unit_runs(model, sums, ridge=ridge)
         fold_units(model, fit)
         remove_sublayers(model, range(run[0], run[1] + 1))
         fits += fit
@@ -303,16 +289,3 @@ def repair_from_stats(
     fold_units(model, fits)
     remove_sublayers(model, wanted)
     return fits
-
-
-def _fit_round(
-    model: nn.Module,
-    runs: list[Run],
-    batches: Sequence[Batch],
-    held: Mapping[str, Sequence[Batch]] | None,
-    skip_prefix: int,
-    ridge: float | None,
-    target: nn.Module | None,
-) -> list[RunFit]:
-    stats = unit_stats(model, runs, batches, held, skip_prefix=skip_prefix, target=target)
-    return fit_unit_runs(model, stats, ridge=ridge)

@@ -21,7 +21,10 @@ from benchmarks.sublayers import (  # noqa: E402
     page,
 )
 
-DENSE = {"ppl": {"prose": 10.0, "code": 4.0}, "zero_shot": {"arc_easy": 0.5, "copa": 0.6}}
+DENSE = {
+    "ppl": {"prose": 10.0, "code": 4.0},
+    "zero_shot": {"acc_arc_easy": 50.0, "acc_copa": 60.0, "acc_avg": 55.0, "n_copa": 100.0},
+}
 
 
 def row(granularity: str, method: str, budget: int, prose: float, code: float, decode: float):  # type: ignore[no-untyped-def]
@@ -68,8 +71,8 @@ def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_bl
     assert c["block"] == ["block", "lorp", 4] and c["sub_block"] == ["attention", "shortgpt", 6]
     assert (c["block_worst"], c["sub_block_worst"]) == (3.0, 1.4)
     assert (c["block_decode"], c["sub_block_decode"]) == (0.8, 0.79)
-    c["block_zero_shot"] = {"arc_easy": 0.4, "copa": 0.6}  # retains 90%
-    c["sub_block_zero_shot"] = {"arc_easy": 0.5, "copa": 0.54}  # 95%
+    c["block_zero_shot"] = {"acc_arc_easy": 40.0, "acc_copa": 60.0, "acc_avg": 50.0}  # 90%
+    c["sub_block_zero_shot"] = {"acc_arc_easy": 50.0, "acc_copa": 54.0, "acc_avg": 52.0}  # 95%
     result |= {"model": "m", "n_blocks": 6, "dtype": "float32", "seconds": 1,
                "max_windows": 16, "loss_samples": 8, "comparison": out}  # fmt: skip
     text = page([result], SimpleNamespace(zero_shot=["arc_easy", "copa"], zero_shot_limit=200))
