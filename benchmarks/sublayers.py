@@ -73,8 +73,7 @@ def costs(shape: Any, units: list[int], params: int, dense_params: int, dtype: s
 def matched_budget(model: Any, shape: Any, granularity: str, target: float, dtype: str) -> int:
     """The fewest units of `granularity` (attention or MLP: every one costs the same)
     whose removal brings decode bytes at 4k to at most `target`."""
-    from lorp.methods.sublayer_selection import eligible_units
-    from lorp.models.sublayers import sublayer_parameters
+    from lorp.models.sublayers import eligible_units, sublayer_parameters
 
     pool = eligible_units(granularity, shape.n_blocks)
     dense = sum(p.numel() for p in model.parameters())

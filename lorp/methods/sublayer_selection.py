@@ -24,16 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from lorp.locality.allocation import VARIANTS, allocate_detailed
+from lorp.locality.allocation import allocate_detailed
 from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
 from lorp.locality.similarity import LayerSimilarity
-from lorp.methods.lorp_method import cluster_labels
+from lorp.methods.lorp_method import check_lorp_options, cluster_labels
 from lorp.methods.registry import Selection, select_layers
 from lorp.models.sublayers import (
     block_units,
     budget_limit,
-    candidate_units,
     check_granularity,
+    eligible_units,
     unit_label,
 )
 
@@ -61,10 +61,6 @@ def check_unit_budget(budget: int, granularity: str, n_blocks: int) -> int:
             "to remove (its first and last blocks stay)"
         )
     return int(budget)
-
-
-def eligible_units(granularity: str, n_blocks: int) -> list[int]:
-    return [u for u in candidate_units(granularity, n_blocks) if 0 < u // 2 < n_blocks - 1]
 
 
 def select_units(
@@ -137,8 +133,8 @@ def _lorp(
     ks: Sequence[int] = DEFAULT_KS,
     seed: int = 0,
 ) -> tuple[tuple[int, ...], dict[str, Any]]:
-    if variant not in VARIANTS:
-        raise ValueError(f"option 'variant': must be one of {list(VARIANTS)}, got {variant!r}")
+    options = {"variant": variant, "k": k, "thresholds": thresholds, "ks": ks, "seed": seed}
+    check_lorp_options(options, similarity.n_blocks)  # the block method's checks
     S = similarity.blocks  # the 2N unit inputs
     score, chosen_k, labels = cluster_labels(S, k, thresholds, ks, int(seed), None)
     pool = eligible_units(granularity, similarity.n_blocks // 2)

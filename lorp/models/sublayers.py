@@ -76,12 +76,15 @@ def candidate_units(granularity: str, n_blocks: int) -> list[int]:
     return [u for u in units if unit_kind(u) == granularity]
 
 
+def eligible_units(granularity: str, n_blocks: int) -> list[int]:
+    """The units of `granularity` a budget may remove: all but the first and last block's
+    (as for whole blocks, those two stay)."""
+    return [u for u in candidate_units(granularity, n_blocks) if 0 < u // 2 < n_blocks - 1]
+
+
 def budget_limit(granularity: str, n_blocks: int) -> int:
-    """The most units of `granularity` a budget may remove: all but the first and last
-    block's (as for whole blocks, those two stay)."""
-    if granularity == "block":
-        return n_blocks - 2
-    return len([u for u in candidate_units(granularity, n_blocks) if 0 < u // 2 < n_blocks - 1])
+    """The most units (or blocks) of `granularity` a budget may remove."""
+    return n_blocks - 2 if granularity == "block" else len(eligible_units(granularity, n_blocks))
 
 
 def check_units(units: Iterable[int], n_blocks: int) -> list[int]:
