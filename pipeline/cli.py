@@ -203,6 +203,10 @@ def _add_catalog_reads(csub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", required=True)
     b.add_argument("--budget", type=int, required=True)
     b.add_argument("--protocol", default=None, help="default: the model's reference protocol")
+    b.add_argument(
+        "--granularity", default="block", choices=("block", "attention", "mlp", "mixed"),
+        help="what the budget counts (default: whole blocks)",
+    )  # fmt: skip
     b.add_argument("--json", action="store_true", help="the row as one JSON object")
     b.add_argument(
         "--as-of", default=None, metavar="VERSION|TIME",
@@ -293,10 +297,12 @@ def catalog_best(args: argparse.Namespace) -> int:
     known = ranking.protocols(rows)
     if protocol not in known:
         raise ValueError(f"--protocol: {protocol!r} is not one of {args.model}'s: {known}")
-    row = ranking.best(rows, args.budget, protocol)
+    row = ranking.best(rows, args.budget, protocol, args.granularity)
     if row is None:
+        units = "" if args.granularity == "block" else f" {args.granularity} sub-layers"
         raise ValueError(
-            f"--budget: no non-degraded variant of {args.model} at {args.budget} under {protocol}"
+            f"--budget: no non-degraded variant of {args.model} at {args.budget}{units} "
+            f"under {protocol}"
         )
     if args.json:
         print(_json_line(dict(row)))

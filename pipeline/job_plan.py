@@ -122,10 +122,12 @@ def grid_points(spec: JobSpec, plan: ModelPlan) -> dict[str, int]:
     """Points per method label: every budget the model resolves to, once per repair (a
     repaired twin whose cut cannot fold is refused later, when its blocks are known)."""
     out = {"dense": 1} if spec.evaluation.enabled else {}
-    for m in spec.methods:
-        for repair in spec.repair:
-            label = m.key if repair == "none" else f"{m.key}+{repair}"
-            out[label] = len(plan.budgets)
+    for g in spec.granularity:
+        for m in spec.methods:
+            key = m.key if g == "block" else f"{m.key}-{g}"  # `GridPoint.label`
+            for repair in spec.repair:
+                label = key if repair == "none" else f"{key}+{repair}"
+                out[label] = len(plan.budgets_for(g))
     return out
 
 

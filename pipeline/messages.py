@@ -32,6 +32,8 @@ class CaptureTask:
     batch_size: int = 1
     skip_prefix: int = 0
     """Leading positions of every window left out of S (1 when windows start with BOS)."""
+    sublayers: bool = False
+    """Record S over the 2N + 1 sub-layer boundaries (`capture_stats(sublayers=True)`)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class PointTask:
     """The point's linear repair; None: the blocks are only dropped."""
     name: str = ""
     """The point as log lines and the timeline name it (method, budget, repair)."""
+    units: tuple[int, ...] = ()
+    """The sub-layer units removed instead (`lorp.models.sublayers`); `layers` is then
+    empty."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class RepairTask:
     distill_lr: float = 1e-4
     gate: bool = True
     """Judge the repair on the held-out loss per domain (`lorp.repair.domain_gate`)."""
+    units: bool = False
+    """`runs` are of sub-layer units (`lorp.repair.sublayer_repair`)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,8 @@ class SpeedTask:
     resources: Resources = field(default_factory=Resources)
     n_blocks: int = 1
     """The dense model's blocks (the speed-up's bound N / (N - k))."""
+    units: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Grid key -> the sub-layer units a sub-layer variant removes (its blocks are ())."""
 
 
 @dataclass(frozen=True)
@@ -164,3 +173,6 @@ class PointResult:
     peak_gib: float | None = None
     """The most memory the point's worker held above its process's own (GiB), what the
     plan's `evaluate` decision estimates; None where an engine's processes held it (vLLM)."""
+    backend: str | None = None
+    """The backend that evaluated the point where it is not the job's: a sub-layer
+    variant vLLM cannot serve (`lorp.models.nemotron_nas`) is evaluated in transformers."""

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from lorp import Selection, get_method, select_layers
-from lorp.locality.similarity_stats import FORMAT_VERSION, SimilarityStats
-from lorp.methods import RepairScores, resolve_budget, validate_options
+from lorp import Selection, get_method
+from lorp.locality.similarity_stats import FORMAT_VERSION
+from lorp.methods import resolve_budget, validate_options
 from lorp.models.architectures import architecture_for
 from lorp.models.loading import Kind, materialize, parse_model_ref, read_config
-from lorp.models.memory import GIB, Stage, gib
 from lorp.repair.maps import MAX_ROUNDS
 from lorp.repair.stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair.stats import contiguous_runs
+from pipeline.selectors import Selector
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
@@ -33,6 +32,9 @@ from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
 from pipeline.spec.names import safe_name
 from pipeline.storage import unwritable
+
+if TYPE_CHECKING:
+    from pipeline.cluster.decisions import Decision
 
 BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
 
@@ -66,6 +68,16 @@ class ModelPlan:
 
     tensor_parallel: int = 1
     """GPUs one vLLM engine of this model spans (`pipeline.cluster.memory`); 1 on CPUs."""
+    unit_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Per sub-layer granularity of the job, its budgets as unit counts."""
+    not_servable: str | None = None
+    """Why its sub-layer variants cannot be written in the Nemotron-NAS form vLLM serves
+    (`lorp.models.nemotron_nas.check_servable`): they are evaluated in transformers and
+    not stored. None: they can (or the job has no sub-layer granularity)."""
+
+    def budgets_for(self, granularity: str) -> tuple[int, ...]:
+        """The budgets of `granularity`: block counts, or its unit counts."""
+        return self.budgets if granularity == "block" else dict(self.unit_budgets)[granularity]
 
     def decision(self, stage: str) -> Decision | None:
         """The plan's decision for `stage` (capture, evaluate), None before it is made."""
@@ -103,9 +115,11 @@ class ModelPlan:
     def label(self) -> str:
         return self.spec.label
 
-    def stats_key(self, calibration: str) -> str:
-        """The S cache key: the same weights, calibration and dtype share one S."""
-        return content_key(self.fingerprint, calibration, self.spec.dtype, FORMAT_VERSION)
+    def stats_key(self, calibration: str, sublayers: bool = False) -> str:
+        """The S cache key: the same weights, calibration and dtype share one S (the
+        sub-layer S, over 2N + 1 boundaries, is another file)."""
+        parts = (self.fingerprint, calibration, self.spec.dtype, FORMAT_VERSION)
+        return content_key(*parts, *(["sublayers"] if sublayers else []))
 
     def model_key(self, calibration: str) -> str:
         return content_key(self.fingerprint, calibration, self.spec.dtype)
@@ -123,6 +137,18 @@ class GridPoint:
     """Wall time of the selection (loss-guided methods: their candidate evaluations)."""
     repair: str = "none"
     """none, or linear: the variant's gaps closed by `lorp.repair` (fitted in its task)."""
+    granularity: str = "block"
+    """What the selection removes: blocks, or sub-layer units (`lorp.models.sublayers`:
+    then `selection.layers` are units and `layers` is empty)."""
+
+    @property
+    def sublayer(self) -> bool:
+        return self.granularity != "block"
+
+    @property
+    def servable(self) -> bool:
+        """A sub-layer variant vLLM serves (stored as a Nemotron-NAS checkpoint)."""
+        return self.sublayer and self.model.not_servable is None
 
     @property
     def is_dense(self) -> bool:
@@ -138,11 +164,15 @@ class GridPoint:
         variant and its repaired twin are two slots side by side."""
         if not self.method:
             return "dense"
-        return self.method.key if self.repair == "none" else f"{self.method.key}+{self.repair}"
+        key = self.method.key if not self.sublayer else f"{self.method.key}-{self.granularity}"
+        return key if self.repair == "none" else f"{key}+{self.repair}"
 
     @property
     def runs(self) -> list[tuple[int, int]]:
-        """The maximal runs of removed blocks (what a linear repair fits one map for)."""
+        """The maximal runs of removed blocks, or of a sub-layer point's units (what a
+        linear repair fits one map for)."""
+        if self.sublayer:
+            return contiguous_runs(self.units, 2 * self.model.n_blocks)
         return contiguous_runs(self.layers, self.model.n_blocks) if self.layers else []
 
     @property
@@ -151,7 +181,23 @@ class GridPoint:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return self.selection.layers if self.selection else ()
+        """The whole blocks the point removes (none at a sub-layer granularity)."""
+        return self.selection.layers if self.selection and not self.sublayer else ()
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The sub-layer units the point removes (none at block granularity)."""
+        return self.selection.layers if self.selection and self.sublayer else ()
+
+    @property
+    def pruned(self) -> bool:
+        return bool(self.layers or self.units)
+
+    @property
+    def bound_blocks(self) -> int:
+        """The k of a speed-up's bound N / (N - k): the blocks removed, or those whose
+        sub-layers a point removes (no sub-layer's removal is faster than its block's)."""
+        return len({u // 2 for u in self.units}) if self.sublayer else len(self.layers)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -208,11 +254,14 @@ def grid_key(
     followers: int = 0,
     distill: tuple[int, float] = (0, 0.0),
     gate: bool = True,
+    granularity: str = "block",
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
-    catalogs and caches of earlier runs stay valid."""
+    catalogs and caches of earlier runs stay valid, and a block point's what it was
+    before sub-layers."""
+    units = [{"granularity": granularity}] if granularity != "block" else []
     if repair == "none":
-        return content_key(model_key, point, dict(options), budget, ev)
+        return content_key(model_key, point, dict(options), budget, ev, *units)
     # validated: the ridge chosen (or fixed) and the map kept only where it beats the
     # unrepaired map on held-out calibration windows drawn apart from the fit's, on every
     # domain (lorp.repair.fit.fit_runs), and the whole repair gated by the held-out loss
@@ -227,7 +276,7 @@ def grid_key(
         fit["distill"] = {"epochs": distill[0], "lr": distill[1]}
     if not gate:  # and the gate on
         fit["gate"] = False
-    return content_key(model_key, point, dict(options), budget, ev, fit)
+    return content_key(model_key, point, dict(options), budget, ev, fit, *units)
 
 
 def repair_refusal(plan: ModelPlan, layers: tuple[int, ...]) -> str | None:
@@ -298,7 +347,39 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
             raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
     resolved = tuple(sorted(set(budgets)))
     tied = _tied_embeddings(path, m) if "linear" in spec.repair else False
-    return ModelPlan(m, path, fingerprint, n, family, resolved, mref.ref, mref.kind, tied)
+    units = _unit_budgets(spec, m, n)
+    return ModelPlan(
+        m, path, fingerprint, n, family, resolved, mref.ref, mref.kind, tied,
+        unit_budgets=units, not_servable=_not_servable(config) if spec.sublayers else None,
+    )  # fmt: skip
+
+
+def _not_servable(config: dict[str, Any]) -> str | None:
+    from lorp.models.nemotron_nas import NotServable, check_servable
+
+    try:
+        check_servable(config)
+    except NotServable as exc:
+        return str(exc)
+    return None
+
+
+def _unit_budgets(spec: JobSpec, m: ModelSpec, n: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each sub-layer granularity's budgets as unit counts; one line naming the budget
+    where a model has fewer units to remove."""
+    from lorp.methods.sublayer_selection import resolve_unit_budget
+
+    out = []
+    for g in (g for g in spec.granularity if g != "block"):
+        counts = set()
+        for j, b in enumerate(spec.budgets):
+            try:
+                counts.add(resolve_unit_budget(b, g, n))
+            except ValueError as exc:
+                why = str(exc).removeprefix("budget: ")
+                raise SpecError(f"budgets[{j}]: {why} ({m.label}, granularity {g})") from None
+        out.append((g, tuple(sorted(counts))))
+    return tuple(out)
 
 
 def _tied_embeddings(path: Path, m: ModelSpec) -> bool:
@@ -349,35 +430,6 @@ def resolve_backend(spec: JobSpec, vllm_installed: bool) -> str:
 # -- points ------------------------------------------------------------------------------
 
 
-Selector = Callable[[MethodSpec, int], tuple[Selection, float]]
-"""(method, budget) -> (selection, seconds): how a point's blocks are chosen."""
-
-
-def similarity_selector(stats: SimilarityStats, profile: Any = None) -> Selector:
-    """Select from S alone (every method that needs no candidate evaluations)."""
-
-    def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
-        start = time.perf_counter()
-        sel = select_layers(stats, budget, m.name, profile=profile, **m.options)
-        return sel, time.perf_counter() - start
-
-    return select
-
-
-def repair_selector(stats: SimilarityStats, profile: Any, scores: RepairScores) -> Selector:
-    """Select with a repair-aware method (`needs_repair`): `scores` ranks candidate runs
-    by how well their linear repair does (`pipeline.prepare`, its repair scorer)."""
-
-    def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
-        start = time.perf_counter()
-        sel = select_layers(
-            stats, budget, m.name, profile=profile, repair_scores=scores, **m.options
-        )
-        return sel, time.perf_counter() - start
-
-    return select
-
-
 def plan_points(
     spec: JobSpec,
     plan: ModelPlan,
@@ -399,19 +451,22 @@ def plan_points(
         points.append(GridPoint(grid_key(model_key, "dense", {}, 0, ev), plan, None, None))
         if ready is not None:
             ready(points[:1])
-    methods = sorted(spec.methods, key=lambda m: get_method(m.name).needs_evaluator)
-    for m in methods:
-        for budget in plan.budgets:
-            sel, seconds = select(m, budget)
+    # similarity-only selections first, sub-layer ones among them; loss-guided ones last
+    grid = [(g, m) for g in spec.granularity for m in spec.methods]
+    grid.sort(key=lambda gm: gm[0] == "block" and get_method(gm[1].name).needs_evaluator)
+    for g, m in grid:
+        for budget in plan.budgets_for(g):
+            sel, seconds = select(m, budget) if g == "block" else select(m, budget, g)
             options = sel.to_dict()["options"]
             for repair in spec.repair:
+                followers = spec.repair_followers if g == "block" else 0  # units: none
                 key = grid_key(
                     model_key, m.name, options, budget, ev, repair, spec.repair_rounds,
-                    spec.repair_ridge, spec.repair_followers,
-                    (spec.distill_epochs(m), float(spec.repair_distill_lr)), spec.repair_gate,
+                    spec.repair_ridge, followers,
+                    (spec.distill_epochs(m), float(spec.repair_distill_lr)), spec.repair_gate, g,
                 )  # fmt: skip
-                point = GridPoint(key, plan, m, sel, seconds, repair)
-                why = repair_refusal(plan, sel.layers) if repair != "none" else None
+                point = GridPoint(key, plan, m, sel, seconds, repair, g)
+                why = repair_refusal(plan, point.layers) if repair != "none" else None
                 if why is None:
                     points.append(point)
                     if ready is not None and repair == "none":
@@ -419,47 +474,3 @@ def plan_points(
                 elif refused is not None:
                     refused(point, why)
     return points
-
-
-Mode = Literal["memory", "streamed"]
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Whether one stage holds the model whole or streams it, and why."""
-
-    stage: Stage
-    mode: Mode
-    need_bytes: int
-    """Peak the chosen mode plans for (weights held plus activations)."""
-    memory_bytes: int
-    """Weights whole plus activations: what the in-memory path would need."""
-    worker_bytes: int
-    batch: int = 1
-    """Windows per forward: the job's batch held whole; streamed, as many as fit (every
-    forward of a streamed model reads every block once, so fewer, larger batches read
-    the files fewer times)."""
-    kept_bytes: int = 0
-    """What the stage may hold besides weights and activations (repair sums)."""
-    copies: int = 1
-    """Whole copies of the model a worker may hold (held whole; see `decide`)."""
-    source: str = ""
-    """Where `worker_bytes` came from: the spec's `memory_gib`, or the node's figures."""
-
-    def line(self, label: str) -> str:
-        return (
-            f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
-            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)}, "
-            f"{self.batch} windows per pass)" + (f" [{self.source}]" if self.source else "")
-        )
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "need_gib": round(self.need_bytes / GIB, 3),
-            "memory_gib": round(self.memory_bytes / GIB, 3),
-            "worker_gib": round(self.worker_bytes / GIB, 3),
-            "batch": self.batch,
-            "kept_gib": round(self.kept_bytes / GIB, 3),
-            **({"source": self.source} if self.source else {}),
-        }

@@ -28,7 +28,8 @@ from lorp import Selection, get_method
 from lorp import profile as lorp_profile
 from lorp.locality.profile import Profile
 from lorp.repair.stats import RepairStats
-from pipeline.plan import GridPoint, ModelPlan, plan_points, repair_selector, similarity_selector
+from pipeline.plan import GridPoint, ModelPlan, plan_points
+from pipeline.selectors import repair_selector, similarity_selector, unit_selector
 from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec
 from pipeline.spec.resources import Resources
@@ -41,7 +42,7 @@ from pipeline.stages.statistics import (
     model_statistics,
     repair_statistics,
 )
-from pipeline.stages.tasks import FOLLOWERS, RepairRefs
+from pipeline.stages.tasks import FOLLOWERS, UNITS, RepairRefs
 
 
 class PrepareRecords(Protocol):
@@ -202,8 +203,13 @@ class _Preparation:
         )  # fmt: skip
         plain = similarity_selector(ms.stats, prof)
         by_repair = repair_selector(ms.stats, prof, self._repair_scorer(ms.shards))
+        by_unit = unit_selector(ms.units)
 
-        def select(m: MethodSpec, budget: int) -> tuple[Selection, float]:
+        def select(
+            m: MethodSpec, budget: int, granularity: str = "block"
+        ) -> tuple[Selection, float]:
+            if granularity != "block":
+                return by_unit(m, budget, granularity)
             method = get_method(m.name)
             if method.needs_repair:
                 return by_repair(m, budget)
@@ -273,9 +279,15 @@ class _Preparation:
         repaired = [p for p in todo if p.repair != "none"]
         if not repaired:
             return todo, {}
-        runs = sorted({r for p in repaired for r in p.runs})
+        runs = sorted({r for p in repaired if not p.sublayer for r in p.runs})
+        unit_runs = sorted({r for p in repaired if p.sublayer for r in p.runs})
         try:
-            refs = self._repair_refs(shards, runs, len(repaired))
+            refs = self._repair_refs(shards, runs, len(repaired)) if runs else {}
+            if unit_runs:
+                refs = {**refs, **self._unit_refs(shards, unit_runs, len(repaired))}
+            if shards is not None:  # every repaired point is judged on the held-out windows
+                windows = follower_windows(self.spec, self.plan, shards)
+                refs = {**refs, (self.plan.label, FOLLOWERS): ray_put(windows)}
         except Stopping:
             raise
         except Exception as exc:  # noqa: BLE001 - the job goes on without these repairs
@@ -301,9 +313,26 @@ class _Preparation:
             )
             refs |= {(label, r): ray.put(rs.stats.subset([r])) for r in missing}
             self.job.records.repair_captured(label, rs, missing, variants)
-        if shards is not None:  # every repaired point is judged on the held-out windows
-            refs[(label, FOLLOWERS)] = ray.put(follower_windows(self.spec, self.plan, shards))
         return refs
+
+    def _unit_refs(
+        self, shards: CalibrationShards | None, runs: list[tuple[int, int]], variants: int
+    ) -> RepairRefs:
+        """The sums of the sub-layer points' unit runs, keyed (label, (UNITS, run))."""
+        assert shards is not None
+        label = self.plan.label
+        self._stage("repair capture", self.spec.resources.capture)
+        rs = repair_statistics(
+            self.spec, self.plan, shards, runs, self.spec.run_dir, self.job.force, units=True
+        )
+        self.job.records.repair_captured(label, rs, runs, variants)
+        return {(label, (UNITS, r)): ray_put(rs.stats.subset([r])) for r in runs}
+
+
+def ray_put(value: Any) -> Any:
+    import ray
+
+    return ray.put(value)
 
 
 def _runs_models(m: MethodSpec) -> bool:

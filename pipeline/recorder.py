@@ -352,7 +352,7 @@ class Recorder:
         self.begin(point.key, "point", point.model.label, point=point.name)
 
     def point_done(self, point: GridPoint, result: PointResult, backend: str) -> None:
-        run_id = self.run_ids[point.key]
+        run_id, backend = self.run_ids[point.key], result.backend or backend  # sub-layer: its own
         rel = checkpoint(self.spec.saves_checkpoints, point)
         ckpt = self.storage.uri(rel) if rel else None
         ctx = RowContext(

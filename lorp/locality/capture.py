@@ -154,7 +154,7 @@ def capture_stats(
         step * n,
         model_fingerprint=model_fingerprint,
         calibration_fingerprint=calibration_fingerprint,
-        extra=extra,
+        extra={**(extra or {}), **({"sublayers": True} if sublayers else {})},
     )
     rec = _Recorder(step * n + 1, skip_prefix)
     post_attn = architecture_of(model).post_attn_norm if sublayers else None

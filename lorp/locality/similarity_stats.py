@@ -229,6 +229,28 @@ class SimilarityStats:
             last_token_angular=last[1] if last else None,
         )
 
+    @property
+    def sublayers(self) -> bool:
+        """Whether the states are the 2N + 1 sub-layer boundaries
+        (`lorp.locality.capture.capture_stats(sublayers=True)`), n_blocks counting units."""
+        return bool(self.extra.get("sublayers"))
+
+    def block_stats(self) -> SimilarityStats:
+        """The block statistics inside sub-layer ones: the even states are the blocks'
+        inputs and the last block's output, so their sums are a block capture's."""
+        if not self.sublayers:
+            raise ValueError("block_stats reads sub-layer statistics (capture sublayers=True)")
+        extra = {k: v for k, v in self.extra.items() if k != "sublayers"}
+        out = SimilarityStats(
+            self.n_blocks // 2, model_fingerprint=self.model_fingerprint,
+            calibration_fingerprint=self.calibration_fingerprint, extra=extra,
+        )  # fmt: skip
+        out.tokens, out.sequences = self.tokens, self.sequences
+        out._sum = self._sum[::2, ::2].clone()
+        out._last_sum = self._last_sum[::2, ::2].clone()
+        out._last_angle = self._last_angle[::2, ::2].clone()
+        return out
+
     # -- persistence ----------------------------------------------------------------------
 
     def metadata(self) -> dict[str, Any]:

@@ -28,10 +28,11 @@ from lorp.locality.allocation import allocate_detailed
 from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.lorp_method import check_lorp_options, cluster_labels
-from lorp.methods.registry import Selection, select_layers
+from lorp.methods.registry import Selection, resolve_budget, select_layers
 from lorp.models.sublayers import (
     block_units,
     budget_limit,
+    candidate_units,
     check_granularity,
     eligible_units,
     unit_label,
@@ -61,6 +62,19 @@ def check_unit_budget(budget: int, granularity: str, n_blocks: int) -> int:
             "to remove (its first and last blocks stay)"
         )
     return int(budget)
+
+
+def resolve_unit_budget(budget: int | float, granularity: str, n_blocks: int) -> int:
+    """A budget of `granularity` as a count: blocks as `resolve_budget` counts them, else
+    units (a fraction: of the granularity's units, N for attention or MLP, 2N mixed),
+    at most `budget_limit`."""
+    if granularity == "block":
+        return resolve_budget(budget, n_blocks)
+    if isinstance(budget, float | np.floating):
+        if not 0.0 < budget < 1.0:
+            raise ValueError(f"budget fraction must be in (0, 1), got {budget}")
+        budget = round(float(budget) * len(candidate_units(granularity, n_blocks)))
+    return check_unit_budget(budget, granularity, n_blocks)
 
 
 def select_units(

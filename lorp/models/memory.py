@@ -103,17 +103,23 @@ def block_activations(shape: ModelShape, batch: int, seq_len: int, itemsize: int
 
 
 def stage_activations(
-    stage: Stage, shape: ModelShape, batch: int, seq_len: int, itemsize: int
+    stage: Stage,
+    shape: ModelShape,
+    batch: int,
+    seq_len: int,
+    itemsize: int,
+    states: int | None = None,
 ) -> int:
     """Activation bytes of a stage's batch on top of the weights: one block's forward,
     plus what the stage keeps across blocks. Capture keeps every block's normalised
-    input (fp32 [N + 1, tokens, d], Eq. 3); evaluation keeps the logits (fp32, and the
-    model dtype's copy); the repair's capture keeps two states per run, bounded apart
-    (`repair_memory_gib`)."""
+    input (fp32 [N + 1, tokens, d], Eq. 3; `states`: 2N + 1 for the sub-layer S);
+    evaluation keeps the logits (fp32, and the model dtype's copy); the repair's capture
+    keeps two states per run, bounded apart (`repair_memory_gib`)."""
     work = block_activations(shape, batch, seq_len, itemsize)
     tokens = batch * seq_len
     if stage == "capture":
-        return work + 4 * (shape.n_blocks + 1) * tokens * shape.hidden
+        kept = shape.n_blocks + 1 if states is None else states
+        return work + 4 * kept * tokens * shape.hidden
     if stage == "evaluate":
         return work + (4 + itemsize) * tokens * shape.vocab
     return work + 2 * 4 * tokens * shape.hidden

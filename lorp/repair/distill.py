@@ -152,6 +152,14 @@ def _applied(model: nn.Module, maps: Sequence[_Map], cut: Cut) -> Iterator[None]
             h.remove()
 
 
+@contextmanager
+def applied_maps(model: nn.Module, fits: Sequence[RunFit], cut: Cut) -> Iterator[None]:
+    """`model` without what `cut` removes and `fits` applied at their sites by hooks, as
+    they are (the domain gate's held-out losses of a sub-layer variant)."""
+    with _applied(model, [_Map(f).to(next(model.parameters()).device) for f in fits], cut):
+        yield
+
+
 def _autocast(model: nn.Module, enabled: bool) -> Any:
     device = next(model.parameters()).device.type
     if not enabled or device not in ("cpu", "cuda"):

@@ -16,7 +16,7 @@ unrepaired map (folding it changes no weight) and the variant equals its unrepai
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from lorp.models.perplexity import calibration_loss
 from lorp.models.surgery import blocks_dropped
+from lorp.repair.distill import Cut, applied_maps
 from lorp.repair.fold import applied_by_hooks
 from lorp.repair.maps import RunFit, unrepaired_map, unrepaired_matrices
 
@@ -62,27 +63,33 @@ class GateResult:
 
 def domain_losses(
     model: nn.Module,
-    layers: Sequence[int],
+    layers: Sequence[int] | Cut,
     fits: Sequence[RunFit],
     held: Mapping[str, torch.Tensor],
     batch_size: int = 8,
 ) -> dict[str, float]:
     """Domain -> the mean loss per token of its held-out windows of `model` with `layers`
-    dropped and `fits` applied by hooks (none: the unrepaired variant)."""
+    dropped (or what a `Cut` removes, e.g. sub-layers) and `fits` applied by hooks (none:
+    the unrepaired variant)."""
+    if isinstance(layers, Cut):
+        with torch.no_grad(), applied_maps(model, fits, layers):
+            return {d: calibration_loss(model, w, batch_size) for d, w in held.items()}
     with blocks_dropped(model, layers) as kept, applied_by_hooks(model, list(fits), kept):
         return {d: calibration_loss(model, w, batch_size) for d, w in held.items()}
 
 
 def gate_repair(
     model: nn.Module,
-    layers: Sequence[int],
+    layers: Sequence[int] | Cut,
     candidates: Sequence[tuple[str, list[RunFit]]],
     held: Mapping[str, torch.Tensor],
     batch_size: int = 8,
+    unrepaired: Callable[[RunFit], torch.Tensor] | None = None,
 ) -> GateResult:
     """The first of `candidates` ((name, maps), best first) that `passes` against the
     unrepaired variant on the domains of `held`, or every map unrepaired (module
-    docstring)."""
+    docstring). `layers`: the blocks dropped, or a `Cut` (sub-layers, whose maps'
+    unrepaired T0 `unrepaired` gives: `lorp.repair.sublayer_repair.unit_T0`)."""
     losses = {UNREPAIRED: domain_losses(model, layers, [], held, batch_size)}
     base, tried = losses[UNREPAIRED], tuple(name for name, _ in candidates)
     for name, fits in candidates:
@@ -90,7 +97,8 @@ def gate_repair(
         if passes(losses[name], base):
             return GateResult(name, fits, losses, tried)
     last = candidates[-1][1] if candidates else []
-    return GateResult(UNREPAIRED, [as_unrepaired(model, f) for f in last], losses, tried)
+    fallback = [as_unrepaired(model, f, unrepaired) for f in last]
+    return GateResult(UNREPAIRED, fallback, losses, tried)
 
 
 def passes(mine: Mapping[str, float], base: Mapping[str, float]) -> bool:
@@ -104,10 +112,14 @@ def passes(mine: Mapping[str, float], base: Mapping[str, float]) -> bool:
     return ratio <= 1 - MIN_GAIN
 
 
-def as_unrepaired(model: nn.Module, fit: RunFit) -> RunFit:
-    """`fit` with the map the pruned model applies already (T0): folding it changes no
-    weight, and the record says `kept: unrepaired`."""
-    matrix, scale = unrepaired_matrices(unrepaired_map(model, fit.run, fit.form), fit.form)
+def as_unrepaired(
+    model: nn.Module, fit: RunFit, unrepaired: Callable[[RunFit], torch.Tensor] | None = None
+) -> RunFit:
+    """`fit` with the map the pruned model applies already (T0, a block run's unless
+    `unrepaired` gives it): folding it changes no weight, and the record says `kept:
+    unrepaired`."""
+    T0 = unrepaired(fit) if unrepaired else unrepaired_map(model, fit.run, fit.form)
+    matrix, scale = unrepaired_matrices(T0, fit.form)
     held = fit.held_unrepaired if fit.held_residual is not None else None
     return replace(
         fit, matrix=matrix, scale=scale, kept=UNREPAIRED, distilled=None,

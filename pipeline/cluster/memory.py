@@ -20,8 +20,7 @@ from lorp.models.loading import parse_dtype, read_config
 from lorp.models.memory import WeightSize, gib, weight_size
 from lorp.models.safetensors_index import tensor_index
 from lorp.models.shape import ModelShape
-from pipeline.cluster.decisions import HEADROOM, TooLargeError, decide
-from pipeline.plan import Decision
+from pipeline.cluster.decisions import HEADROOM, Decision, TooLargeError, decide
 from pipeline.spec.checks import SpecError
 from pipeline.spec.job import JobSpec
 from pipeline.spec.resources import Resources
@@ -299,11 +298,14 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
                 kept_bytes=sums if stage == "capture" else (fit, fit),
                 # A CPU grid worker keeps the model it loaded and works on a copy.
                 copies=2 if stage == "evaluate" and resources.num_gpus == 0 else 1,
+                # the sub-layer S keeps the 2N + 1 boundaries' states
+                states=2 * shape.n_blocks + 1 if spec.sublayers else None,
             )
         except TooLargeError as exc:
             raise SpecError(f"{exc}; {_room_hint(FIELDS[stage], exc.need_bytes)}") from None
         decisions.append((stage, replace(d, source=source)))
     _check_distill(spec.distills, plan, dict(decisions)["evaluate"])
+    _check_sublayers(spec.sublayers, plan, dict(decisions)["evaluate"])
     return replace(plan, memory=tuple(decisions), tensor_parallel=tp)
 
 
@@ -312,6 +314,17 @@ def _room_hint(field: str, need: int) -> str:
     `need` bytes within `HEADROOM`, rounded up to half a GiB."""
     value = math.ceil(need / HEADROOM / GIB * 2) / 2
     return f"set resources.{field}.memory_gib: {value:g} (or run on a node with that much)"
+
+
+def _check_sublayers(sublayers: bool, plan: ModelPlan, evaluate: Decision) -> None:
+    """A sub-layer point removes modules from the model it holds (`remove_sublayers`)."""
+    if sublayers and evaluate.mode == "streamed":
+        raise SpecError(
+            f"granularity: {plan.label} is streamed in its grid points (held whole it needs "
+            f"{gib(evaluate.memory_bytes)}, a grid worker has {gib(evaluate.worker_bytes)}, "
+            f"{evaluate.source}) and a sub-layer point holds its model whole; set "
+            f"granularity: [block], or {_room_hint('grid', evaluate.memory_bytes)}"
+        )
 
 
 def _check_distill(distills: bool, plan: ModelPlan, evaluate: Decision) -> None:

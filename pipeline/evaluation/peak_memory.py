@@ -79,7 +79,12 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def peak_memory_fresh(
-    model_path: str, layers: Sequence[int], dtype: str, device: str, seq_len: int
+    model_path: str,
+    layers: Sequence[int],
+    dtype: str,
+    device: str,
+    seq_len: int,
+    units: Sequence[int] = (),
 ) -> dict[str, float]:
     """`peak_mem_gib` of a variant, measured in a fresh process.
 
@@ -87,10 +92,12 @@ def peak_memory_fresh(
     (multiprocessing's forkserver), so each variant costs a fork, not an interpreter start
     and those imports (seconds per variant on a small machine). It starts as a fresh
     interpreter with the same imports would: no model, no CUDA context, no allocator
-    history, and it ends after one measurement."""
+    history, and it ends after one measurement. `units`: sub-layers removed instead."""
     ctx = _fresh_processes()
     with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
-        job = pool.submit(_peak_memory_here, model_path, list(layers), dtype, device, seq_len)
+        job = pool.submit(
+            _peak_memory_here, model_path, list(layers), dtype, device, seq_len, list(units)
+        )
         try:
             peak = job.result(timeout=1800)
         except Exception as exc:
@@ -108,15 +115,20 @@ def _fresh_processes() -> BaseContext:
     return ctx
 
 
-def _peak_memory_here(model_path: str, layers: list[int], dtype: str, device: str, n: int) -> float:
+def _peak_memory_here(
+    model_path: str, layers: list[int], dtype: str, device: str, n: int, units: list[int]
+) -> float:
     import gc
 
     from lorp.models.loading import load_model
+    from lorp.models.sublayers import remove_sublayers
     from lorp.models.surgery import drop_layers
 
     lm = load_model(model_path, dtype=dtype, device=device, with_tokenizer=False)
     if layers:
         drop_layers(lm.model, layers)
+    if units:
+        remove_sublayers(lm.model, units)
     gc.collect()  # the dropped blocks' tensors go before the mark is reset
     dev = torch.device(device)
     reset_peak_memory(dev)

@@ -66,6 +66,8 @@ CORE_SCHEMA = pa.schema(
         ("budget", pa.int64()),
         ("pruned_layers", pa.list_(pa.int64())),
         ("kept_layers", pa.list_(pa.int64())),
+        ("granularity", pa.string()),
+        ("sublayers", pa.list_(pa.string())),
         ("stages", pa.string()),
         ("memory_plan", pa.string()),
         ("speed_skipped", pa.string()),

@@ -56,7 +56,7 @@ TAG_COLUMNS = (
     "k", "stats_file", "calibration", "checkpoint", "params", "eval_backend", "acc_avg",
     "speedup", "ppl_ratio", "degraded", "judged_on", "fits_calibration_only", "repair",
     "repair_residual", "repair_kept", "protocol", "calibration_id", "reference_claim",
-    "created_at", "storage",
+    "created_at", "storage", "granularity", "sublayers",
 )  # fmt: skip
 
 
@@ -82,6 +82,8 @@ def version_tags(row: Mapping[str, Any], key: str) -> dict[str, str]:
     `rank_by`, the column its protocol ranks by."""
     columns = [*TAG_COLUMNS, *sorted(c for c in row if c.startswith("ppl_"))]
     tags = {c: tag_value(row.get(c)) for c in columns} | {"rank_by": rank_column(row)}
+    if row.get("sublayers"):  # a Nemotron-NAS checkpoint carries lorp's modelling code
+        tags["trust_remote_code"] = "true"
     return {GRID_KEY: key} | {c: v for c, v in tags.items() if v is not None}
 
 

@@ -2,7 +2,9 @@
 aliases and the dashboard all rank with it.
 
 - Rows are compared only within one protocol (`pipeline.records.protocol`) and one
-  model (its catalog label, the registered model `lorp-<label>`) and budget.
+  model (its catalog label, the registered model `lorp-<label>`), granularity and
+  budget: 8 attention sub-layers are not 8 blocks (`best-<b>` ranks whole blocks,
+  `best-attention-<b>` attention sub-layers; a row without a granularity is a block's).
 - A degraded row (over the quality gate) is never best; among the rest the lowest value
   of the protocol's first perplexity wins (no perplexity in the protocol: the highest
   `acc_avg`), ties broken by method label, job and grid key, so every reader picks the
@@ -66,14 +68,23 @@ def is_variant(row: Row) -> bool:
     return row.get("method") != "dense" and int(row.get("budget") or 0) > 0
 
 
-def best(rows: Iterable[Row], budget: int, protocol: str) -> Row | None:
-    """The best non-degraded variant of `budget` under `protocol` among `rows` (one
-    model's), or None."""
+def granularity(row: Row) -> str:
+    """What a row's budget counts: `block` (also a row from before sub-layers) or a
+    sub-layer granularity."""
+    return str(row.get("granularity") or "block")
+
+
+def best(
+    rows: Iterable[Row], budget: int, protocol: str, granularity_: str = "block"
+) -> Row | None:
+    """The best non-degraded variant of `budget` units of `granularity_` under `protocol`
+    among `rows` (one model's), or None."""
     ranked = [
         r
         for r in rows
         if is_variant(r)
         and int(r["budget"]) == budget
+        and granularity(r) == granularity_
         and row_protocol(r) == protocol
         and rank(r) is not None
     ]
@@ -104,25 +115,39 @@ def protocols(rows: Iterable[Row]) -> list[str]:
     return sorted({row_protocol(r) for r in rows} - {NO_EVALUATION})
 
 
-def budgets(rows: Iterable[Row]) -> list[int]:
-    return sorted({int(r["budget"]) for r in rows if is_variant(r)})
+def budgets(rows: Iterable[Row], granularity_: str = "block") -> list[int]:
+    return sorted(
+        {int(r["budget"]) for r in rows if is_variant(r) and granularity(r) == granularity_}
+    )
+
+
+def granularities(rows: Iterable[Row]) -> list[str]:
+    """The granularities of `rows`' variants, `block` first."""
+    return sorted({granularity(r) for r in rows if is_variant(r)}, key=lambda g: (g != "block", g))
+
+
+def alias_stem(budget: int, granularity_: str = "block") -> str:
+    """`best-<b>` for blocks, `best-<granularity>-<b>` for sub-layers."""
+    return f"best-{budget}" if granularity_ == "block" else f"best-{granularity_}-{budget}"
 
 
 def wanted_aliases(rows: Sequence[Row]) -> dict[str, Row]:
     """alias -> the row it should point at, for one model's rows: `best-<b>-<protocol>`
     for every budget and protocol with a qualifying variant, `best-<b>` for the
-    reference protocol's. (`dense` is the registry's: `pipeline.records.registry_aliases`.)"""
+    reference protocol's (`best-<granularity>-<b>...` for sub-layer budgets). (`dense`
+    is the registry's: `pipeline.records.registry_aliases`.)"""
     out: dict[str, Row] = {}
     reference = reference_protocol(rows)
     by_protocol: dict[str, list[Row]] = {}
     for r in rows:  # each row's protocol once, not once per budget and protocol
         by_protocol.setdefault(row_protocol(r), []).append(r)
     for protocol in protocols(rows):
-        for b in budgets(rows):
-            row = best(by_protocol[protocol], b, protocol)
-            if row is None:
-                continue
-            out[f"best-{b}-{protocol}"] = row
-            if protocol == reference:
-                out[f"best-{b}"] = row
+        for g in granularities(rows):
+            for b in budgets(rows, g):
+                row = best(by_protocol[protocol], b, protocol, g)
+                if row is None:
+                    continue
+                out[f"{alias_stem(b, g)}-{protocol}"] = row
+                if protocol == reference:
+                    out[alias_stem(b, g)] = row
     return out

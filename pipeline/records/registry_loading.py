@@ -134,16 +134,19 @@ class Variant:
 
 def load_variant(uri: str, *, tracking_uri: str | None = None, **kwargs: Any) -> Variant:
     """Load `models:/<name>@best-8` (or `models:/<name>/<version>`) as a transformers model
-    and tokenizer; `kwargs` go to `from_pretrained` (dtype, device_map, ...)."""
+    and tokenizer; `kwargs` go to `from_pretrained` (dtype, device_map, ...). A version
+    the registry marks `trust_remote_code` (a sub-layer variant, whose checkpoint carries
+    lorp's own Nemotron-NAS code) loads with it unless `kwargs` say otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     store = store_uri(tracking_uri)
     client = MlflowClient(tracking_uri=store, registry_uri=store)
     mv = resolve_version(client, uri, store)
+    trust = kwargs.setdefault("trust_remote_code", mv.tags.get("trust_remote_code") == "true")
     with version_files(client, mv, store) as path:
         prov = check_provenance(path, mv)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     return Variant(model.eval(), tokenizer, mv, prov)
 
 

@@ -154,7 +154,7 @@ def serving_speedups(
                       "serve_speedup_low": 1.0, "serve_speedup_high": 1.0,
                       "serve_resolved": 1.0}  # fmt: skip
         else:
-            bound = speedup_bound(p.model.n_blocks, len(p.layers))
+            bound = speedup_bound(p.model.n_blocks, p.bound_blocks)
             values = serving_speedup(variant_tps, dense_tps, bound, half_width)
         if any(not same(row.get(c), v) for c, v in values.items()):
             out[p.key] = values

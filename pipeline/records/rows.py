@@ -121,7 +121,19 @@ def point_params(point: GridPoint) -> dict[str, Any]:
         "pruned_layers": list(point.layers),
         "kept_layers": kept_layers(point.model.n_blocks, point.layers),
         "repair": point.repair,
+        **(
+            {"granularity": point.granularity, "sublayers": sublayer_labels(point)}
+            if point.sublayer
+            else {}
+        ),
     }
+
+
+def sublayer_labels(point: GridPoint) -> list[str] | None:
+    """The sub-layers a point removes (`attn.5`, `mlp.9`), None at block granularity."""
+    from lorp.models.sublayers import unit_label
+
+    return [unit_label(u) for u in point.units] if point.sublayer else None
 
 
 def point_metrics(point: GridPoint, result: PointResult) -> dict[str, Any]:
@@ -153,6 +165,8 @@ def point_tags(row: Mapping[str, Any], checkpoint: str | None, backend: str) -> 
     tags = {"checkpoint": checkpoint or "", "eval_backend": backend}
     if row.get("memory_plan"):  # held whole or streamed, per stage
         tags["memory_plan"] = row["memory_plan"]
+    if row.get("sublayers"):  # a Nemotron-NAS checkpoint loads with its own code
+        tags |= {"granularity": str(row["granularity"]), "trust_remote_code": "true"}
     return tags
 
 
@@ -212,6 +226,8 @@ def catalog_row(
         "budget": point.budget,
         "pruned_layers": list(point.layers),
         "kept_layers": result.kept,
+        "granularity": point.granularity if point.selection else None,
+        "sublayers": sublayer_labels(point),
         "stages": json.dumps(details["stages"]) if details.get("stages") else None,
         "repair": point.repair if point.selection else None,
         "repair_fits": json.dumps(result.repair) if result.repair else None,
@@ -313,14 +329,31 @@ def protocol_columns(spec: JobSpec, dtype: str, model: ModelSpec | None = None) 
 def costs(
     point: GridPoint, facts: ModelFacts, result: PointResult, seq_len: int
 ) -> dict[str, float]:
-    """The row's cost columns (`lorp.serving_cost`), counted from the model's shape, its kept
-    blocks and its exact parameter count, at the serving dtype and `seq_len`
-    (`cost_seq_len`)."""
+    """The row's cost columns (`lorp.serving_cost`), counted from the model's shape, the
+    blocks keeping their attention and their MLP and its exact parameter count, at the
+    serving dtype and `seq_len` (`cost_seq_len`); and the prefill FLOPs, decode bytes and
+    predicted decode speed-up at 4k and 32k tokens of context (`_4k`, `_32k`), where a
+    KV cache removed with an attention weighs most."""
     if facts.shape is None:
         return {}
+    from lorp.models.sublayers import kept_attention_blocks, kept_mlp_blocks
+
     kept, params, dense = result.kept, result.params, result.params_dense
+    mlp = None
+    if point.sublayer:
+        n = point.model.n_blocks
+        kept, mlp = kept_attention_blocks(n, point.units), kept_mlp_blocks(n, point.units)
     dtype = point.model.spec.dtype
-    return cost_columns(facts.shape, kept, params, dense, dtype, seq_len)
+    out = cost_columns(facts.shape, kept, params, dense, dtype, seq_len, mlp)
+    for suffix, context in CONTEXTS.items():
+        at = cost_columns(facts.shape, kept, params, dense, dtype, context, mlp)
+        out |= {f"{name}_{suffix}": at[name] for name in AT_CONTEXT}
+    return out
+
+
+CONTEXTS = {"4k": 4096, "32k": 32768}
+"""The contexts besides the evaluation's that every row's costs are counted at."""
+AT_CONTEXT = ("prefill_flops_per_token", "decode_bytes_per_token", "predicted_decode_speedup")
 
 
 def cost_seq_len(evaluation: EvaluationSpec, calibration: CalibrationSpec) -> int:

@@ -40,6 +40,16 @@ class JobSpec:
     """Blocks to remove: counts (7) or fractions of N (0.25)."""
     methods: tuple[MethodSpec, ...]
     """Selection methods and their options."""
+    granularity: tuple[str, ...] = ("block",)
+    """A grid dimension: what a budget removes. `block`, whole blocks; `attention` or
+    `mlp`, that sub-layer of as many blocks; `mixed`, attention and MLP sub-layers ranked
+    together (`lorp.models.sublayers`). A sub-layer budget counts units of its
+    granularity (a fraction: of the granularity's units); the methods with a sub-layer
+    form are `lorp.methods.sublayer_selection.SUBLAYER_METHODS`. Sub-layer points read
+    the sub-layer S (one capture serves every granularity), are repaired by
+    `lorp.repair.sublayer_repair` (no followers), and are stored, for the Llama and Qwen2
+    families, as Nemotron-NAS checkpoints vLLM serves; other families are evaluated in
+    transformers, unstored (docs: Sub-layers)."""
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     """Calibration data for S (a model may name its own text: `models[].calibration`)."""
     domains: dict[str, str] = field(default_factory=dict)
@@ -202,6 +212,7 @@ class JobSpec:
             check_storage(self.catalog, "catalog")
             self._check_catalog_table()
         unique("budgets", list(self.budgets))
+        self._check_granularity()
         if not self.repair:
             raise SpecError("repair: at least one of none, linear is needed")
         for i, r in enumerate(self.repair):
@@ -226,6 +237,31 @@ class JobSpec:
         self._check_labels()
         self._check_vllm()
         self._check_domains()
+
+    def _check_granularity(self) -> None:
+        from lorp.methods.sublayer_selection import check_sublayer_method
+        from lorp.models.sublayers import check_granularity
+
+        if not self.granularity:
+            raise SpecError("granularity: at least one of block, attention, mlp, mixed is needed")
+        for i, g in enumerate(self.granularity):
+            try:
+                check_granularity(g, f"granularity[{i}]")
+            except ValueError as exc:
+                raise SpecError(str(exc)) from None
+        unique("granularity", list(self.granularity))
+        for g in self.granularity:
+            for i, m in enumerate(self.methods):
+                try:
+                    check_sublayer_method(m.name, g, f"methods[{i}]")
+                except ValueError as exc:
+                    raise SpecError(str(exc)) from None
+
+    @property
+    def sublayers(self) -> bool:
+        """Whether any point removes sub-layers (the capture then records the 2N + 1
+        sub-layer boundaries, from which the block S is read too)."""
+        return any(g != "block" for g in self.granularity)
 
     def _check_domains(self) -> None:
         check_domains(self.domains)

@@ -67,15 +67,21 @@ class CaptureWorker:
                 calibration_fingerprint=fingerprint,
                 skip_prefix=skip,
                 progress=False,
+                sublayers=self.task.sublayers,
             )
 
-    def repair(self, windows: np.ndarray, name: str, runs: list[tuple[int, int]]) -> RepairStats:
-        """The partial repair sums of `runs` over one shard (dense inputs, one pass)."""
+    def repair(
+        self, windows: np.ndarray, name: str, runs: list[tuple[int, int]], units: bool = False
+    ) -> RepairStats:
+        """The partial repair sums of `runs` over one shard (dense inputs, one pass); runs
+        of sub-layer units where `units` (`lorp.repair.sublayer_repair`)."""
         from lorp.repair.capture import capture_repair_stats
 
         maybe_fail("repair", name)
         label = self.task.model.label
         with span("repair_sums", model=label, shard=name, runs=len(runs), mode=self._mode):
+            if units:
+                return self._unit_sums(windows, runs)
             return capture_repair_stats(
                 self.model,
                 self._batches(windows),
@@ -85,6 +91,16 @@ class CaptureWorker:
                 calibration_fingerprint=self.task.calibration,
                 progress=False,
             )
+
+    def _unit_sums(self, windows: np.ndarray, runs: list[tuple[int, int]]) -> RepairStats:
+        from lorp.repair.sublayer_repair import capture_unit_stats
+
+        stats = capture_unit_stats(
+            self.model, self._batches(windows), runs, skip_prefix=self.task.skip_prefix
+        )
+        stats.model_fingerprint = self.task.model.fingerprint
+        stats.calibration_fingerprint = self.task.calibration
+        return stats
 
     def _batches(self, windows: np.ndarray) -> list[Any]:
         import torch
@@ -167,18 +183,20 @@ def distributed_repair_capture(
     passes: list[list[tuple[int, int]]],
     workers: int | None = None,
     held: Mapping[str, Shard] | None = None,
+    units: bool = False,
 ) -> RepairStats:
     """The repair sums of every run in `passes` over all shards: each worker loads the
     model once and makes one pass per group of runs over each shard it takes (a group's
     sums fit the worker's memory budget, `lorp.repair.stats.repair_passes`); each group's
     partials merge in their own tree, and the groups join into one object. `held`: domain
     -> its held-out windows, each summed apart by the same workers into the result's
-    held-out sums of that domain (`RepairStats.held_domains`)."""
+    held-out sums of that domain (`RepairStats.held_domains`). `units`: the runs are of
+    sub-layer units."""
     actors = _start_workers(task, capture_workers(len(shards), workers))
     domains = list(held or {})
     try:
         put = _put(shards + [held[d] for d in domains] if held else shards)
-        jobs = [("repair", (ref, s.name, runs)) for runs in passes for ref, s in put]
+        jobs = [("repair", (ref, s.name, runs, units)) for runs in passes for ref, s in put]
         partials = _dispatch(actors, jobs)
         n, k = len(shards), len(put)
         groups = [tree_reduce(partials[i * k : i * k + n]) for i in range(len(passes))]

@@ -93,6 +93,10 @@ def _execute_point(task: PointTask) -> PointResult:
 
     start = time.perf_counter()
     lm = _point_model(task)
+    if task.units:
+        from pipeline.stages.sublayer_points import execute_sublayer_point
+
+        return execute_sublayer_point(task, lm, start)
     params_dense = count_params(lm.model)
     fits = _repair(task, lm.model) if task.repair else []
     kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
@@ -103,10 +107,10 @@ def _execute_point(task: PointTask) -> PointResult:
         provenance = {**provenance, "repair": {**(provenance.get("repair") or {}), "runs": records}}
     with scratch_dir() as scratch:
         saved = _save_checkpoint(task, lm, scratch, provenance, fits)
-        metrics = _evaluate(task, lm, saved or lm.path, scratch)
+        metrics = evaluate_point(task, lm, saved or lm.path, scratch)
     seconds = time.perf_counter() - start
     serving = metrics.pop("serving", None) or {}
-    info = _zero_shot_info(task.evaluation, metrics)
+    info = zero_shot_info(task.evaluation, metrics)
     return PointResult(
         task.grid_key,
         kept,
@@ -276,10 +280,13 @@ def _save_checkpoint(
     return local
 
 
-def _evaluate(task: PointTask, lm: Any, model_dir: Path, scratch: Path) -> dict[str, Any]:
+def evaluate_point(
+    task: PointTask, lm: Any, model_dir: Path, scratch: Path, backend: str | None = None
+) -> dict[str, Any]:
     """The point's figures: from the model in memory (transformers), or from `model_dir`,
     the local checkpoint (or the dense model's directory on this node) for vLLM (with
-    its serving rounds under `serving` when the spec asks for them)."""
+    its serving rounds under `serving` when the spec asks for them). `backend`: the
+    task's unless given (a sub-layer variant vLLM cannot serve is judged in memory)."""
     from pipeline.evaluation.backends import (
         TransformersBackend,
         VLLMBackend,
@@ -287,10 +294,10 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path, scratch: Path) -> dict[
         open_backend,
     )
 
-    ev = task.evaluation
-    if task.backend == "none":
+    ev, backend = task.evaluation, backend or task.backend
+    if backend == "none":
         return {}
-    if task.backend == "transformers":
+    if backend == "transformers":
         with open_backend(TransformersBackend(lm.model, lm.tokenizer, ev.batch_size)) as be:
             return evaluate(be, lm.tokenizer, ev)
     tokenizer = lm.tokenizer
@@ -305,15 +312,14 @@ def _evaluate(task: PointTask, lm: Any, model_dir: Path, scratch: Path) -> dict[
     max_len = ev.seq_len + 8
     if ev.serving is not None:
         max_len = max(max_len, ev.serving.prompt_len + ev.serving.output_len + 8)
-    engine = VLLMBackend(
-        str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size,
-        task.model.trust_remote_code,
-    )  # fmt: skip
+    # a sub-layer checkpoint carries its own code (`lorp.models.nemotron_nas`)
+    trust = task.model.trust_remote_code or bool(task.units)
+    engine = VLLMBackend(str(model_dir), task.model.dtype, max_len, ev.tensor_parallel_size, trust)
     with open_backend(engine) as be:
         return evaluate(be, tokenizer, ev)
 
 
-def _zero_shot_info(ev: EvaluationSpec, metrics: dict[str, float]) -> dict[str, dict[str, Any]]:
+def zero_shot_info(ev: EvaluationSpec, metrics: dict[str, float]) -> dict[str, dict[str, Any]]:
     from pipeline.evaluation.zero_shot import task_split
 
     return {

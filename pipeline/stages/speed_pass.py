@@ -30,6 +30,7 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     pruned copies fit half the memory free; the groups share the model's time budget."""
     import copy
 
+    from lorp.models.sublayers import remove_sublayers
     from lorp.models.surgery import drop_layers
     from pipeline.evaluation.speed import timed_speedups
 
@@ -40,7 +41,8 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     dense, dense_dir = copy.deepcopy(lm.model), lm.path
     del lm
     n = task.n_blocks
-    pruned = [(k, layers) for k, layers, _ in task.variants if layers]
+    units = task.units
+    pruned = [(k, layers) for k, layers, _ in task.variants if layers or k in units]
     per_block = _bytes(dense) / max(n, 1)
     groups = _groups(pruned, lambda layers: per_block * (n - len(layers)), _free_bytes(dense) / 2)
     timing: dict[str, dict[str, float]] = {}
@@ -49,6 +51,10 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
         copies = {}
         for key, layers in group:  # a pruned copy shares nothing with the dense model
             pruned_copy = copy.deepcopy(dense)
+            if key in units:  # the bound counts the blocks its sub-layers are in
+                remove_sublayers(pruned_copy, units[key])
+                copies[key] = (pruned_copy, len({u // 2 for u in units[key]}))
+                continue
             drop_layers(pruned_copy, layers)
             copies[key] = (pruned_copy, len(layers))
         figures = timed_speedups(
@@ -68,7 +74,7 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
         timing |= figures
     peaks = _peak_memories(task, dense, dense_dir)
     return {
-        key: (timing[key] if layers else timing[""]) | peaks[key]
+        key: (timing[key] if layers or key in units else timing[""]) | peaks[key]
         for key, layers, _ in task.variants
     }
 
@@ -82,9 +88,10 @@ def _peak_memories(task: SpeedTask, dense: Any, dense_dir: Path) -> dict[str, di
     block_bytes = [_bytes(b) for b in decoder_blocks(dense)]
     out, peaks = {}, {}
     for key, layers, checkpoint in task.variants:
-        size = (len(layers), sum(block_bytes[b] for b in layers))
+        units = task.units.get(key, ())
+        size = (len(layers), sum(block_bytes[b] for b in layers), units)
         if size not in peaks:
-            peaks[size] = _peak_memory(task, dense_dir, layers, checkpoint)
+            peaks[size] = _peak_memory(task, dense_dir, layers, checkpoint, units)
         out[key] = peaks[size]
     return out
 
@@ -124,14 +131,20 @@ def _groups(items: list[Any], size: Any, budget: float) -> list[list[Any]]:
 
 
 def _peak_memory(
-    task: SpeedTask, dense_dir: Path, layers: tuple[int, ...], checkpoint: str | None
+    task: SpeedTask,
+    dense_dir: Path,
+    layers: tuple[int, ...],
+    checkpoint: str | None,
+    units: tuple[int, ...] = (),
 ) -> dict[str, float]:
     """A saved checkpoint (fetched to this node when storage is remote) loads only the
-    kept weights; without one, or for a manifest, the dense model loads and drops the
-    blocks."""
+    kept weights; without one, for a manifest, or for a sub-layer variant, the dense model
+    loads and drops the blocks (or removes the sub-layers) before the mark is reset."""
     from pipeline.evaluation.peak_memory import peak_memory_fresh
 
     device, dtype = device_for(task.resources), task.model.dtype
+    if units:
+        return peak_memory_fresh(str(dense_dir), (), dtype, device, task.seq_len, units)
     if not checkpoint:
         return peak_memory_fresh(str(dense_dir), layers, dtype, device, task.seq_len)
     from lorp.models.variant_manifest import is_manifest

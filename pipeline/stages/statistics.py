@@ -61,6 +61,9 @@ class ModelStats:
     """The calibration shards S came from (the repair's sums read the same tokens)."""
     early_workers: int = 0
     """Capture workers started before the shards were cut (unused when S was cached)."""
+    units: SimilarityStats | None = None
+    """The sub-layer S (2N + 1 boundaries) where the job has a sub-layer granularity:
+    then the file holds it and `stats` is its block S (`SimilarityStats.block_stats`)."""
 
 
 def stats_store(cache_dir: str | None, storage: str | None) -> Storage:
@@ -84,14 +87,15 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
     """
     store = stats_store(spec.cache_dir, spec.storage)
     cal, workers = spec.calibration_for(plan.spec), spec.resources.capture_workers
-    pointer = f"{plan.stats_key(content_key(asdict(cal)))}.name"
+    units = spec.sublayers  # one capture of the 2N + 1 boundaries serves every granularity
+    pointer = f"{plan.stats_key(content_key(asdict(cal)), units)}.name"
     early: list[Any] = []
     noted = store.read_bytes(pointer) is not None
     if force or not noted:
         early = start_capture_workers(_early_task(spec, plan), cal.shards, workers)
     try:
         shards = calibration_shards(cal, plan, run_dir)
-        name = f"{plan.stats_key(shards.fingerprint)}.npz"
+        name = f"{plan.stats_key(shards.fingerprint, units)}.npz"
         local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
         if not force and store.get_file(name, local):
             if not noted:
@@ -99,9 +103,9 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
             stop_workers(early)
             stats = _cached(local, plan)
             uri = store.uri(name)
-            return ModelStats(stats, local, "cache", 0.0, uri, shards, len(early))
+            return _model_stats(stats, local, "cache", 0.0, uri, shards, len(early))
         start = time.perf_counter()
-        task = capture_task(spec.resources.capture, cal, plan, shards)
+        task = capture_task(spec.resources.capture, cal, plan, shards, units)
         stats = distributed_capture(task, load_shards(shards), workers, actors=early or None)
     except BaseException:
         stop_workers(early)
@@ -111,7 +115,14 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
     stats.to_file(local)
     store.put_file(local, name)
     store.write_bytes(pointer, name.encode())  # after S: a note never points at nothing
-    return ModelStats(stats, local, "computed", seconds, store.uri(name), shards, len(early))
+    return _model_stats(stats, local, "computed", seconds, store.uri(name), shards, len(early))
+
+
+def _model_stats(stats: SimilarityStats, *args: Any) -> ModelStats:
+    """`ModelStats` of S as captured: a sub-layer S also as its block S."""
+    if stats.sublayers:
+        return ModelStats(stats.block_stats(), *args, units=stats)
+    return ModelStats(stats, *args)
 
 
 @dataclass(frozen=True)
@@ -134,13 +145,15 @@ def repair_statistics(
     runs: list[tuple[int, int]],
     run_dir: Path,
     force: bool,
+    units: bool = False,
 ) -> ModelRepairStats:
     """The repair sums of every run `plan`'s repaired points need, over S's calibration
     shards, and the same sums over the held-out calibration windows (`stats.held`: the
     loss windows, which choose each run's ridge and whether its map is kept), from the
     cache or computed by capture workers: one model load per worker, as few passes as
     `resources.repair_memory_gib` allows (runs deduplicated across methods and budgets;
-    runs from one start share A_s)."""
+    runs from one start share A_s). `units`: the runs are of sub-layer units
+    (`lorp.repair.sublayer_repair`), summed by the same workers in the same passes."""
     from lorp.repair.stats import FORMAT_VERSION, repair_passes
 
     runs = sorted(set(runs))
@@ -150,6 +163,7 @@ def repair_statistics(
     key = content_key(
         plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs, held.fingerprint,
         *([sorted(set(domains)), list(domains)] if len(set(domains)) > 1 else []),
+        *(["units"] if units else []),
     )  # fmt: skip
     store, name = stats_store(spec.cache_dir, spec.storage), f"repair-{key}.npz"
     local = store.local_path(name) or run_dir / "stats" / name
@@ -168,7 +182,7 @@ def repair_statistics(
     task = capture_task(spec.resources.capture, cal, plan, shards)
     workers = spec.resources.capture_workers
     parts = {d: Shard(f"held-out {d}", w.astype(np.int32)) for d, w in held.by_domain().items()}
-    stats = distributed_repair_capture(task, load_shards(shards), passes, workers, parts)
+    stats = distributed_repair_capture(task, load_shards(shards), passes, workers, parts, units)
     seconds = time.perf_counter() - start
     stats.extra.update({"capture_seconds": seconds, "passes": len(passes),
                         "held_out": held.fingerprint})  # fmt: skip
@@ -215,15 +229,21 @@ def _hidden_size(plan: ModelPlan) -> int:
 
 
 def capture_task(
-    resources: Resources, calibration: CalibrationSpec, plan: ModelPlan, shards: CalibrationShards
+    resources: Resources,
+    calibration: CalibrationSpec,
+    plan: ModelPlan,
+    shards: CalibrationShards,
+    sublayers: bool = False,
 ) -> CaptureTask:
-    """What every capture worker of `plan`'s model receives."""
+    """What every capture worker of `plan`'s model receives (`sublayers`: S over the 2N + 1
+    sub-layer boundaries)."""
     return CaptureTask(
         model=model_source(plan, "capture"),
         calibration=shards.fingerprint,
         resources=resources,
         batch_size=plan.batch("capture", calibration.batch_size),
         skip_prefix=int(shards.bos is not None),
+        sublayers=sublayers,
     )
 
 
@@ -232,7 +252,7 @@ def _early_task(spec: JobSpec, plan: ModelPlan) -> CaptureTask:
     res = spec.resources.capture
     batch = plan.batch("capture", spec.calibration_for(plan.spec).batch_size)
     return CaptureTask(model=model_source(plan, "capture"), calibration="", resources=res,
-                       batch_size=batch)  # fmt: skip
+                       batch_size=batch, sublayers=spec.sublayers)  # fmt: skip
 
 
 def load_shards(shards: CalibrationShards) -> list[Shard]:

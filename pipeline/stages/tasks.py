@@ -27,11 +27,13 @@ RepairRefs = Mapping[tuple[str, Any], Any]
 FOLLOWERS) -> ObjectRef of the model's `FollowerWindows`: what followers and distillation
 fit on, and the held-out windows every repaired point's gate judges it on."""
 FOLLOWERS = "follower windows"
+UNITS = "units"
+"""(model label, (UNITS, run)) -> a sub-layer point's unit run's sums."""
 
 
 def checkpoint(save_checkpoints: bool, point: GridPoint) -> str | None:
     """The point's checkpoint below the storage; None when it is not saved."""
-    if not (save_checkpoints and point.layers):
+    if not (save_checkpoints and point.pruned) or (point.sublayer and not point.servable):
         return None
     return checkpoint_rel(point)
 
@@ -45,6 +47,7 @@ def point_task(
         grid_key=point.key,
         model=model_source(point.model),
         layers=point.layers,
+        units=point.units,
         storage=storage,
         checkpoint=checkpoint(spec.saves_checkpoints, point),
         checkpoint_format=spec.checkpoints,
@@ -80,12 +83,14 @@ def repair_task(spec: JobSpec, point: GridPoint, refs: RepairRefs) -> RepairTask
     if point.repair == "none":
         return None
     runs = tuple(point.runs)
-    stats = tuple(refs[(point.model.label, r)] for r in runs)
+    label = point.model.label
+    stats = tuple(refs[(label, (UNITS, r) if point.sublayer else r)] for r in runs)
     followers, distill = spec.repair_followers, spec.distill_epochs(point.method)
-    windows = refs.get((point.model.label, FOLLOWERS))
+    followers = 0 if point.sublayer else followers  # unit runs take no followers
+    windows = refs.get((label, FOLLOWERS))
     return RepairTask(
         runs, stats, spec.ridge_value, spec.repair_rounds, followers, windows, distill,
-        float(spec.repair_distill_lr), spec.repair_gate,
+        float(spec.repair_distill_lr), spec.repair_gate, units=point.sublayer,
     )  # fmt: skip
 
 
@@ -110,6 +115,7 @@ def speed_task(
         half_width=float(ev.speed_half_width),
         resources=whole_node(resources.speed, resources.grid.num_gpus),
         n_blocks=plan.n_blocks,
+        units={p.key: p.units for p in points if p.sublayer},
     )
 
 
@@ -119,8 +125,8 @@ def twins(points: list[GridPoint]) -> dict[str, str]:
     plain = {(p.model.label, p.label, p.budget): p.key for p in points if p.repair == "none"}
     out = {}
     for p in points:
-        if p.repair != "none" and p.method is not None:
-            twin = plain.get((p.model.label, p.method.key, p.budget))
+        if p.repair != "none" and p.method is not None:  # its label less `+<repair>`
+            twin = plain.get((p.model.label, p.label.rpartition("+")[0], p.budget))
             if twin is not None:
                 out[p.key] = twin
     return out

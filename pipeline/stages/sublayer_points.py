@@ -1,0 +1,128 @@
+"""A sub-layer grid point on its worker (`pipeline.stages.points` hands it over): fit and
+fold the unit runs' repair, remove the attention or MLP sub-layers, save the Nemotron-NAS
+checkpoint vLLM serves (Llama and Qwen2 families), evaluate.
+
+The repair is the block point's with units for blocks (`lorp.repair.sublayer_repair`):
+each unit run's sums come from the capture workers, its map is validated on the held-out
+calibration windows per domain, distilled where the job distils, and the whole repair is
+gated by the held-out loss per domain against the unrepaired variant. A family vLLM cannot
+serve in this form is evaluated with the variant in memory (transformers), whatever the
+job's backend, and is not stored: its result says which backend judged it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.messages import FollowerWindows, PointResult, PointTask
+from pipeline.storage import Storage, scratch_dir
+
+log = logging.getLogger(__name__)
+
+
+def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResult:
+    """`task`'s sub-layers removed from the dense `lm` (repaired first where asked), its
+    checkpoint saved where its family serves, its figures measured."""
+    from lorp.models.sublayers import remove_sublayers
+    from pipeline.evaluation.speed import count_params
+    from pipeline.stages.points import evaluate_point, zero_shot_info
+
+    if task.model.streamed:
+        raise ValueError(
+            f"granularity: sub-layer points hold the model whole; {task.model.label} is "
+            "streamed in its grid points (use granularity: [block] for it)"
+        )
+    params_dense = count_params(lm.model)
+    fits = _unit_repair(task, lm.model) if task.repair else []
+    remove_sublayers(lm.model, task.units)
+    params = count_params(lm.model)
+    records = [f.record() for f in fits]
+    provenance = dict(task.provenance)
+    if task.repair:
+        provenance["repair"] = {**(provenance.get("repair") or {}), "runs": records}
+    backend = task.backend if task.checkpoint or task.backend != "vllm" else "transformers"
+    with scratch_dir() as scratch:
+        saved = _save(task, lm, scratch, provenance)
+        metrics = evaluate_point(task, lm, saved or lm.path, scratch, backend)
+    serving = metrics.pop("serving", None) or {}
+    return PointResult(
+        task.grid_key, list(range(lm.n_blocks)), int(params), int(params_dense), metrics,
+        time.perf_counter() - start, zero_shot_info(task.evaluation, metrics), records,
+        serving, backend=backend if backend != task.backend else None,
+    )  # fmt: skip
+
+
+def _save(task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any]) -> Path | None:
+    """The Nemotron-NAS checkpoint (`lorp.models.nemotron_nas`), written into the storage
+    (or scratch, then uploaded) as a block point's is; None where none is wanted."""
+    if not task.checkpoint:
+        return None
+    from lorp.models.nemotron_nas import save_sublayer_variant
+
+    storage = Storage(task.storage)
+    local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
+    save_sublayer_variant(lm.model, lm.tokenizer, local, task.units, provenance, overwrite=True)
+    if storage.remote:
+        storage.put_dir(local, task.checkpoint)
+    return local
+
+
+def _unit_repair(task: PointTask, model: Any) -> list[Any]:
+    """Every unit run's map, fitted from its sums, distilled where asked, gated on the
+    held-out loss per domain, then folded into the dense `model` (its sub-layers are
+    removed after)."""
+    import dataclasses
+
+    import ray
+
+    from lorp.repair.distill import DEFAULT_BATCH, distill_fits, sublayer_cut
+    from lorp.repair.domain_gate import gate_repair
+    from lorp.repair.sublayer_repair import fit_unit_runs, fold_units, unit_T0
+
+    rt = task.repair
+    assert rt is not None
+    fits = []
+    for run, ref in zip(rt.runs, rt.stats, strict=True):
+        stats = ray.get(ref)
+        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
+            raise ValueError(
+                f"repair statistics of units {run[0]}-{run[1]} belong to another model or run "
+                f"({stats.model_fingerprint}, {stats.runs})"
+            )
+        fits += fit_unit_runs(model, stats, ridge=rt.ridge)
+    cut = sublayer_cut(model, task.units)
+    candidates = [("least squares", list(fits))]
+    fw: FollowerWindows | None = ray.get(rt.windows) if rt.windows is not None else None
+    if rt.distill and fw is not None:
+        fits = distill_fits(
+            model, fits, cut, _tokens(fw.windows), _held(fw), epochs=rt.distill,
+            lr=rt.distill_lr, batch_size=min(fw.batch_size, DEFAULT_BATCH),
+            say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
+        )  # fmt: skip
+        candidates.insert(0, ("distilled", list(fits)))
+    if fw is not None and rt.gate:
+        gate = gate_repair(
+            model, cut, candidates, _held(fw), fw.batch_size,
+            unrepaired=lambda fit: unit_T0(model, fit.run, fit.form),
+        )  # fmt: skip
+        log.info("%s %s: repair gate kept %s", task.model.label, task.name, gate.kept)
+        fits = list(gate.fits)
+        if fits:
+            fits[0] = dataclasses.replace(fits[0], gate=gate.record())
+    else:
+        fits = candidates[0][1]
+    fold_units(model, fits)
+    return fits
+
+
+def _tokens(windows: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(windows).long()
+
+
+def _held(fw: FollowerWindows) -> dict[str, Any]:
+    return {d: _tokens(w) for d, w in fw.held_by_domain().items()}
