@@ -14,13 +14,14 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lorp import Selection, get_method
 from lorp.locality.similarity_stats import FORMAT_VERSION
 from lorp.methods import resolve_budget, validate_options
 from lorp.models.architectures import architecture_for
 from lorp.models.loading import Kind, materialize, parse_model_ref, read_config
+from lorp.models.memory import Decision
 from lorp.repair.maps import MAX_ROUNDS
 from lorp.repair.stats import FORMAT_VERSION as REPAIR_FORMAT
 from lorp.repair.stats import contiguous_runs
@@ -32,9 +33,6 @@ from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
 from pipeline.spec.names import safe_name
 from pipeline.storage import unwritable
-
-if TYPE_CHECKING:
-    from pipeline.cluster.decisions import Decision
 
 BACKENDS_NEEDING_CHECKPOINTS = ("vllm",)
 
@@ -335,7 +333,7 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         spec.calibration_for(m), spec.evaluation, m, config.get("max_position_embeddings")
     )
     budgets = []
-    for j, b in enumerate(spec.budgets):
+    for j, b in enumerate(spec.budgets if "block" in spec.granularity else ()):
         try:
             budgets.append(resolve_budget(b, n))
         except ValueError as exc:

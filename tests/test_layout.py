@@ -17,7 +17,7 @@ ROOT = REPO
 PIPELINE_LAYERS = [
     {"storage", "stored_bases", "s3_conditional"},
     {"spec"},
-    {"evaluation", "plan"},
+    {"evaluation", "plan", "selectors"},
     {"records", "cluster", "messages"},
     {"stages"},
     {"prepare", "recorder"},

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -128,3 +128,47 @@ def stage_activations(
 def gib(n: int) -> str:
     """Bytes as GiB with three significant figures (a tiny test model reads 0.0005)."""
     return f"{n / GIB:.3g} GiB"
+
+
+Mode = Literal["memory", "streamed"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether one stage holds the model whole or streams it, and why."""
+
+    stage: Stage
+    mode: Mode
+    need_bytes: int
+    """Peak the chosen mode plans for (weights held plus activations)."""
+    memory_bytes: int
+    """Weights whole plus activations: what the in-memory path would need."""
+    worker_bytes: int
+    batch: int = 1
+    """Windows per forward: the job's batch held whole; streamed, as many as fit (every
+    forward of a streamed model reads every block once, so fewer, larger batches read
+    the files fewer times)."""
+    kept_bytes: int = 0
+    """What the stage may hold besides weights and activations (repair sums)."""
+    copies: int = 1
+    """Whole copies of the model a worker may hold (held whole; see `decide`)."""
+    source: str = ""
+    """Where `worker_bytes` came from: the spec's `memory_gib`, or the node's figures."""
+
+    def line(self, label: str) -> str:
+        return (
+            f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
+            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)}, "
+            f"{self.batch} windows per pass)" + (f" [{self.source}]" if self.source else "")
+        )
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "need_gib": round(self.need_bytes / GIB, 3),
+            "memory_gib": round(self.memory_bytes / GIB, 3),
+            "worker_gib": round(self.worker_bytes / GIB, 3),
+            "batch": self.batch,
+            "kept_gib": round(self.kept_bytes / GIB, 3),
+            **({"source": self.source} if self.source else {}),
+        }

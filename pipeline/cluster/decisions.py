@@ -6,59 +6,12 @@ matrices do not fit. The sizes it weighs come from `lorp.models.memory`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
-
-from lorp.models.memory import GIB, Stage, WeightSize, gib, stage_activations
+from lorp.models.memory import Decision, Stage, WeightSize, gib, stage_activations
 from lorp.models.shape import ModelShape
 
 # Share of a worker's memory a stage may plan to use: the rest is the process itself
 # (Python, torch, the tokenizer) and the allocator's slack.
 HEADROOM = 0.8
-
-
-Mode = Literal["memory", "streamed"]
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Whether one stage holds the model whole or streams it, and why."""
-
-    stage: Stage
-    mode: Mode
-    need_bytes: int
-    """Peak the chosen mode plans for (weights held plus activations)."""
-    memory_bytes: int
-    """Weights whole plus activations: what the in-memory path would need."""
-    worker_bytes: int
-    batch: int = 1
-    """Windows per forward: the job's batch held whole; streamed, as many as fit (every
-    forward of a streamed model reads every block once, so fewer, larger batches read
-    the files fewer times)."""
-    kept_bytes: int = 0
-    """What the stage may hold besides weights and activations (repair sums)."""
-    copies: int = 1
-    """Whole copies of the model a worker may hold (held whole; see `decide`)."""
-    source: str = ""
-    """Where `worker_bytes` came from: the spec's `memory_gib`, or the node's figures."""
-
-    def line(self, label: str) -> str:
-        return (
-            f"{label}: {self.stage} {self.mode} (held whole it needs {gib(self.memory_bytes)}, "
-            f"a worker has {gib(self.worker_bytes)}; streamed {gib(self.need_bytes)}, "
-            f"{self.batch} windows per pass)" + (f" [{self.source}]" if self.source else "")
-        )
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "need_gib": round(self.need_bytes / GIB, 3),
-            "memory_gib": round(self.memory_bytes / GIB, 3),
-            "worker_gib": round(self.worker_bytes / GIB, 3),
-            "batch": self.batch,
-            "kept_gib": round(self.kept_bytes / GIB, 3),
-            **({"source": self.source} if self.source else {}),
-        }
 
 
 class TooLargeError(ValueError):
@@ -88,15 +41,12 @@ def decide(
     """In memory when the whole model and the stage's activations fit `HEADROOM` of the
     worker; else streamed, when the resident vectors, the largest module twice and the
     activations fit, with as many windows per forward as fit (up to `max_batch`); else
-    `TooLargeError` naming the model, the need and the worker.
-
-    `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
-    least what it must (a capture worker's repair sums: more runs per pass, or one run's
-    sums and more passes). The decision's `kept_bytes` is what it gets. `copies`: how
+    `TooLargeError` naming the model, the need and the worker. `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
+    least what it must (a capture worker's repair sums: more runs per pass, or more
+    passes); the decision's `kept_bytes` is what it gets. `copies`: how
     many copies of the whole model the in-memory path would like to hold (a CPU grid
     worker keeps the model it loaded and works on a copy); held whole with fewer where
-    only those fit (the decision's `copies`). `states`: the states a capture keeps
-    (`stage_activations`)."""
+    only those fit (the decision's `copies`); `states`, those a capture keeps."""
     most, least = kept_bytes
     acts = stage_activations(stage, shape, batch, seq_len, itemsize, states)
     budget = int(worker_bytes * HEADROOM)
@@ -112,9 +62,8 @@ def decide(
     if weights + acts + least <= budget:
         room = budget - weights
         bounds = (batch, max_batch or batch)
-        batch, acts, kept = _streamed(
-            stage, shape, bounds, seq_len, itemsize, room, kept_bytes, states
-        )
+        args = (stage, shape, bounds, seq_len, itemsize, room, kept_bytes, states)
+        batch, acts, kept = _streamed(*args)
         need = weights + acts + kept
         return Decision(stage, "streamed", need, whole + most, worker_bytes, batch, kept)
     raise TooLargeError(

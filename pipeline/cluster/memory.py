@@ -173,6 +173,8 @@ def repair_fit_bytes(spec: JobSpec, plan: ModelPlan, shape: ModelShape, itemsize
         return 0
     # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
     runs = min(max(plan.budgets, default=0), (plan.n_blocks + 1) // 2)
+    units = max((b for _, bs in plan.unit_budgets for b in bs), default=0)
+    runs = max(runs, min(units, plan.n_blocks))  # unit runs are apart too: at most N of 2N
     maps = min(runs * (1 + spec.repair_followers), plan.n_blocks)
     down = shape.hidden * shape.intermediate * itemsize
     first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
@@ -259,8 +261,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     """`plan` with its capture and evaluation decisions; SpecError (one line, naming the
     model, the need and the worker) when even a module at a time does not fit."""
     dtype = parse_dtype(plan.spec.dtype)
-    itemsize = dtype.itemsize
-    size = weight_size(tensor_index(plan.path), dtype)
+    itemsize, size = dtype.itemsize, weight_size(tensor_index(plan.path), dtype)
     shape = ModelShape.from_config(read_config(plan.path))
     cal, ev, res = spec.calibration_for(plan.spec), spec.evaluation, spec.resources
     tp = 1
@@ -298,8 +299,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
                 kept_bytes=sums if stage == "capture" else (fit, fit),
                 # A CPU grid worker keeps the model it loaded and works on a copy.
                 copies=2 if stage == "evaluate" and resources.num_gpus == 0 else 1,
-                # the sub-layer S keeps the 2N + 1 boundaries' states
-                states=2 * shape.n_blocks + 1 if spec.sublayers else None,
+                states=2 * shape.n_blocks + 1 if spec.sublayers else None,  # sub-layer S
             )
         except TooLargeError as exc:
             raise SpecError(f"{exc}; {_room_hint(FIELDS[stage], exc.need_bytes)}") from None

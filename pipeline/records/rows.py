@@ -129,6 +129,13 @@ def point_params(point: GridPoint) -> dict[str, Any]:
     }
 
 
+def granularity_columns(point: GridPoint) -> dict[str, Any]:
+    """What a variant's budget counts (none for the dense row) and the sub-layers it
+    removes (`attn.5`, ...; none at block granularity)."""
+    granularity = point.granularity if point.selection else None
+    return {"granularity": granularity, "sublayers": sublayer_labels(point)}
+
+
 def sublayer_labels(point: GridPoint) -> list[str] | None:
     """The sub-layers a point removes (`attn.5`, `mlp.9`), None at block granularity."""
     from lorp.models.sublayers import unit_label
@@ -226,8 +233,7 @@ def catalog_row(
         "budget": point.budget,
         "pruned_layers": list(point.layers),
         "kept_layers": result.kept,
-        "granularity": point.granularity if point.selection else None,
-        "sublayers": sublayer_labels(point),
+        **granularity_columns(point),
         "stages": json.dumps(details["stages"]) if details.get("stages") else None,
         "repair": point.repair if point.selection else None,
         "repair_fits": json.dumps(result.repair) if result.repair else None,

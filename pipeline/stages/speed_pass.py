@@ -30,8 +30,6 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     pruned copies fit half the memory free; the groups share the model's time budget."""
     import copy
 
-    from lorp.models.sublayers import remove_sublayers
-    from lorp.models.surgery import drop_layers
     from pipeline.evaluation.speed import timed_speedups
 
     pin_threads(task.resources.num_cpus)
@@ -43,20 +41,13 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
     n = task.n_blocks
     units = task.units
     pruned = [(k, layers) for k, layers, _ in task.variants if layers or k in units]
+    variant = lambda key, layers: _variant(dense, layers, units.get(key, ()))  # noqa: E731
     per_block = _bytes(dense) / max(n, 1)
     groups = _groups(pruned, lambda layers: per_block * (n - len(layers)), _free_bytes(dense) / 2)
     timing: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + task.budget_s
     for i, group in enumerate(groups or [[]]):
-        copies = {}
-        for key, layers in group:  # a pruned copy shares nothing with the dense model
-            pruned_copy = copy.deepcopy(dense)
-            if key in units:  # the bound counts the blocks its sub-layers are in
-                remove_sublayers(pruned_copy, units[key])
-                copies[key] = (pruned_copy, len({u // 2 for u in units[key]}))
-                continue
-            drop_layers(pruned_copy, layers)
-            copies[key] = (pruned_copy, len(layers))
+        copies = {key: variant(key, layers) for key, layers in group}
         figures = timed_speedups(
             dense,
             copies,
@@ -77,6 +68,22 @@ def measure_speed(task: SpeedTask) -> dict[str, dict[str, float]]:
         key: (timing[key] if layers or key in units else timing[""]) | peaks[key]
         for key, layers, _ in task.variants
     }
+
+
+def _variant(dense: Any, layers: tuple[int, ...], units: tuple[int, ...]) -> tuple[Any, int]:
+    """A pruned copy, sharing nothing with the dense model, and the k of its bound (a
+    sub-layer variant's: the blocks its sub-layers are in)."""
+    import copy
+
+    from lorp.models.sublayers import remove_sublayers
+    from lorp.models.surgery import drop_layers
+
+    pruned = copy.deepcopy(dense)
+    if units:
+        remove_sublayers(pruned, units)
+        return pruned, len({u // 2 for u in units})
+    drop_layers(pruned, layers)
+    return pruned, len(layers)
 
 
 def _peak_memories(task: SpeedTask, dense: Any, dense_dir: Path) -> dict[str, dict[str, float]]:

@@ -152,8 +152,7 @@ def repair_statistics(
     loss windows, which choose each run's ridge and whether its map is kept), from the
     cache or computed by capture workers: one model load per worker, as few passes as
     `resources.repair_memory_gib` allows (runs deduplicated across methods and budgets;
-    runs from one start share A_s). `units`: the runs are of sub-layer units
-    (`lorp.repair.sublayer_repair`), summed by the same workers in the same passes."""
+    runs from one start share A_s). `units`: runs of sub-layer units, summed alike."""
     from lorp.repair.stats import FORMAT_VERSION, repair_passes
 
     runs = sorted(set(runs))

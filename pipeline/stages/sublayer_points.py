@@ -28,7 +28,7 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
     checkpoint saved where its family serves, its figures measured."""
     from lorp.models.sublayers import remove_sublayers
     from pipeline.evaluation.speed import count_params
-    from pipeline.stages.points import evaluate_point, zero_shot_info
+    from pipeline.stages.point_evaluation import evaluate_point, zero_shot_info
 
     if task.model.streamed:
         raise ValueError(

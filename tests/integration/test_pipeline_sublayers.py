@@ -78,8 +78,9 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     # The Nemotron-NAS checkpoint loads in transformers (its own code) and gives the
     # in-memory variant's logits; its provenance names the sub-layers.
     ckpt = Path(row["checkpoint"])
-    assert json.loads((ckpt / "lorp_pruning.json").read_text())["granularity_units"] == (
-        row["sublayers"]
+    assert (
+        json.loads((ckpt / "lorp_pruning.json").read_text())["granularity_units"]
+        == (row["sublayers"])
     )
     served = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True).eval()
     remove_sublayers(dense, want)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.plan import GridPoint, ModelPlan, grid_key, plan_points
+from pipeline.spec.checks import SpecError
 from pipeline.spec.parse import parse_spec
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.tiny_models import save_tiny_ptb
@@ -69,3 +70,51 @@ def test_a_run_from_block_0_is_not_repaired_where_embeddings_are_tied(tmp_path: 
     both = plan_points(spec, untied, "key", "none", select)
     assert [p.label for p in both] == ["shortgpt", "shortgpt+linear"]
     assert both[0].key != both[1].key and both[1].runs == [(0, 1)]
+
+
+@pytest.mark.integration
+def test_sub_layer_budgets_count_units_and_too_many_are_refused_in_planning(
+    tmp_path: Path,
+) -> None:
+    """A fraction counts the granularity's units; a budget beyond the units a model may
+    lose names the budget, the model and the granularity; Gemma 3 is marked unservable."""
+    from pipeline.plan import plan_model
+
+    model = save_tiny_ptb("llama", tmp_path / "llama")  # 6 blocks: 4 removable attentions
+    one = {"methods": [{"name": "shortgpt"}]}
+    spec = parse_spec(
+        tiny_job(tmp_path, model, budgets=[2, 0.5], granularity=["block", "mixed"], **one)
+    )
+    plan = plan_model(spec, 0, spec.models[0])
+    assert plan.budgets_for("block") == (2, 3) and plan.budgets_for("mixed") == (2, 6)
+    assert plan.not_servable is None
+    too_many = parse_spec(
+        tiny_job(tmp_path, model, budgets=[4, 5], granularity=["attention"], **one)
+    )
+    with pytest.raises(SpecError) as exc:
+        plan_model(too_many, 0, too_many.models[0])
+    assert "budgets[1]: 5 attention units, but a 6-block model has 4" in str(exc.value)
+    assert "(tiny, granularity attention)" in str(exc.value)
+    gemma = save_tiny_ptb("gemma3_text", tmp_path / "gemma3")
+    g = parse_spec(tiny_job(tmp_path, gemma, budgets=[2], granularity=["attention"], **one))
+    assert "gemma3" in str(plan_model(g, 0, g.models[0]).not_servable)
+
+
+def test_a_sub_layer_point_is_its_own_slot_and_key() -> None:
+    """Its label names the granularity, its key differs from the block point's of the same
+    method and budget, and its runs are of units; a block point's key is unchanged."""
+    from lorp.methods.registry import Selection
+    from pipeline.spec.models import MethodSpec
+
+    spec = parse_spec(tiny_job(Path("/x"), Path("/m"), budgets=[2]))
+    plan = ModelPlan(spec.models[0], Path("/m"), "fp", 6, "llama", (2,), "/m", "local")
+    m = MethodSpec("shortgpt")
+    unit = GridPoint("k", plan, m, Selection((4, 5, 6), "shortgpt", 3, 12), granularity="mixed")
+    assert unit.label == "shortgpt-mixed" and unit.layers == () and unit.units == (4, 5, 6)
+    assert unit.runs == [(4, 6)] and unit.bound_blocks == 2 and unit.pruned
+    assert grid_key("mk", "shortgpt", {}, 2, None) != grid_key(
+        "mk", "shortgpt", {}, 2, None, granularity="attention"
+    )
+    assert grid_key("mk", "shortgpt", {}, 2, None, granularity="block") == grid_key(
+        "mk", "shortgpt", {}, 2, None
+    )

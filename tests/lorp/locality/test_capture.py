@@ -132,3 +132,22 @@ def test_sublayer_capture_equals_brute_force(family: str) -> None:
     halves = block_similarity(stats.similarity())
     np.testing.assert_allclose(halves.matrix, whole.matrix, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(halves.last_token, whole.last_token, rtol=1e-6, atol=1e-6)
+
+
+def test_the_block_stats_inside_a_sub_layer_capture_are_a_block_captures() -> None:
+    """What a job with sub-layer granularities selects its block points from: the sums,
+    counts and last-token matrices of a block capture of the same batches (to float32
+    rounding: each batch's Gram is one float32 GEMM, over 2N + 1 states here)."""
+    model = tiny_model("llama")
+    batches = [batch(0), batch(1)]
+    units = capture_stats(model, batches, progress=False, sublayers=True, skip_prefix=1)
+    whole = capture_stats(model, batches, progress=False, skip_prefix=1)
+    blocks = units.block_stats()
+    assert units.sublayers and not blocks.sublayers and not whole.sublayers
+    assert (blocks.n_blocks, blocks.tokens, blocks.sequences) == (
+        whole.n_blocks, whole.tokens, whole.sequences,
+    )  # fmt: skip
+    np.testing.assert_allclose(blocks.gram, whole.gram, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(blocks.last_token_angular(), whole.last_token_angular(), atol=1e-6)
+    with pytest.raises(ValueError, match="reads sub-layer statistics"):
+        whole.block_stats()

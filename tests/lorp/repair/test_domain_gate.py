@@ -76,3 +76,51 @@ def test_a_gain_within_the_noise_or_a_loss_anywhere_does_not_pass() -> None:
     edge = 1 - MIN_GAIN
     assert passes({"prose": 4.0 * edge, "code": 2.0 * edge}, base)
     assert passes({"prose": 4.0 * (1 - 2 * MIN_GAIN), "code": 2.0}, base)  # prose only
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_gate_judges_a_sub_layer_cut_and_falls_back_to_its_units_t0(family: str) -> None:
+    """With a `Cut` the unrepaired losses are the sub-layer variant's own, a candidate's
+    are its maps' at their unit sites (equal to the folded variant's), and where nothing
+    passes each map becomes its unit run's T0, whose fold changes no weight."""
+    from lorp.models.sublayers import remove_sublayers
+    from lorp.repair.distill import sublayer_cut
+    from lorp.repair.sublayer_repair import (
+        fit_unit_runs,
+        fold_units,
+        unit_runs,
+        unit_stats,
+        unit_T0,
+    )
+
+    model = tiny_model(family)
+    units = [3, 4, 7]  # attn.2's MLP neighbour run (mlp.1, attn.2) and mlp.3
+    held = {"prose": token_windows(4, seed=1), "code": token_windows(4, seed=2)}
+    stats = unit_stats(model, unit_runs(model, units), batches(token_windows(16)), None)
+    fits = fit_unit_runs(model, stats)
+    cut = sublayer_cut(model, units)
+    base = domain_losses(model, cut, [], held)
+    pruned = copy.deepcopy(model)
+    remove_sublayers(pruned, units)
+    assert base["code"] == pytest.approx(calibration_loss(pruned, held["code"]), rel=1e-5)
+    repaired = copy.deepcopy(model)
+    fold_units(repaired, fits)
+    remove_sublayers(repaired, units)
+    fitted = domain_losses(model, cut, fits, held)
+    assert fitted["prose"] == pytest.approx(calibration_loss(repaired, held["prose"]), rel=1e-4)
+
+    def scaled(k: float) -> list:  # type: ignore[type-arg]
+        return [
+            replace(f, matrix=f.matrix * k) if f.scale is None else replace(f, scale=f.scale * k)
+            for f in fits
+        ]
+
+    worse = lambda fs: any(v > base[d] for d, v in domain_losses(model, cut, fs, held).items())  # noqa: E731
+    wild = next(scaled(k) for k in (-1.0, -3.0, 5.0, 20.0, 0.0) if worse(scaled(k)))
+    t0 = lambda fit: unit_T0(model, fit.run, fit.form)  # noqa: E731
+    gate = gate_repair(model, cut, [("wild", wild)], held, unrepaired=t0)
+    assert gate.kept == "unrepaired" and gate.losses["unrepaired"] == pytest.approx(base)
+    folded = copy.deepcopy(model)
+    fold_units(folded, gate.fits)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(folded.state_dict()[k], v, rtol=1e-5, atol=1e-6)

@@ -77,6 +77,10 @@ class _Point:
     def is_dense(self) -> bool:
         return not self.layers
 
+    @property
+    def bound_blocks(self) -> int:
+        return len(self.layers)
+
 
 def _row(tps: list[float]) -> dict[str, object]:
     return {"serving": json.dumps({"rounds": [{"output_tps": t} for t in tps]})}

@@ -141,3 +141,31 @@ def test_materialize_is_refused_where_it_has_nothing_to_write(
     with pytest.raises(SpecError) as info:
         parse_spec(CHECKPOINT_BASE | overrides)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("granularity", "methods", "message"),
+    [
+        (["layer"], [{"name": "shortgpt"}], "granularity[0]: must be one of"),
+        ([], [{"name": "shortgpt"}], "granularity: at least one of block"),
+        (["attention", "attention"], [{"name": "shortgpt"}], "granularity: "),
+        (["block", "mlp"], [{"name": "sleb"}], "methods[0]: 'sleb' has no sub-layer form"),
+    ],
+)
+def test_a_granularity_or_a_method_without_its_form_is_refused_in_one_line(
+    tmp_path: Path, granularity: list, methods: list, message: str
+) -> None:
+    spec = tiny_job(tmp_path, tmp_path / "m", granularity=granularity, methods=methods)
+    with pytest.raises(SpecError) as exc:
+        parse_spec(spec)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_granularity_is_block_unless_the_spec_says_otherwise(tmp_path: Path) -> None:
+    spec = parse_spec(tiny_job(tmp_path, tmp_path / "m"))
+    assert spec.granularity == ("block",) and not spec.sublayers
+    one = [{"name": "lorp"}, {"name": "shortgpt"}]
+    mixed = parse_spec(
+        tiny_job(tmp_path, tmp_path / "m", granularity=["block", "mixed"], methods=one)
+    )
+    assert mixed.granularity == ("block", "mixed") and mixed.sublayers

@@ -60,18 +60,32 @@ def test_peak_memory_once_per_kept_size(monkeypatch: pytest.MonkeyPatch, tmp_pat
     where = save_tiny_ptb("llama", tmp_path / "tiny")
     measured: list[tuple[int, ...]] = []
 
-    def peak(task, dense_dir, layers, checkpoint):  # type: ignore[no-untyped-def]
-        measured.append(tuple(layers))
-        return {"peak_mem_gib": float(len(layers))}
+    def peak(task, dense_dir, layers, checkpoint, units=()):  # type: ignore[no-untyped-def]
+        measured.append(tuple(layers) or tuple(units))
+        return {"peak_mem_gib": float(len(layers)) + len(units) / 10}
 
-    monkeypatch.setattr(speed, "timed_speedups", lambda dense, copies, *a, **kw: {
-        k: {"speedup": 1.0} for k in [*copies, ""]})  # fmt: skip
+    timed: dict = {}  # type: ignore[type-arg]
+
+    def timings(dense, copies, *a, **kw):  # type: ignore[no-untyped-def]
+        from lorp.models.architectures import decoder_blocks
+
+        for k, (m, removed) in copies.items():  # what each copy runs without, and its bound's k
+            timed[k] = (len(decoder_blocks(m)), type(decoder_blocks(m)[1].mlp).__name__, removed)
+        return {k: {"speedup": 1.0 + len(k) / 10} for k in [*copies, ""]}
+
+    monkeypatch.setattr(speed, "timed_speedups", timings)
     monkeypatch.setattr(speed_pass, "_peak_memory", peak)
-    variants = (("d", (), None), ("a", (1,), None), ("b", (2,), None), ("c", (1, 2), None))
+    variants = (("d", (), None), ("a", (1,), None), ("b", (2,), None), ("c", (1, 2), None),
+                ("uu", (), None))  # fmt: skip
     task = SpeedTask(
         model=ModelSource(ref=str(where), kind="dir"), storage=str(tmp_path),
-        variants=variants, seq_len=8, budget_s=10.0, n_blocks=6,
+        variants=variants, seq_len=8, budget_s=10.0, n_blocks=6, units={"uu": (3, 4)},
     )  # fmt: skip
     out = speed_pass.measure_speed(task)
-    assert measured == [(), (1,), (1, 2)]
-    assert {k: v["peak_mem_gib"] for k, v in out.items()} == {"d": 0, "a": 1, "b": 1, "c": 2}
+    assert measured == [(), (1,), (1, 2), (3, 4)]
+    assert {k: v["peak_mem_gib"] for k, v in out.items()} == {
+        "d": 0, "a": 1, "b": 1, "c": 2, "uu": 0.2}  # fmt: skip
+    # the sub-layer variant (mlp.1, attn.2) is timed with its sub-layers gone, all 6 blocks
+    # kept, and its bound counts the 2 blocks it touches
+    assert timed["uu"] == (6, "Removed", 2) and timed["a"][0] == 5
+    assert out["uu"]["speedup"] == 1.2 and out["d"]["speedup"] == 1.0
