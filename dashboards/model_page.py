@@ -329,7 +329,8 @@ def tradeoff_figures(mv: View) -> Markup | None:
         pts = [p for line in f["lines"].values() for p in line]
         caption = (
             f"Quality/cost trade-off: {f['quality']} against {f['xlabel']}, one line per "
-            "method over its budgets; dashed = dense model."
+            "method over its budgets (a sub-layer method's label names its granularity: "
+            "shortgpt-attention); dashed = dense model."
         )
         if any(p[2] is not None for p in pts):
             caption += " Error bars: 95% intervals."

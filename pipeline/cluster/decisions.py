@@ -41,12 +41,13 @@ def decide(
     """In memory when the whole model and the stage's activations fit `HEADROOM` of the
     worker; else streamed, when the resident vectors, the largest module twice and the
     activations fit, with as many windows per forward as fit (up to `max_batch`); else
-    `TooLargeError` naming the model, the need and the worker. `kept_bytes` (most, least): what the stage holds besides, as much as it may and at
-    least what it must (a capture worker's repair sums: more runs per pass, or more
-    passes); the decision's `kept_bytes` is what it gets. `copies`: how
-    many copies of the whole model the in-memory path would like to hold (a CPU grid
-    worker keeps the model it loaded and works on a copy); held whole with fewer where
-    only those fit (the decision's `copies`); `states`, those a capture keeps."""
+    `TooLargeError` naming the model, the need and the worker. `kept_bytes` (most, least):
+    what the stage holds besides, as much as it may and at least what it must (a capture
+    worker's repair sums: more runs per pass, or more passes); the decision's `kept_bytes`
+    is what it gets. `copies`: how many copies of the whole model the in-memory path would
+    like to hold (a CPU grid worker keeps the model it loaded and works on a copy); held
+    whole with fewer where only those fit (the decision's `copies`); `states`, those a
+    capture keeps."""
     most, least = kept_bytes
     acts = stage_activations(stage, shape, batch, seq_len, itemsize, states)
     budget = int(worker_bytes * HEADROOM)

@@ -156,3 +156,21 @@ def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path:
     assert '<span data-stage="capture" data-mode="streamed">capture streamed (8' in big
     assert f"Speed: {reason}." in big
     assert 'class="memory-plan"' not in (tmp_path / "site" / "model-small.html").read_text()
+
+
+def test_sub_layer_lines_meet_block_lines_on_the_decode_cost_at_4k() -> None:
+    """The model page's Pareto figure by granularity: quality against predicted decode
+    bytes at 4k, a line per method label (granularity in it), its front across them."""
+    from dashboards.model_view import tradeoffs
+
+    def row(label: str, budget: int, ppl: float, decode: float) -> dict:  # type: ignore[type-arg]
+        return {"method_label": label, "method": "shortgpt", "budget": budget,
+                "ppl_ptb": ppl, "decode_bytes_per_token_4k": decode}  # fmt: skip
+
+    points = [row("shortgpt", 4, 30.0, 80.0), row("shortgpt", 8, 60.0, 60.0),
+              row("shortgpt-attention", 9, 25.0, 80.0),
+              row("shortgpt-attention", 17, 70.0, 60.0)]  # fmt: skip
+    fig = next(f for f in tradeoffs(None, points) if f["cost"] == "decode_bytes_per_token_4k")
+    assert sorted(fig["lines"]) == ["shortgpt", "shortgpt-attention"]
+    assert [(p["label"], p["x"]) for p in fig["front"]] == [
+        ("shortgpt", 60.0), ("shortgpt-attention", 80.0)]  # fmt: skip
