@@ -134,6 +134,9 @@ METRICS = {
     "peak_mem_gib", "weight_bytes", "kv_bytes_per_token", "prefill_flops_per_token",
     "decode_bytes_per_token", "predicted_prefill_speedup", "predicted_decode_speedup",
     "n_evals", "select_s", "repair_residual", "repair_held_residual",
+    "prefill_flops_per_token_4k", "decode_bytes_per_token_4k", "predicted_decode_speedup_4k",
+    "prefill_flops_per_token_32k", "decode_bytes_per_token_32k",
+    "predicted_decode_speedup_32k",
 }  # fmt: skip
 """Figures (float columns outside the core schema) the meanings table may name."""
 
