@@ -85,12 +85,34 @@ def matched_budget(model: Any, shape: Any, granularity: str, target: float, dtyp
     return len(pool)
 
 
+def matched_mixed(
+    model: Any, shape: Any, similarity: Any, method: str, target: float, dtype: str
+) -> int:
+    """The fewest mixed units `method` removes (its own choice at each count: an MLP saves
+    more than an attention) whose decode bytes at 4k are at most `target`."""
+    from lorp.methods.sublayer_selection import select_units
+    from lorp.models.sublayers import budget_limit, sublayer_parameters
+
+    dense = sum(p.numel() for p in model.parameters())
+    limit = budget_limit("mixed", shape.n_blocks)
+    for k in range(1, limit + 1):
+        units = list(select_units(similarity, k, "mixed", method).layers)
+        params = dense - sublayer_parameters(model, units)
+        if decode_bytes(shape, units, params, dtype, CONTEXT) <= target:
+            return k
+    return limit
+
+
 def grid(
-    model: Any, shape: Any, dtype: str, budgets: tuple[int, ...] = BLOCK_BUDGETS
+    model: Any,
+    shape: Any,
+    dtype: str,
+    budgets: tuple[int, ...] = BLOCK_BUDGETS,
+    similarity: Any = None,
 ) -> list[tuple[str, str, int]]:
     """(granularity, method, budget) points: whole blocks at `budgets`, and at each the
-    attention and mixed budgets matched to its decode cost at 4k (and the MLP budget at
-    the first)."""
+    attention, MLP and (given the sub-layer S) each method's mixed budget matched to its
+    decode cost at 4k."""
     from lorp.models.sublayers import block_units, sublayer_parameters
 
     dense = sum(p.numel() for p in model.parameters())
@@ -102,10 +124,12 @@ def grid(
         points += [("block", m, b) for m in METHODS]
         k_attn = matched_budget(model, shape, "attention", target, dtype)
         points += [("attention", m, k_attn) for m in METHODS]
-        points += [("mixed", m, k_attn) for m in METHODS]
-        if b == budgets[0]:
-            k_mlp = matched_budget(model, shape, "mlp", target, dtype)
-            points.append(("mlp", "shortgpt", k_mlp))
+        for m in METHODS:
+            k = k_attn if similarity is None else matched_mixed(
+                model, shape, similarity, m, target, dtype
+            )  # fmt: skip
+            points.append(("mixed", m, k))
+        points.append(("mlp", "shortgpt", matched_budget(model, shape, "mlp", target, dtype)))
     return points
 
 
@@ -169,7 +193,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     similarity = stats.similarity()
     dense = {"ppl": ppl(model), "zero_shot": zero_shot(model)}
     print(f"{alias}: dense {dense} ({time.perf_counter() - start:.0f} s)", flush=True)
-    points = grid(model, shape, args.dtype, args.block_budgets)
+    points = grid(model, shape, args.dtype, args.block_budgets, similarity)
     if args.points:
         points = [p for p in points if ":".join(map(str, p)) in args.points] or [
             (g, m, int(b)) for g, m, b in (x.split(":") for x in args.points)
@@ -240,6 +264,27 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
             c[f"{side}_zero_shot"] = r.get("zero_shot")
     result["seconds"] = round(time.perf_counter() - start)
     return result
+
+
+SETTINGS = ("model", "dtype", "max_windows", "loss_samples", "sequential", "distill_epochs",
+            "zero_shot_limit")  # fmt: skip
+"""What two runs of a model must share to be shown as one (the dense figures too)."""
+
+
+def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
+    """Run `b` of the same model and settings (other block budgets) merged into `a`: its
+    rows not already in `a` and its comparisons at other budgets; refused in one line when
+    a setting or the dense figures differ."""
+    for key in (*SETTINGS, "dense"):
+        if a.get(key) != b.get(key):
+            raise SystemExit(f"--also {where}: {key} differs ({a.get(key)!r} vs {b.get(key)!r})")
+    keys = {(r["granularity"], r["method"], r["budget"]) for r in a["rows"]}
+    rows = a["rows"] + [r for r in b["rows"]
+                        if (r["granularity"], r["method"], r["budget"]) not in keys]  # fmt: skip
+    have = {c["blocks"] for c in a["comparison"]}
+    comparison = a["comparison"] + [c for c in b["comparison"] if c["blocks"] not in have]
+    comparison.sort(key=lambda c: c["blocks"])
+    return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"]}
 
 
 def _row(rows: list[dict[str, Any]], key: list[Any]) -> dict[str, Any]:
@@ -396,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         "--points", nargs="*", metavar="GRANULARITY:METHOD:BUDGET", help="only these points"
     )
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sublayers")
+    p.add_argument(
+        "--also", type=Path, nargs="*", default=[],
+        help="with --from-runs: more run folders (other block budgets) merged in per model",
+    )  # fmt: skip
     p.add_argument("--from-runs", action="store_true", help="render what --runs holds")
     p.add_argument("--page", type=Path)
     args = p.parse_args(argv)
@@ -407,7 +456,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.from_runs:
                 continue
             path.write_text(json.dumps(measure_model(alias, args), indent=1))
-        results.append(json.loads(path.read_text()))
+        result = json.loads(path.read_text())
+        for more in args.also:
+            other = more / path.name
+            if other.exists():
+                result = merged(result, json.loads(other.read_text()), str(other))
+        results.append(result)
     if not results:
         raise SystemExit(f"no results under {args.runs}")
     text = page(results, args)

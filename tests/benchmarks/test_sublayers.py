@@ -18,6 +18,8 @@ from benchmarks.sublayers import (  # noqa: E402
     decode_bytes,
     grid,
     matched_budget,
+    matched_mixed,
+    merged,
     page,
 )
 
@@ -81,3 +83,45 @@ def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_bl
     assert (
         "| attention | shortgpt | 6 | 1.400x | 1.250x | 2.800x | 256 B | 0.790 | 1.266x |" in text
     )
+
+
+def test_a_mixed_budget_is_the_fewest_of_the_methods_own_units_that_cost_no_more() -> None:
+    """Mixed units differ in cost (an MLP saves more than an attention): each method's
+    mixed budget is matched on the units it would itself remove at each count."""
+    import pytest
+
+    from lorp.locality.capture import capture_stats
+    from lorp.methods.sublayer_selection import select_units
+    from tests.helpers.windows import token_windows
+
+    model = tiny_model("llama")
+    shape = ModelShape.from_config(model.config.to_dict())
+    dense = sum(p.numel() for p in model.parameters())
+    S = capture_stats(model, [token_windows(4)], sublayers=True, progress=False).similarity()
+    units = block_units([1, 2])
+    target = decode_bytes(shape, units, dense - sublayer_parameters(model, units), "float32", 4096)
+    cost = lambda u: decode_bytes(  # noqa: E731
+        shape, u, dense - sublayer_parameters(model, u), "float32", 4096
+    )
+    for method in ("shortgpt", "lorp"):
+        k = matched_mixed(model, shape, S, method, target, "float32")
+        chosen = lambda j, m=method: list(select_units(S, j, "mixed", m).layers)  # noqa: E731
+        assert cost(chosen(k)) <= target
+        assert k == 1 or cost(chosen(k - 1)) > target
+        assert ("mixed", method, k) in grid(model, shape, "float32", (2,), S)
+    with pytest.raises(SystemExit, match="max_windows differs"):
+        merged({"max_windows": 8, "dense": {}}, {"max_windows": 16, "dense": {}}, "b")
+
+
+def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
+    settings = {"model": "m", "dtype": "float32", "max_windows": 8, "loss_samples": 8,
+                "sequential": False, "distill_epochs": 0, "zero_shot_limit": 50,
+                "dense": DENSE, "seconds": 5}  # fmt: skip
+    a = settings | {"rows": [row("block", "lorp", 4, 25.0, 12.0, 80.0)],
+                    "comparison": [{"blocks": 4}]}  # fmt: skip
+    b = settings | {"rows": [row("block", "lorp", 4, 99.0, 99.0, 80.0),
+                             row("block", "lorp", 2, 15.0, 6.0, 90.0)],
+                    "comparison": [{"blocks": 4, "x": 1}, {"blocks": 2}]}  # fmt: skip
+    out = merged(a, b, "b")
+    assert [(r["budget"], r["ppl"]["prose"]) for r in out["rows"]] == [(4, 25.0), (2, 15.0)]
+    assert out["comparison"] == [{"blocks": 2}, {"blocks": 4}] and out["seconds"] == 10
