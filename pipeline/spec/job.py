@@ -344,9 +344,12 @@ class JobSpec:
             "models", [m.label for m in self.models], "give one a distinct name", registered=True
         )
         twins = [r for r in self.repair if r != "none"]  # a repaired twin is `<label>+<repair>`
+        slots = [m.key if g == "block" else f"{m.key}-{g}"  # `GridPoint.label`
+                 for g in self.granularity for m in self.methods]  # fmt: skip
+        unique("methods", slots, hint="a sub-layer point's label is <label>-<granularity>")
         distinct_when_stored(
             "methods",
-            [label for m in self.methods for label in (m.key, *(f"{m.key}+{r}" for r in twins))],
+            [label for key in slots for label in (key, *(f"{key}+{r}" for r in twins))],
             "give one a distinct label",
         )
 

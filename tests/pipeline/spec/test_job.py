@@ -169,3 +169,14 @@ def test_granularity_is_block_unless_the_spec_says_otherwise(tmp_path: Path) -> 
         tiny_job(tmp_path, tmp_path / "m", granularity=["block", "mixed"], methods=one)
     )
     assert mixed.granularity == ("block", "mixed") and mixed.sublayers
+
+
+def test_a_method_label_that_a_sub_layer_point_would_take_is_refused(tmp_path: Path) -> None:
+    methods = [{"name": "shortgpt"}, {"name": "lorp", "label": "shortgpt-attention"}]
+    spec = tiny_job(tmp_path, tmp_path / "m", methods=methods, granularity=["block", "attention"])
+    with pytest.raises(SpecError) as exc:
+        parse_spec(spec)
+    assert str(exc.value) == (
+        "methods: 'shortgpt-attention' appears twice (a sub-layer point's label is "
+        "<label>-<granularity>)"
+    )
