@@ -318,21 +318,25 @@ def _room_hint(field: str, need: int) -> str:
 
 def _check_sublayers(sublayers: bool, plan: ModelPlan, evaluate: Decision) -> None:
     """A sub-layer point removes modules from the model it holds (`remove_sublayers`)."""
-    if sublayers and evaluate.mode == "streamed":
-        raise SpecError(
-            f"granularity: {plan.label} is streamed in its grid points (held whole it needs "
-            f"{gib(evaluate.memory_bytes)}, a grid worker has {gib(evaluate.worker_bytes)}, "
-            f"{evaluate.source}) and a sub-layer point holds its model whole; set "
-            f"granularity: [block], or {_room_hint('grid', evaluate.memory_bytes)}"
-        )
+    if sublayers:
+        why = "a sub-layer point holds its model whole"
+        _held_whole("granularity", plan, evaluate, why, "granularity: [block]")
 
 
 def _check_distill(distills: bool, plan: ModelPlan, evaluate: Decision) -> None:
     """Distillation backpropagates through the model: a streamed one would hold it all."""
-    if distills and evaluate.mode == "streamed":
+    if distills:
+        why = "distillation trains through the model held whole"
+        _held_whole("repair_distill", plan, evaluate, why, "repair_distill: 0")
+
+
+def _held_whole(field: str, plan: ModelPlan, evaluate: Decision, why: str, fix: str) -> None:
+    """One line naming `field` where the plan streams `plan`'s model in its grid points
+    and `why` needs it held whole."""
+    if evaluate.mode == "streamed":
         raise SpecError(
-            f"repair_distill: {plan.label} is streamed in its grid points (held whole it needs "
+            f"{field}: {plan.label} is streamed in its grid points (held whole it needs "
             f"{gib(evaluate.memory_bytes)}, a grid worker has {gib(evaluate.worker_bytes)}, "
-            f"{evaluate.source}) and distillation trains through the model held whole; set "
-            f"repair_distill: 0, or {_room_hint('grid', evaluate.memory_bytes)}"
+            f"{evaluate.source}) and {why}; set {fix}, or "
+            f"{_room_hint('grid', evaluate.memory_bytes)}"
         )

@@ -152,18 +152,13 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
     where the checkpoint is made (the fits need the model's own norm weights)."""
     from lorp.repair.fit import check_repairable, fit_runs
     from lorp.repair.fold import fold
+    from pipeline.stages.sublayer_points import run_statistics
 
     rt = task.repair
     assert rt is not None
     check_repairable(model, task.layers)  # RepairRefused: the point fails with its reason
     fits = []
-    for run, ref in zip(rt.runs, rt.stats, strict=True):
-        stats = ray.get(ref)
-        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
-            raise ValueError(
-                f"repair statistics of run {run[0]}-{run[1]} belong to another model or run "
-                f"({stats.model_fingerprint}, {stats.runs})"
-            )
+    for stats in run_statistics(task):
         fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
     candidates = [("runs only", list(fits))]
     if rt.followers:

@@ -84,15 +84,7 @@ def _unit_repair(task: PointTask, model: Any) -> list[Any]:
 
     rt = task.repair
     assert rt is not None
-    fits = []
-    for run, ref in zip(rt.runs, rt.stats, strict=True):
-        stats = ray.get(ref)
-        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
-            raise ValueError(
-                f"repair statistics of units {run[0]}-{run[1]} belong to another model or run "
-                f"({stats.model_fingerprint}, {stats.runs})"
-            )
-        fits += fit_unit_runs(model, stats, ridge=rt.ridge)
+    fits = [f for s in run_statistics(task) for f in fit_unit_runs(model, s, ridge=rt.ridge)]
     cut = sublayer_cut(model, task.units)
     candidates = [("least squares", list(fits))]
     fw: FollowerWindows | None = ray.get(rt.windows) if rt.windows is not None else None
@@ -116,6 +108,26 @@ def _unit_repair(task: PointTask, model: Any) -> list[Any]:
         fits = candidates[0][1]
     fold_units(model, fits)
     return fits
+
+
+def run_statistics(task: PointTask) -> list[Any]:
+    """Each of a repaired point's runs' sums (block runs, or unit runs), fetched and
+    checked to be its model's and that run's."""
+    import ray
+
+    rt = task.repair
+    assert rt is not None
+    out = []
+    for run, ref in zip(rt.runs, rt.stats, strict=True):
+        stats = ray.get(ref)
+        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
+            what = "units" if rt.units else "run"
+            raise ValueError(
+                f"repair statistics of {what} {run[0]}-{run[1]} belong to another model or "
+                f"run ({stats.model_fingerprint}, {stats.runs})"
+            )
+        out.append(stats)
+    return out
 
 
 def _tokens(windows: Any) -> Any:

@@ -20,6 +20,14 @@ from tests.helpers.tiny_models import tiny_model
 from tests.helpers.windows import token_windows
 
 
+def _scaled(fits: list, k: float) -> list:  # type: ignore[type-arg]
+    """`fits` with every map scaled by k: a candidate that costs some domain."""
+    return [
+        replace(f, matrix=f.matrix * k) if f.scale is None else replace(f, scale=f.scale * k)
+        for f in fits
+    ]
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_a_candidate_worse_on_one_domain_is_passed_over(family: str) -> None:
     model = tiny_model(family)
@@ -37,12 +45,7 @@ def test_a_candidate_worse_on_one_domain_is_passed_over(family: str) -> None:
 
     # a map scaled off costs a domain (on these random weights, a scale found by trying):
     # it is passed over for the next candidate
-    def scaled(k: float) -> list:  # type: ignore[type-arg]
-        return [
-            replace(f, matrix=f.matrix * k) if f.scale is None else replace(f, scale=f.scale * k)
-            for f in fits
-        ]
-
+    scaled = lambda k: _scaled(fits, k)  # noqa: E731
     worse = lambda fs: any(v > base[d] for d, v in domain_losses(model, LAYERS, fs, held).items())  # noqa: E731
     wild = next(scaled(k) for k in (-1.0, -3.0, 5.0, 20.0, 0.0) if worse(scaled(k)))
     gate = gate_repair(model, LAYERS, [("wild", wild), ("fitted", fits)], held)
@@ -109,12 +112,7 @@ def test_the_gate_judges_a_sub_layer_cut_and_falls_back_to_its_units_t0(family: 
     fitted = domain_losses(model, cut, fits, held)
     assert fitted["prose"] == pytest.approx(calibration_loss(repaired, held["prose"]), rel=1e-4)
 
-    def scaled(k: float) -> list:  # type: ignore[type-arg]
-        return [
-            replace(f, matrix=f.matrix * k) if f.scale is None else replace(f, scale=f.scale * k)
-            for f in fits
-        ]
-
+    scaled = lambda k: _scaled(fits, k)  # noqa: E731
     worse = lambda fs: any(v > base[d] for d, v in domain_losses(model, cut, fs, held).items())  # noqa: E731
     wild = next(scaled(k) for k in (-1.0, -3.0, 5.0, 20.0, 0.0) if worse(scaled(k)))
     t0 = lambda fit: unit_T0(model, fit.run, fit.form)  # noqa: E731
