@@ -284,7 +284,13 @@ def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
     have = {c["blocks"] for c in a["comparison"]}
     comparison = a["comparison"] + [c for c in b["comparison"] if c["blocks"] not in have]
     comparison.sort(key=lambda c: c["blocks"])
-    return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"]}
+    parts = [*(a.get("parts") or [block_budgets(a)]), block_budgets(b)]
+    return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"],
+                "parts": parts}  # fmt: skip
+
+
+def block_budgets(result: dict[str, Any]) -> list[int]:
+    return sorted({x["budget"] for x in result["rows"] if x["granularity"] == "block"})
 
 
 def _row(rows: list[dict[str, Any]], key: list[Any]) -> dict[str, Any]:
@@ -394,17 +400,20 @@ def page(results: list[dict[str, Any]], args: Any) -> str:
         "",
     ]
     for r in results:
-        budgets = sorted({x["budget"] for x in r["rows"] if x["granularity"] == "block"})
-        command = (
-            f"python benchmarks/sublayers.py --models {r['model']} --max-windows "
+        commands = [
+            f"`python benchmarks/sublayers.py --models {r['model']} --max-windows "
             f"{r['max_windows']} --block-budgets {' '.join(map(str, budgets))} "
             f"--zero-shot-limit {r.get('zero_shot_limit', args.zero_shot_limit)} "
-            f"--loss-samples {r['loss_samples']}"
+            f"--loss-samples {r['loss_samples']}`"
+            for budgets in r.get("parts") or [block_budgets(r)]
+        ]
+        runs = " and ".join(commands) + (
+            ", two runs merged with --also" if len(commands) > 1 else ""
         )
         out += [
             f"**{r['model']}** (N = {r['n_blocks']}, {r['dtype']}; {r['max_windows']} windows "
             f"per domain, {r.get('zero_shot_limit', args.zero_shot_limit)} zero-shot items "
-            f"per task; `{command}`)",
+            f"per task; {runs})",
             "",
             *comparison_lines(r),
             "",

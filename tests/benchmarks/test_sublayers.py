@@ -125,3 +125,4 @@ def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
     out = merged(a, b, "b")
     assert [(r["budget"], r["ppl"]["prose"]) for r in out["rows"]] == [(4, 25.0), (2, 15.0)]
     assert out["comparison"] == [{"blocks": 2}, {"blocks": 4}] and out["seconds"] == 10
+    assert out["parts"] == [[4], [2, 4]]  # each run's block budgets, for its command line
