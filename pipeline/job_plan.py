@@ -54,6 +54,9 @@ class ModelOutline:
     """Domain -> the corpora the model is calibrated on in it (with their shares)."""
     judged: dict[str, list[str]] = field(default_factory=dict)
     """Domain -> the corpora the model is judged on in it."""
+    sublayers: str = ""
+    """How its sub-layer variants are stored and judged (a job with a sub-layer
+    granularity): vLLM-servable Nemotron-NAS checkpoints, or why not."""
 
 
 @dataclass
@@ -96,9 +99,18 @@ def plan_job(spec: JobSpec) -> JobOutline:
             continue
         outline.stages = plan.memory_record()
         outline.points = grid_points(spec, plan)
+        outline.sublayers = _sublayer_line(spec, plan)
         outline.done = sum(1 for r in rows if r.get("model") == m.label)
         outline.last_run = _last_run(events, m.label)
     return out
+
+
+def _sublayer_line(spec: JobSpec, plan: ModelPlan) -> str:
+    if not spec.sublayers:
+        return ""
+    if plan.not_servable is None:
+        return "stored as Nemotron-NAS checkpoints (vLLM serves them)"
+    return f"judged in transformers, not stored ({plan.not_servable})"
 
 
 def _describe(outline: ModelOutline, plan: ModelPlan) -> None:
@@ -183,6 +195,8 @@ def _model_lines(m: ModelOutline, workers: int) -> list[str]:
         )
     points = ", ".join(f"{k} {v}" for k, v in m.points.items())
     lines.append(f"  points: {sum(m.points.values())} ({points}); {m.done} already done")
+    if m.sublayers:
+        lines.append(f"  sub-layer variants: {m.sublayers}")
     if m.last_run:
         todo = max(0, sum(m.points.values()) - m.done)
         est = m.last_run.get("point_s", 0.0) * todo / max(workers, 1)

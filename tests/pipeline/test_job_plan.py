@@ -136,3 +136,24 @@ def test_decisions_are_equal_with_another_jobs_memory_held(model: Path, tmp_path
         holder.kill()
     assert idle_node["memory"] == busy_node["memory"]
     assert before == idle == busy
+
+
+def test_the_plan_counts_sub_layer_points_and_says_how_their_variants_are_kept(
+    model: Path, tmp_path: Path
+) -> None:
+    """Sub-layer granularities add their own slots (`<label>-<granularity>`), and each
+    model says whether vLLM serves its variants."""
+    from tests.helpers.tiny_models import save_tiny_ptb as save
+
+    gemma = save("gemma3_text", tmp_path / "gemma3")
+    spec = tiny_job(tmp_path, model, "units", budgets=[1, 0.5], methods=[{"name": "shortgpt"}],
+                    granularity=["block", "attention"])  # fmt: skip
+    spec["models"].append({"ref": str(gemma), "name": "g"})
+    outline = plan_job(parse_spec(spec))
+    assert outline.ok, outline.problems
+    tiny, g = outline.models
+    # blocks: 1 and round(0.5 x 6) = 3; attentions: 1 and round(0.5 x 6) = 3
+    assert tiny.points == {"shortgpt": 2, "shortgpt-attention": 2}
+    assert tiny.sublayers.startswith("stored as Nemotron-NAS")
+    assert g.sublayers.startswith("judged in transformers, not stored (model_type 'gemma3")
+    assert plan_job(parse_spec({**spec, "granularity": ["block"]})).models[0].sublayers == ""

@@ -26,3 +26,21 @@ def test_sizes_from_headers_are_the_loaded_bytes(checkpoints: dict[str, Path]) -
             distinct = {p.data_ptr(): p.numel() for p in model.parameters()}
             assert size.total == sum(distinct.values()) * itemsize, family
             assert (size.head == 0) == (family == "gemma3_text"), family
+
+
+def test_a_sub_layer_capture_plans_for_its_2n_plus_1_states() -> None:
+    """Capture keeps every state's normalised fp32 copy: 2N + 1 of them for the sub-layer
+    S, N + 1 for the block S; the block's own forward is the same either way."""
+    from lorp.models.memory import stage_activations
+    from lorp.models.shape import ModelShape
+
+    shape = ModelShape.from_config({"hidden_size": 64, "num_attention_heads": 4,
+                                    "num_hidden_layers": 6, "intermediate_size": 128,
+                                    "vocab_size": 100})  # fmt: skip
+    tokens, d = 2 * 16, 64
+    blocks = stage_activations("capture", shape, 2, 16, 4)
+    units = stage_activations("capture", shape, 2, 16, 4, states=13)
+    assert units - blocks == 4 * (13 - 7) * tokens * d
+    assert stage_activations("evaluate", shape, 2, 16, 4, states=13) == stage_activations(
+        "evaluate", shape, 2, 16, 4
+    )
