@@ -276,7 +276,7 @@ def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
     rows not already in `a` and its comparisons at other budgets; refused in one line when
     a setting or the dense figures differ."""
     for key in (*SETTINGS, "dense"):
-        if a.get(key) != b.get(key):
+        if not _close(a.get(key), b.get(key)):
             raise SystemExit(f"--also {where}: {key} differs ({a.get(key)!r} vs {b.get(key)!r})")
     keys = {(r["granularity"], r["method"], r["budget"]) for r in a["rows"]}
     rows = a["rows"] + [r for r in b["rows"]
@@ -287,6 +287,16 @@ def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
     parts = [*(a.get("parts") or [block_budgets(a)]), block_budgets(b)]
     return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"],
                 "parts": parts}  # fmt: skip
+
+
+def _close(a: Any, b: Any, rel: float = 1e-5) -> bool:
+    """Equal, numbers to `rel` (two runs' dense perplexities differ in the 7th digit:
+    another run's thread scheduling sums the same windows in another order)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], rel) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= rel * max(abs(a), abs(b))
+    return bool(a == b)
 
 
 def block_budgets(result: dict[str, Any]) -> list[int]:

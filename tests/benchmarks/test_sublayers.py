@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from lorp.models.shape import ModelShape
 from lorp.models.sublayers import block_units, sublayer_parameters
 from tests.helpers.paths import REPO
@@ -126,3 +128,8 @@ def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
     assert [(r["budget"], r["ppl"]["prose"]) for r in out["rows"]] == [(4, 25.0), (2, 15.0)]
     assert out["comparison"] == [{"blocks": 2}, {"blocks": 4}] and out["seconds"] == 10
     assert out["parts"] == [[4], [2, 4]]  # each run's block budgets, for its command line
+    near = {**b, "dense": {**DENSE, "ppl": {"prose": 10.0000001, "code": 4.0}}}
+    assert merged(a, near, "b")["dense"] == DENSE  # the 7th digit: the same run
+    far = {**b, "dense": {**DENSE, "ppl": {"prose": 10.01, "code": 4.0}}}
+    with pytest.raises(SystemExit, match="dense differs"):
+        merged(a, far, "b")
