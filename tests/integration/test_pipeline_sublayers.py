@@ -1,5 +1,5 @@
 """Granularity as a grid dimension: one sub-layer capture on Ray serves block, attention and
-mixed points; sub-layer points are repaired from unit sums, stored as Nemotron-NAS
+MLP points; sub-layer points are repaired from unit sums, stored as Nemotron-NAS
 checkpoints, catalogued with their granularity and sub-layers, costed by what they keep,
 timed, and registered under their own aliases; on a real local Ray and sqlite MLflow."""
 
@@ -35,20 +35,20 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     model = save_tiny_ptb("llama", tmp_path / "llama")
     spec = tiny_job(
         tmp_path, model, "units", budgets=[2],
-        methods=[{"name": "shortgpt"}, {"name": "lorp"}],
-        granularity=["block", "attention", "mixed"], repair=["none", "linear"],
+        methods=[{"name": "shortgpt"}],
+        granularity=["block", "attention", "mlp"], repair=["none", "linear"],
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True,
                     "speed_budget_s": 4},
         ray={"num_cpus": 2},
     )  # fmt: skip
     with local_ray():
         summary = run_job(parse_spec(spec))
-    assert summary.done == 13 and not summary.failed and summary.captured == 1
+    assert summary.done == 7 and not summary.failed and summary.captured == 1
     run_dir = tmp_path / "units"
     rows = {r["method_label"]: r for r in read_catalog(run_dir / "catalog")}
     assert sorted(rows) == sorted(
-        ["dense"] + [f"{m}{g}{r}" for m in ("shortgpt", "lorp")
-                     for g in ("", "-attention", "-mixed") for r in ("", "+linear")]
+        ["dense"] + [f"shortgpt{g}{r}" for g in ("", "-attention", "-mlp")
+                     for r in ("", "+linear")]
     )  # fmt: skip
 
     # The selection is the one the sub-layer S of the job's own calibration windows gives.
@@ -69,9 +69,10 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     n, kv = config.num_hidden_layers, 2 * config.num_key_value_heads * config.head_dim * 4
     assert rows["dense"]["kv_bytes_per_token"] == n * kv
     assert row["kv_bytes_per_token"] == (n - 2) * kv
-    mixed = rows["lorp-mixed"]
-    attn_gone = sum(u.startswith("attn.") for u in mixed["sublayers"])
-    assert mixed["kv_bytes_per_token"] == (n - attn_gone) * kv
+    mlp = rows["shortgpt-mlp"]  # every KV cache kept, two MLPs' FLOPs gone
+    assert all(u.startswith("mlp.") for u in mlp["sublayers"]) and len(mlp["sublayers"]) == 2
+    assert mlp["kv_bytes_per_token"] == n * kv
+    assert mlp["prefill_flops_per_token"] < rows["dense"]["prefill_flops_per_token"]
     assert row["decode_bytes_per_token_4k"] < rows["dense"]["decode_bytes_per_token_4k"]
     assert row["params"] < row["params_dense"] == rows["dense"]["params"]
 
@@ -101,6 +102,6 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     # The registry ranks sub-layer budgets apart from block budgets.
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     aliases = client.get_registered_model("lorp-tiny").aliases
-    assert {"best-2", "best-attention-2", "best-mixed-2"} <= set(aliases)
+    assert {"best-2", "best-attention-2", "best-mlp-2"} <= set(aliases)
     mv = client.get_model_version("lorp-tiny", aliases["best-attention-2"])
     assert mv.tags["granularity"] == "attention" and mv.tags["trust_remote_code"] == "true"
