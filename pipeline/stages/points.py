@@ -22,6 +22,7 @@ from pipeline.cluster.model_source import load_checked
 from pipeline.messages import FollowerWindows, PointResult, PointTask
 from pipeline.records.timeline import span
 from pipeline.stages.point_evaluation import evaluate_point, zero_shot_info
+from pipeline.stages.sublayer_points import held_windows
 from pipeline.stages.worker_setup import device_for, pin_threads
 from pipeline.storage import Storage, scratch_dir
 
@@ -184,20 +185,12 @@ def _gate(task: PointTask, model: Any, candidates: list[tuple[str, list[Any]]]) 
     if rt.windows is None or not rt.gate:  # the job keeps its maps as validated
         return candidates[0][1]
     fw: FollowerWindows = ray.get(rt.windows)
-    gate = gate_repair(model, task.layers, candidates, _held(fw), fw.batch_size)
+    gate = gate_repair(model, task.layers, candidates, held_windows(fw), fw.batch_size)
     log.info("%s %s: repair gate kept %s", task.model.label, task.name, gate.kept)
     fits = list(gate.fits)
     if fits:
         fits[0] = dataclasses.replace(fits[0], gate=gate.record())
     return fits
-
-
-def _held(fw: FollowerWindows) -> dict[str, Any]:
-    """Domain -> its held-out windows as token tensors: what the followers, distillation
-    and the gate each judge on per domain."""
-    import torch
-
-    return {d: torch.from_numpy(w).long() for d, w in fw.held_by_domain().items()}
 
 
 def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
@@ -212,7 +205,7 @@ def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
     fw: FollowerWindows = ray.get(rt.windows)
     return fit_followers(
         model, fits, task.layers, torch.from_numpy(fw.windows).long(),
-        _held(fw), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
+        held_windows(fw), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
         batch_size=fw.batch_size, skip_prefix=fw.skip_prefix,
     )  # fmt: skip
 
@@ -229,7 +222,7 @@ def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
     fw: FollowerWindows = ray.get(rt.windows)
     return distill_fits(
         model, fits, task.layers, torch.from_numpy(fw.windows).long(),
-        _held(fw), epochs=rt.distill, lr=rt.distill_lr,
+        held_windows(fw), epochs=rt.distill, lr=rt.distill_lr,
         batch_size=min(fw.batch_size, DEFAULT_BATCH),
         say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
     )  # fmt: skip

@@ -20,6 +20,13 @@ from typing import Any
 from pipeline.messages import FollowerWindows, PointResult, PointTask
 from pipeline.storage import Storage, scratch_dir
 
+
+def held_windows(fw: FollowerWindows) -> dict[str, Any]:
+    """Domain -> its held-out windows as token tensors: what the followers, distillation
+    and the gate each judge on per domain (block and sub-layer points alike)."""
+    return {d: _tokens(w) for d, w in fw.held_by_domain().items()}
+
+
 log = logging.getLogger(__name__)
 
 
@@ -90,14 +97,14 @@ def _unit_repair(task: PointTask, model: Any) -> list[Any]:
     fw: FollowerWindows | None = ray.get(rt.windows) if rt.windows is not None else None
     if rt.distill and fw is not None:
         fits = distill_fits(
-            model, fits, cut, _tokens(fw.windows), _held(fw), epochs=rt.distill,
+            model, fits, cut, _tokens(fw.windows), held_windows(fw), epochs=rt.distill,
             lr=rt.distill_lr, batch_size=min(fw.batch_size, DEFAULT_BATCH),
             say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
         )  # fmt: skip
         candidates.insert(0, ("distilled", list(fits)))
     if fw is not None and rt.gate:
         gate = gate_repair(
-            model, cut, candidates, _held(fw), fw.batch_size,
+            model, cut, candidates, held_windows(fw), fw.batch_size,
             unrepaired=lambda fit: unit_T0(model, fit.run, fit.form),
         )  # fmt: skip
         log.info("%s %s: repair gate kept %s", task.model.label, task.name, gate.kept)
@@ -134,7 +141,3 @@ def _tokens(windows: Any) -> Any:
     import torch
 
     return torch.from_numpy(windows).long()
-
-
-def _held(fw: FollowerWindows) -> dict[str, Any]:
-    return {d: _tokens(w) for d, w in fw.held_by_domain().items()}
