@@ -7,12 +7,19 @@ exp(loss) is that perplexity. `LossEvaluator` scores each candidate on the one l
 model: `lorp.models.surgery.blocks_dropped` removes the blocks in memory for the duration of the
 forward passes and restores the model after, so no weights are copied or written. The
 pipeline builds the same callable over several actors to score a batch in parallel.
+
+With ``units=True`` a candidate is a set of sub-layer units instead
+(`lorp.models.sublayers`: unit 2i is block i's attention, 2i + 1 its MLP), the losses the
+sub-layer forms of the loss-guided methods read (`lorp.methods.sublayer_selection`): a
+block that loses both units is dropped, one that loses one runs without it
+(`sublayers_removed`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -22,7 +29,12 @@ from tqdm.auto import tqdm
 from lorp.models.architectures import decoder_blocks, decoder_stack
 from lorp.models.perplexity import window_nll
 from lorp.models.streaming import device_of
+from lorp.models.sublayers import check_units, sublayers_removed
 from lorp.models.surgery import blocks_dropped, check_layers, kept_layers
+
+Step = tuple[int, int]
+"""One block a candidate keeps, as the trie sees it: (block, its units removed as a mask:
+0 none, 1 its attention, 2 its MLP)."""
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +42,9 @@ log = logging.getLogger(__name__)
 class LossEvaluator:
     """`losses(candidates) -> list[float]` over one in-memory model (see `Losses`).
 
-    Each candidate is a set of 0-based block indices to drop (empty: the model as it is);
-    its value is `calibration_loss` of the model without them. The model runs in eval mode
+    Each candidate is a set of 0-based block indices to drop (empty: the model as it is),
+    or with ``units=True`` a set of sub-layer units; its value is `calibration_loss` of the
+    model without them. The model runs in eval mode
     and is left exactly as it was found. `n_evals` counts the candidates scored.
 
     Candidates share work: the blocks each one keeps, in depth order, form a trie, and the
@@ -49,8 +62,10 @@ class LossEvaluator:
         *,
         batch_size: int = 8,
         progress: bool = False,
+        units: bool = False,
     ) -> None:
         self.model = model
+        self.units = bool(units)
         self.windows = torch.as_tensor(windows, dtype=torch.long)
         self.batch_size = int(batch_size)
         self.progress = progress
@@ -66,10 +81,9 @@ class LossEvaluator:
         return len(decoder_blocks(self.model))
 
     def __call__(self, candidates: Sequence[Iterable[int]]) -> list[float]:
-        n = self.n_blocks
         cands = [tuple(c) for c in candidates]
         # One entry per distinct kept sequence: (2, 1), (1, 2) and repeats are scored once.
-        kept = [tuple(kept_layers(n, check_layers(c, n))) if c else tuple(range(n)) for c in cands]
+        kept = [self._steps(c) for c in cands]
         distinct = list(dict.fromkeys(kept))
         root = _Node()
         for i, seq in enumerate(distinct):
@@ -94,9 +108,22 @@ class LossEvaluator:
         self.n_evals += len(cands)
         loss = {seq: t / m for seq, t, m in zip(distinct, nll, count, strict=True)}
         out = [loss[seq] for seq in kept]
+        what = "sub-layers" if self.units else "blocks"
         for cand, loss in zip(cands, out, strict=True):
-            log.debug("loss without blocks %s: %.6f", list(cand), loss)
+            log.debug("loss without %s %s: %.6f", what, list(cand), loss)
         return out
+
+    def _steps(self, candidate: tuple[int, ...]) -> tuple[Step, ...]:
+        """The blocks `candidate` keeps, in depth order, each with the units it loses."""
+        n = self.n_blocks
+        if not candidate:
+            return tuple((b, 0) for b in range(n))
+        if not self.units:
+            return tuple((b, 0) for b in kept_layers(n, check_layers(candidate, n)))
+        mask = [0] * n
+        for u in check_units(candidate, n):
+            mask[u // 2] |= 1 << (u % 2)
+        return tuple((b, m) for b, m in enumerate(mask) if m != 3)
 
     def _visit(
         self, node: _Node, handed: list[torch.Tensor], batch: torch.Tensor
@@ -120,43 +147,43 @@ class LossEvaluator:
         return out
 
     def _advance(
-        self, state: torch.Tensor | None, chain: list[int], batch: torch.Tensor
+        self, state: torch.Tensor | None, chain: list[Step], batch: torch.Tensor
     ) -> torch.Tensor:
         """The residual stream after blocks `chain`, entered with `state`."""
         blocks = decoder_blocks(self.model)
-        inside = set(chain)
-        dropped = [b for b in range(len(blocks)) if b not in inside]
         captured: list[torch.Tensor] = []
 
         def keep(module: nn.Module, args: Any, output: Any) -> None:
             captured.append(output[0] if isinstance(output, tuple) else output)
 
-        hooks = []
-        try:
-            hooks.append(blocks[chain[-1]].register_forward_hook(keep))
-            if state is not None:
-                hooks.append(_inject(blocks[chain[0]], state))
-            with blocks_dropped(self.model, dropped):
-                decoder_stack(self.model)(input_ids=batch, use_cache=False)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        with ExitStack() as undo:
+            hook = blocks[chain[-1][0]].register_forward_hook(keep)
+            undo.callback(hook.remove)
+            self._only(chain, state, undo)
+            decoder_stack(self.model)(input_ids=batch, use_cache=False)
         return captured[-1]
 
     def _finish(
-        self, state: torch.Tensor | None, last: int, batch: torch.Tensor
+        self, state: torch.Tensor | None, last: Step, batch: torch.Tensor
     ) -> tuple[float, int]:
         """NLL of the candidate that runs block `last` on `state`, then the LM head."""
+        with ExitStack() as undo:
+            self._only([last], state, undo)
+            return window_nll(self.model, batch)
+
+    def _only(self, chain: list[Step], state: torch.Tensor | None, undo: ExitStack) -> None:
+        """Until `undo` closes, the model runs the blocks of `chain` alone (each without
+        the units its mask names), the first of them on `state` (None: the embeddings)."""
         blocks = decoder_blocks(self.model)
-        hook = None
-        try:
-            if state is not None:
-                hook = _inject(blocks[last], state)
-            with blocks_dropped(self.model, [b for b in range(len(blocks)) if b != last]):
-                return window_nll(self.model, batch)
-        finally:
-            if hook is not None:
-                hook.remove()
+        if state is not None:
+            undo.callback(_inject(blocks[chain[0][0]], state).remove)
+        units = [2 * b + k for b, m in chain for k in (0, 1) if m >> k & 1]
+        if units:  # on the whole stack: unit indices are the original blocks'
+            undo.enter_context(sublayers_removed(self.model, units))
+        inside = {b for b, _ in chain}
+        undo.enter_context(
+            blocks_dropped(self.model, [b for b in range(len(blocks)) if b not in inside])
+        )
 
 
 class _Node:
@@ -166,8 +193,8 @@ class _Node:
     __slots__ = ("children", "ends")
 
     def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.ends: list[tuple[int, int]] = []
+        self.children: dict[Step, _Node] = {}
+        self.ends: list[tuple[int, Step]] = []
 
     @property
     def size(self) -> int:

@@ -36,6 +36,17 @@ def sleb_order(
 ) -> tuple[list[int], dict[str, Any]]:
     """SLEB's removal order and the per-step losses, from a `Losses` callable alone."""
     pool = candidate_blocks(n_blocks, keep_first, keep_last, budget)
+    return greedy_removal(pool, budget, losses)
+
+
+def greedy_removal(
+    pool: list[int], budget: int, losses: Losses
+) -> tuple[list[int], dict[str, Any]]:
+    """SLEB's greedy elimination over `pool`, blocks or sub-layer units alike: at each of
+    `budget` steps the candidate whose removal, with those removed so far, gives the lowest
+    loss goes (ties, to 12 decimals: the lower index)."""
+    if budget > len(pool):
+        raise ValueError(f"budget {budget} exceeds the {len(pool)} candidates")
     counted = CountedLosses(losses)
     removed: list[int] = []
     step_losses: list[dict[int, float]] = []
@@ -51,7 +62,7 @@ def sleb_order(
         "order": list(removed),
         "step_losses": step_losses,
         "picked_loss": picked,
-        "candidates": pool,
+        "candidates": list(pool),
         "n_evals": counted.n_evals,
     }
     return removed, details

@@ -11,6 +11,11 @@ first and last block's units are never candidates, as for whole blocks.
   the unit S picks K, spectral clustering partitions all 2N units, and the two-stage
   allocation spends the budget on the granularity's units only, so an attention-only
   budget still sees which MLPs cluster with which attentions.
+- ``sleb``: SLEB's greedy elimination with sub-layers for blocks (the loss-aware removal
+  that FinerCut runs over attention and FFN layers): at each step the unit whose removal,
+  with those gone so far, gives the lowest calibration loss goes. It reads no S; its
+  `losses=` callable scores candidate unit sets
+  (`lorp.methods.removal_loss.LossEvaluator(units=True)`, or the pipeline's actors).
 
 ``block`` granularity runs any registered method on the block S (the even boundaries) and
 returns the units of the blocks it chose, so every granularity is compared on the same
@@ -28,7 +33,9 @@ from lorp.locality.allocation import allocate_detailed
 from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.lorp_method import check_lorp_options, cluster_labels
-from lorp.methods.registry import Selection, resolve_budget, select_layers
+from lorp.methods.loss_guided import check_keep
+from lorp.methods.registry import Losses, Selection, resolve_budget, select_layers
+from lorp.methods.sleb import greedy_removal
 from lorp.models.sublayers import (
     block_units,
     budget_limit,
@@ -38,8 +45,10 @@ from lorp.models.sublayers import (
     unit_label,
 )
 
-SUBLAYER_METHODS = ("lorp", "shortgpt")
+SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb")
 """The methods with a sub-layer form; any registered method runs at `block` granularity."""
+LOSS_METHODS = ("sleb",)
+"""The sub-layer methods that score candidate removals (`losses=` over unit sets)."""
 
 
 def check_sublayer_method(method: str, granularity: str, field: str = "method") -> None:
@@ -82,22 +91,35 @@ def select_units(
     budget: int,
     granularity: str,
     method: str,
+    *,
+    losses: Losses | None = None,
     **options: Any,
 ) -> Selection:
     """The units (`lorp.models.sublayers`) `method` removes at `granularity` for `budget`
     units of it, from a sub-layer S (2N units). `Selection.layers` are units, its
-    `n_blocks` 2N, its details name the granularity and the units' labels."""
+    `n_blocks` 2N, its details name the granularity and the units' labels. A method of
+    `LOSS_METHODS` scores candidate unit sets with `losses` (at `block` granularity too:
+    a block is its two units)."""
     check_sublayer_method(method, granularity)
     if similarity.n_blocks % 2:
         raise ValueError("select_units needs the sub-layer S (capture_stats(sublayers=True))")
     n_blocks = similarity.n_blocks // 2
     check_unit_budget(budget, granularity, n_blocks)
+    if method in LOSS_METHODS and losses is None:
+        raise ValueError(f"method {method!r} scores candidate removals: pass losses=")
     if granularity == "block":
+        by_blocks = None if losses is None else _as_blocks(losses)
+        if by_blocks is not None and method in LOSS_METHODS:
+            options = {**options, "losses": by_blocks}
         chosen = select_layers(block_similarity(similarity), budget, method, **options)
+        options.pop("losses", None)
         units = tuple(block_units(chosen.layers))
         details: dict[str, Any] = {"blocks": list(chosen.layers), **dict(chosen.details)}
     elif method == "shortgpt":
         units, details = _shortgpt(similarity, budget, granularity)
+    elif method == "sleb":
+        assert losses is not None
+        units, details = _sleb(n_blocks, budget, granularity, losses, **options)
     else:
         units, details = _lorp(similarity, budget, granularity, **options)
     details = {"granularity": granularity, "sublayers": [unit_label(u) for u in units], **details}
@@ -157,3 +179,28 @@ def _lorp(
         "rls": score, "k": chosen_k, "labels": [int(x) for x in alloc.labels],
         "order": list(alloc.order), "stages": {str(u): s for u, s in alloc.stages.items()},
     }  # fmt: skip
+
+
+def _as_blocks(losses: Losses) -> Losses:
+    """A unit-set `losses` asked about block sets: each block is its two units."""
+    return lambda cands: losses([tuple(block_units(c)) for c in cands])
+
+
+def _sleb(
+    n_blocks: int,
+    budget: int,
+    granularity: str,
+    losses: Losses,
+    *,
+    keep_first: int = 1,
+    keep_last: int = 1,
+) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """SLEB over the granularity's units of blocks keep_first..N-1-keep_last."""
+    check_keep({"keep_first": keep_first, "keep_last": keep_last}, n_blocks)
+    pool = [
+        u for u in eligible_units(granularity, n_blocks)
+        if keep_first <= u // 2 < n_blocks - keep_last
+    ]  # fmt: skip
+    order, details = greedy_removal(pool, budget, losses)
+    details["order"] = [unit_label(u) for u in order]
+    return tuple(sorted(order)), details

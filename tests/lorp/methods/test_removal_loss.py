@@ -93,3 +93,32 @@ def test_loss_evaluator_refuses_bad_windows_in_one_line() -> None:
             LossEvaluator(model, bad)
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         LossEvaluator(model, torch.zeros((2, 8), dtype=torch.long), batch_size=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_loss_evaluator_scores_sublayer_units_bit_identically(
+    family: str, windows: torch.Tensor
+) -> None:
+    """With units=True a candidate is a set of sub-layers: its loss is the plain forward of
+    the model without them (a block that loses both is dropped), through shared prefixes,
+    and the model is left as it was."""
+    from lorp.models.sublayers import block_units, sublayers_removed
+
+    model = tiny_model(family)
+    before = snapshot(model)
+    n = len(decoder_blocks(model))
+    cands = [(u,) for u in range(1, 2 * n)] + [(2, 5), (5, 2), (4, 5, 8), ()]
+    cands += [tuple(block_units([1, 3]))]  # two whole blocks, as units
+    shared = LossEvaluator(model, windows, batch_size=2, units=True)(cands)
+    plain = []
+    for c in cands:
+        with sublayers_removed(model, c) if c else blocks_dropped(model, []):
+            plain.append(calibration_loss(model, windows, batch_size=2))
+    assert shared == pytest.approx(plain, rel=1e-6, abs=1e-7)
+    assert len(set(shared)) > len(cands) // 2  # removals really differ
+    blocks = LossEvaluator(model, windows, batch_size=2)([(1, 3)])
+    assert shared[-1] == pytest.approx(blocks[0], rel=1e-6)
+    assert_unchanged(model, before)
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in decoder_blocks(model))
+    with pytest.raises(ValueError, match="attn.0 cannot be removed"):
+        LossEvaluator(model, windows, units=True)([(0,)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods import select_layers
@@ -15,7 +16,13 @@ from lorp.methods.sublayer_selection import (
     select_units,
     sublayer_influence,
 )
+from lorp.methods.removal_loss import LossEvaluator
+from lorp.models.architectures import decoder_blocks
+from lorp.models.perplexity import calibration_loss
+from lorp.models.sublayers import block_units, eligible_units, sublayers_removed, unit_label
+from tests.helpers.loss_oracle import argmin
 from tests.helpers.similarity_matrices import chain, random_S, set_sym
+from tests.helpers.tiny_models import tiny_model
 
 N = 6  # blocks: 12 units, 13 boundaries
 
@@ -68,7 +75,8 @@ def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
     [
         (lambda s: select_units(s, 5, "attention", "shortgpt"), r"budget: 5 attention units"),
         (lambda s: select_units(s, 0, "mlp", "lorp"), "budget: 0"),
-        (lambda s: select_units(s, 2, "attention", "sleb"), "method: 'sleb' has no sub-layer"),
+        (lambda s: select_units(s, 2, "attention", "ppl"), "method: 'ppl' has no sub-layer"),
+        (lambda s: select_units(s, 2, "attention", "sleb"), "'sleb' scores candidate removals"),
         (lambda s: select_units(s, 2, "heads", "lorp"), "granularity: must be one of"),
         (
             lambda s: select_units(LayerSimilarity(s.matrix[:12, :12], 11), 2, "mlp", "lorp"),
@@ -79,4 +87,37 @@ def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
 def test_bad_points_are_refused_in_one_line(call, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         call(unit_S())
-    check_sublayer_method("sleb", "block")  # any method runs on whole blocks
+    check_sublayer_method("ppl", "block")  # any method runs on whole blocks
+
+
+def test_sleb_per_unit_removes_greedily_by_the_loss_of_the_model_without_them(
+    windows: torch.Tensor,
+) -> None:
+    """SLEB's sub-layer form on a real tiny model: every step removes the eligible unit of
+    lowest loss given those gone, as brute force over `sublayers_removed` finds; at block
+    granularity a block is its two units."""
+    model = tiny_model("llama")
+    n = len(decoder_blocks(model))
+    evaluator = LossEvaluator(model, windows, batch_size=2, units=True)
+    sim = LayerSimilarity(random_S(2 * n + 1, seed=1), 2 * n)
+
+    def loss(units: tuple[int, ...]) -> float:
+        with sublayers_removed(model, units):
+            return calibration_loss(model, windows, batch_size=2)
+
+    for granularity in ("mixed", "attention"):
+        pool, removed = eligible_units(granularity, n), []
+        for _ in range(3):
+            rest = [u for u in pool if u not in removed]
+            removed.append(argmin(rest, lambda u: loss(tuple(sorted([*removed, u])))))
+        sel = select_units(sim, 3, granularity, "sleb", losses=evaluator)
+        assert sel.details["order"] == [unit_label(u) for u in removed]
+        assert sel.layers == tuple(sorted(removed))
+        assert sel.details["n_evals"] == 3 * len(pool) - 3
+    assert all(u % 2 == 0 for u in sel.layers)
+    by_blocks = select_units(sim, 2, "block", "sleb", losses=evaluator)
+    blocks = select_layers(
+        block_similarity(sim), 2, "sleb", losses=LossEvaluator(model, windows, batch_size=2)
+    )
+    assert by_blocks.details["blocks"] == list(blocks.layers)
+    assert by_blocks.layers == tuple(block_units(blocks.layers))
