@@ -37,11 +37,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BEGIN, END = "<!-- sublayers:begin -->", "<!-- sublayers:end -->"
+from benchmarks.sublayers_report import (  # noqa: E402
+    DOMAINS,
+    SETTINGS,
+    close_enough,
+    compare,
+    find_row,
+    merged,
+    page,
+    write_page,
+)
+
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
-DOMAINS = {"prose": "lee", "code": "code"}
 BLOCK_BUDGETS = (4, 8)
-METHODS = ("shortgpt", "lorp")
+METHODS = ("shortgpt", "lorp", "sleb")
+UNIT_ONLY = {"mlp": ("shortgpt", "sleb")}
+"""The methods run at MLP granularity (LoRP's clusters are spent on attentions there)."""
 CONTEXT = 4096
 """The decode context the costs are compared at."""
 
@@ -85,18 +96,35 @@ def matched_budget(model: Any, shape: Any, granularity: str, target: float, dtyp
     return len(pool)
 
 
+def choose(
+    similarity: Any, budget: int, granularity: str, method: str, losses: Any = None
+) -> list[int]:
+    """The units `method` removes; a loss-guided method asked for every eligible unit of a
+    granularity takes them all without scoring (there is nothing to rank)."""
+    from lorp.methods.sublayer_selection import LOSS_METHODS, select_units
+    from lorp.models.sublayers import eligible_units
+
+    scored = method in LOSS_METHODS
+    if scored and granularity != "block":
+        pool = eligible_units(granularity, similarity.n_blocks // 2)
+        if budget >= len(pool):
+            return pool
+    sel = select_units(similarity, budget, granularity, method, losses=losses if scored else None)
+    return list(sel.layers)
+
+
 def matched_mixed(
-    model: Any, shape: Any, similarity: Any, method: str, target: float, dtype: str
-) -> int:
+    model: Any, shape: Any, similarity: Any, method: str, target: float, dtype: str,
+    losses: Any = None,
+) -> int:  # fmt: skip
     """The fewest mixed units `method` removes (its own choice at each count: an MLP saves
     more than an attention) whose decode bytes at 4k are at most `target`."""
-    from lorp.methods.sublayer_selection import select_units
     from lorp.models.sublayers import budget_limit, sublayer_parameters
 
     dense = sum(p.numel() for p in model.parameters())
     limit = budget_limit("mixed", shape.n_blocks)
     for k in range(1, limit + 1):
-        units = list(select_units(similarity, k, "mixed", method).layers)
+        units = choose(similarity, k, "mixed", method, losses)
         params = dense - sublayer_parameters(model, units)
         if decode_bytes(shape, units, params, dtype, CONTEXT) <= target:
             return k
@@ -109,10 +137,12 @@ def grid(
     dtype: str,
     budgets: tuple[int, ...] = BLOCK_BUDGETS,
     similarity: Any = None,
+    methods: tuple[str, ...] = METHODS,
+    losses: Any = None,
 ) -> list[tuple[str, str, int]]:
     """(granularity, method, budget) points: whole blocks at `budgets`, and at each the
-    attention, MLP and (given the sub-layer S) each method's mixed budget matched to its
-    decode cost at 4k."""
+    attention, MLP and (given the sub-layer S, and `losses` for a loss-guided method)
+    each method's mixed budget matched to its decode cost at 4k."""
     from lorp.models.sublayers import block_units, sublayer_parameters
 
     dense = sum(p.numel() for p in model.parameters())
@@ -121,15 +151,16 @@ def grid(
         units = block_units(range(1, b + 1))
         target = decode_bytes(shape, units, dense - sublayer_parameters(model, units), dtype,
                               CONTEXT)  # fmt: skip
-        points += [("block", m, b) for m in METHODS]
+        points += [("block", m, b) for m in methods]
         k_attn = matched_budget(model, shape, "attention", target, dtype)
-        points += [("attention", m, k_attn) for m in METHODS]
-        for m in METHODS:
+        points += [("attention", m, k_attn) for m in methods]
+        for m in methods:
             k = k_attn if similarity is None else matched_mixed(
-                model, shape, similarity, m, target, dtype
+                model, shape, similarity, m, target, dtype, losses
             )  # fmt: skip
             points.append(("mixed", m, k))
-        points.append(("mlp", "shortgpt", matched_budget(model, shape, "mlp", target, dtype)))
+        k_mlp = matched_budget(model, shape, "mlp", target, dtype)
+        points += [("mlp", m, k_mlp) for m in methods if m in UNIT_ONLY["mlp"]]
     return points
 
 
@@ -144,7 +175,6 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
 
     from lorp.data.windows import resolve_bos
     from lorp.locality.capture import capture_stats
-    from lorp.methods.sublayer_selection import select_units
     from lorp.models.loading import load_model
     from lorp.models.perplexity import perplexity
     from lorp.models.shape import ModelShape
@@ -191,14 +221,23 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     dense_params = sum(p.numel() for p in model.parameters())
     stats = capture_stats(model, fit, skip_prefix=skip, sublayers=True, progress=False)
     similarity = stats.similarity()
-    dense = {"ppl": ppl(model), "zero_shot": zero_shot(model)}
+    base = extended(args, alias)
+    dense = {"ppl": ppl(model)}
+    dense["zero_shot"] = base["dense"]["zero_shot"] if base else zero_shot(model)
+    if base and not close_enough(base["dense"], dense):
+        raise SystemExit(f"--extend: {alias}'s dense figures differ from {args.extend}'s")
     print(f"{alias}: dense {dense} ({time.perf_counter() - start:.0f} s)", flush=True)
-    points = grid(model, shape, args.dtype, args.block_budgets, similarity)
+    losses = SelectionLosses(model, heldout_windows(tok, cal).windows, args.select_dtype)
+    points = grid(
+        model, shape, args.dtype, args.block_budgets, similarity, tuple(args.methods), losses
+    )
     if args.points:
         points = [p for p in points if ":".join(map(str, p)) in args.points] or [
             (g, m, int(b)) for g, m, b in (x.split(":") for x in args.points)
         ]
-    chosen = {p: list(select_units(similarity, p[2], p[0], p[1]).layers) for p in points}
+    done = {(r["granularity"], r["method"], r["budget"]) for r in base["rows"]} if base else set()
+    chosen = {p: choose(similarity, p[2], p[0], p[1], losses) for p in points if p not in done}
+    print(f"  selected: {losses.evaluated} candidate losses ({time.perf_counter() - start:.0f} s)")
     one_pass = not (args.sequential or args.distill_epochs)
     shared = None
     if one_pass:  # one capture of every point's runs: each variant fits from its subset
@@ -208,7 +247,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
 
     def repaired(units: list[int]) -> tuple[Any, list[Any]]:
         variant = copy.deepcopy(model)
-        if shared is not None:
+        if shared is not None and set(unit_runs(model, units)) <= set(shared.runs):
             return variant, repair_from_stats(variant, units, shared)
         fits = repair_sublayers(
             variant, units, fit, held=held, skip_prefix=skip, sequential=args.sequential,
@@ -216,7 +255,8 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         )  # fmt: skip
         return variant, fits
 
-    rows, seen = [], {}
+    rows = list(base["rows"]) if base else []
+    seen = {tuple(parse_unit_label(x) for x in r["sublayers"]): r for r in rows}
     for (granularity, method, budget), units in chosen.items():
         row: dict[str, Any] = {
             "granularity": granularity, "method": method, "budget": budget,
@@ -251,193 +291,69 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         "model": alias, "n_blocks": shape.n_blocks, "dtype": args.dtype, "dense": dense,
         "rows": rows, "max_windows": args.max_windows, "loss_samples": args.loss_samples,
         "sequential": args.sequential, "distill_epochs": args.distill_epochs,
-        "zero_shot_limit": args.zero_shot_limit,
+        "zero_shot_limit": args.zero_shot_limit, "select_dtype": args.select_dtype,
+        "selection_losses": losses.evaluated,
     }  # fmt: skip
+    if base:
+        result["extends"] = base.get("extends", []) + [str(args.extend)]
     result["comparison"] = compare(result)
     for c in result["comparison"]:  # zero-shot of the compared variants, rebuilt
         for side in ("block", "sub_block"):
-            r = _row(rows, c[side])
+            r = find_row(rows, c[side])
             if args.zero_shot and "zero_shot" not in r:
                 variant, _ = repaired([parse_unit_label(x) for x in r["sublayers"]])
                 r["zero_shot"] = zero_shot(variant)
                 del variant
             c[f"{side}_zero_shot"] = r.get("zero_shot")
-    result["seconds"] = round(time.perf_counter() - start)
+    result["seconds"] = round(time.perf_counter() - start) + (base["seconds"] if base else 0)
     return result
 
 
-SETTINGS = ("model", "dtype", "max_windows", "loss_samples", "sequential", "distill_epochs",
-            "zero_shot_limit")  # fmt: skip
-"""What two runs of a model must share to be shown as one (the dense figures too)."""
+class SelectionLosses:
+    """The loss-guided methods' `losses=` over unit sets, on the held-out calibration
+    windows: a `select_dtype` copy of the model (bfloat16 runs on this CPU's AMX at about
+    five times float32's speed), made on first use, and every candidate's loss remembered,
+    so SLEB at a larger budget replays the smaller one's steps for free."""
+
+    def __init__(self, model: Any, windows: Any, dtype: str) -> None:
+        self.model, self.windows, self.dtype = model, windows, dtype
+        self.memo: dict[tuple[int, ...], float] = {}
+        self.evaluator: Any = None
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.memo)
+
+    def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
+        todo = [c for c in dict.fromkeys(candidates) if c not in self.memo]
+        if todo:
+            if self.evaluator is None:
+                import torch
+
+                from lorp.methods.removal_loss import LossEvaluator
+                from lorp.models.loading import DTYPES
+
+                copy_ = copy.deepcopy(self.model).to(DTYPES[self.dtype])
+                w = torch.as_tensor(self.windows, dtype=torch.long)
+                self.evaluator = LossEvaluator(copy_, w, batch_size=4, units=True)
+            self.memo.update(zip(todo, self.evaluator(todo), strict=True))
+        return [self.memo[c] for c in candidates]
 
 
-def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
-    """Run `b` of the same model and settings (other block budgets) merged into `a`: its
-    rows not already in `a` and its comparisons at other budgets; refused in one line when
-    a setting or the dense figures differ."""
-    for key in (*SETTINGS, "dense"):
-        if not _close(a.get(key), b.get(key)):
-            raise SystemExit(f"--also {where}: {key} differs ({a.get(key)!r} vs {b.get(key)!r})")
-    keys = {(r["granularity"], r["method"], r["budget"]) for r in a["rows"]}
-    rows = a["rows"] + [r for r in b["rows"]
-                        if (r["granularity"], r["method"], r["budget"]) not in keys]  # fmt: skip
-    have = {c["blocks"] for c in a["comparison"]}
-    comparison = a["comparison"] + [c for c in b["comparison"] if c["blocks"] not in have]
-    comparison.sort(key=lambda c: c["blocks"])
-    parts = [*(a.get("parts") or [block_budgets(a)]), block_budgets(b)]
-    return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"],
-                "parts": parts}  # fmt: skip
-
-
-def _close(a: Any, b: Any, rel: float = 1e-5) -> bool:
-    """Equal, numbers to `rel` (two runs' dense perplexities differ in the 7th digit:
-    another run's thread scheduling sums the same windows in another order)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k], rel) for k in a)
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= rel * max(abs(a), abs(b))
-    return bool(a == b)
-
-
-def block_budgets(result: dict[str, Any]) -> list[int]:
-    return sorted({x["budget"] for x in result["rows"] if x["granularity"] == "block"})
-
-
-def _row(rows: list[dict[str, Any]], key: list[Any]) -> dict[str, Any]:
-    return next(r for r in rows if [r["granularity"], r["method"], r["budget"]] == key)
-
-
-def worst(row: dict[str, Any], dense: dict[str, Any]) -> float:
-    return max(row["ppl"][d] / dense["ppl"][d] for d in DOMAINS)
-
-
-def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """At each block budget: the best block variant and the best sub-block variant whose
-    decode bytes at 4k are at most its, by worst-domain perplexity ratio."""
-    rows, dense = result["rows"], result["dense"]
-    out = []
-    for b in sorted({r["budget"] for r in rows if r["granularity"] == "block"}):
-        blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
-        if not blocks:
-            continue
-        best_block = min(blocks, key=lambda r: worst(r, dense))
-        cap = max(r["decode_bytes_4k"] for r in blocks)
-        subs = [r for r in rows if r["granularity"] != "block" and r["decode_bytes_4k"] <= cap]
-        if not subs:
-            continue
-        best_sub = min(subs, key=lambda r: worst(r, dense))
-        out.append(
-            {
-                "blocks": b,
-                "block": [best_block["granularity"], best_block["method"], best_block["budget"]],
-                "sub_block": [best_sub["granularity"], best_sub["method"], best_sub["budget"]],
-                "block_worst": worst(best_block, dense),
-                "sub_block_worst": worst(best_sub, dense),
-                "block_decode": best_block["decode_bytes_4k"] / best_block["decode_bytes_4k_dense"],
-                "sub_block_decode": best_sub["decode_bytes_4k"] / best_sub["decode_bytes_4k_dense"],
-            }
-        )
-    return out
-
-
-def mean_zero_shot(scores: dict[str, float], dense: dict[str, float]) -> float | None:
-    """Retention: the variant's accuracy over dense's, averaged over the tasks (the
-    `acc_<task>` entries; not their average `acc_avg` nor the item counts `n_<task>`)."""
-    tasks = [t for t in dense if t.startswith("acc_") and t != "acc_avg"]
-    if not scores or not tasks:
+def extended(args: Any, alias: str) -> dict[str, Any] | None:
+    """The earlier run of `alias` that `--extend` names: its rows are kept, its dense
+    zero-shot reused, and only the points it lacks are measured."""
+    if args.extend is None:
         return None
-    return sum(scores[t] / dense[t] for t in tasks) / len(tasks)
-
-
-def model_table(result: dict[str, Any]) -> list[str]:
-    dense = result["dense"]
-    out = [
-        "| granularity | method | removed | prose (lee) | code | worst, unrepaired | "
-        "KV / token | decode bytes at 4k | predicted decode speed-up (bound) | sub-layers |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in result["rows"]:
-        ratios = [r["ppl"][d] / dense["ppl"][d] for d in DOMAINS]
-        un = (
-            f"{max(r['unrepaired'][d] / dense['ppl'][d] for d in DOMAINS):.3f}x"
-            if "unrepaired" in r
-            else "-"
-        )
-        dec = r["decode_bytes_4k"] / r["decode_bytes_4k_dense"]
-        names = ", ".join(r["sublayers"]) if r["granularity"] != "block" else (
-            ", ".join(sorted({s.split(".")[1] for s in r["sublayers"]}, key=int)))  # fmt: skip
-        out.append(
-            f"| {r['granularity']} | {r['method']} | {r['budget']} | {ratios[0]:.3f}x | "
-            f"{ratios[1]:.3f}x | {un} | {r['kv_bytes_per_token']:.0f} B | {dec:.3f} | "
-            f"{1 / dec:.3f}x | {names} |"
-        )
-    return out
-
-
-def comparison_lines(result: dict[str, Any]) -> list[str]:
-    dense_zs = result["dense"].get("zero_shot") or {}
-    out = [
-        "| at the decode cost of | best whole-block variant | worst ratio | zero-shot retained | "
-        "best sub-block variant | worst ratio | zero-shot retained | sub-block better on both |",
-        "|---|---|---:|---:|---|---:|---:|---|",
-    ]
-    for c in result["comparison"]:
-        zb = mean_zero_shot(c.get("block_zero_shot") or {}, dense_zs)
-        zs = mean_zero_shot(c.get("sub_block_zero_shot") or {}, dense_zs)
-        both = c["sub_block_worst"] < c["block_worst"] and (zb is None or zs is None or zs > zb)
-        fmt = lambda z: "n/a" if z is None else f"{100 * z:.1f}%"  # noqa: E731
-        out.append(
-            f"| {c['blocks']} blocks | {c['block'][1]} {c['block'][2]} blocks "
-            f"(decode {c['block_decode']:.3f}) | {c['block_worst']:.3f}x | {fmt(zb)} | "
-            f"{c['sub_block'][0]} {c['sub_block'][1]} {c['sub_block'][2]} (decode "
-            f"{c['sub_block_decode']:.3f}) | {c['sub_block_worst']:.3f}x | {fmt(zs)} | "
-            f"{'yes' if both else 'no'} |"
-        )
-    return out
-
-
-def page(results: list[dict[str, Any]], args: Any) -> str:
-    out = [
-        "Calibration: `jobs/quality.yaml`'s (PTB, Wikipedia and code, 128 x 256 tokens); "
-        "every map validated on held-out windows drawn apart from them and kept only "
-        "where no domain is worse. Ratios: perplexity over dense on the held-out news "
-        "(lee) and the code test files (512-token windows), every variant repaired by "
-        "least squares in one pass (worst, unrepaired: the same sub-layers without their "
-        "maps, where measured). Decode: predicted bytes per generated token at a 4k "
-        "context over dense's (weights read once plus the KV cache), so 1 / decode bounds "
-        "the memory-bound decode speed-up. Zero-shot retained: the variant's accuracy over "
-        f"dense's, averaged over {', '.join(args.zero_shot) or 'no tasks'}.",
-        "",
-    ]
-    for r in results:
-        commands = [
-            f"`python benchmarks/sublayers.py --models {r['model']} --max-windows "
-            f"{r['max_windows']} --block-budgets {' '.join(map(str, budgets))} "
-            f"--zero-shot-limit {r.get('zero_shot_limit', args.zero_shot_limit)} "
-            f"--loss-samples {r['loss_samples']}`"
-            for budgets in r.get("parts") or [block_budgets(r)]
-        ]
-        runs = " and ".join(commands) + (
-            ", two runs merged with --also" if len(commands) > 1 else ""
-        )
-        out += [
-            f"**{r['model']}** (N = {r['n_blocks']}, {r['dtype']}; {r['max_windows']} windows "
-            f"per domain, {r.get('zero_shot_limit', args.zero_shot_limit)} zero-shot items "
-            f"per task; {runs})",
-            "",
-            *comparison_lines(r),
-            "",
-            *model_table(r),
-            "",
-        ]
-    return "\n".join(out)
-
-
-def write_page(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else f"# Sub-layers, measured\n\n{BEGIN}\n{END}\n"
-    head, rest = old.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    path = args.extend / f"{Path(alias).name}.json"
+    if not path.exists():
+        raise SystemExit(f"--extend: no run of {alias} at {path}")
+    base = json.loads(path.read_text())
+    mine = {"model": alias} | {k: getattr(args, k) for k in SETTINGS if k != "model"}
+    for key in SETTINGS:
+        if base.get(key) != mine[key]:
+            raise SystemExit(f"--extend {path}: {key} differs ({base.get(key)!r} vs {mine[key]!r})")
+    return base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,6 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--points", nargs="*", metavar="GRANULARITY:METHOD:BUDGET", help="only these points"
     )
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    p.add_argument(
+        "--select-dtype", default="bfloat16",
+        help="dtype of the copy the loss-guided methods score candidates on",
+    )  # fmt: skip
+    p.add_argument(
+        "--extend", type=Path,
+        help="a run folder whose model results are kept; only the points they lack run",
+    )  # fmt: skip
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sublayers")
     p.add_argument(
         "--also", type=Path, nargs="*", default=[],

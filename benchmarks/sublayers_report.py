@@ -1,0 +1,184 @@
+"""The report half of `benchmarks/sublayers.py`: the equal-cost comparison of its measured
+rows, runs of one model merged, and the results page it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BEGIN, END = "<!-- sublayers:begin -->", "<!-- sublayers:end -->"
+DOMAINS = {"prose": "lee", "code": "code"}
+
+
+SETTINGS = ("model", "dtype", "max_windows", "loss_samples", "sequential", "distill_epochs",
+            "zero_shot_limit")  # fmt: skip
+"""What two runs of a model must share to be shown as one (the dense figures too)."""
+
+
+def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
+    """Run `b` of the same model and settings (other block budgets) merged into `a`: its
+    rows not already in `a` and its comparisons at other budgets; refused in one line when
+    a setting or the dense figures differ."""
+    for key in (*SETTINGS, "dense"):
+        if not close_enough(a.get(key), b.get(key)):
+            raise SystemExit(f"--also {where}: {key} differs ({a.get(key)!r} vs {b.get(key)!r})")
+    keys = {(r["granularity"], r["method"], r["budget"]) for r in a["rows"]}
+    rows = a["rows"] + [r for r in b["rows"]
+                        if (r["granularity"], r["method"], r["budget"]) not in keys]  # fmt: skip
+    have = {c["blocks"] for c in a["comparison"]}
+    comparison = a["comparison"] + [c for c in b["comparison"] if c["blocks"] not in have]
+    comparison.sort(key=lambda c: c["blocks"])
+    parts = [*(a.get("parts") or [block_budgets(a)]), block_budgets(b)]
+    return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"],
+                "parts": parts}  # fmt: skip
+
+
+def close_enough(a: Any, b: Any, rel: float = 1e-5) -> bool:
+    """Equal, numbers to `rel` (two runs' dense perplexities differ in the 7th digit:
+    another run's thread scheduling sums the same windows in another order)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close_enough(a[k], b[k], rel) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= rel * max(abs(a), abs(b))
+    return bool(a == b)
+
+
+def block_budgets(result: dict[str, Any]) -> list[int]:
+    return sorted({x["budget"] for x in result["rows"] if x["granularity"] == "block"})
+
+
+def find_row(rows: list[dict[str, Any]], key: list[Any]) -> dict[str, Any]:
+    return next(r for r in rows if [r["granularity"], r["method"], r["budget"]] == key)
+
+
+def worst(row: dict[str, Any], dense: dict[str, Any]) -> float:
+    return max(row["ppl"][d] / dense["ppl"][d] for d in DOMAINS)
+
+
+def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """At each block budget: the best block variant and the best sub-block variant whose
+    decode bytes at 4k are at most its, by worst-domain perplexity ratio."""
+    rows, dense = result["rows"], result["dense"]
+    out = []
+    for b in sorted({r["budget"] for r in rows if r["granularity"] == "block"}):
+        blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
+        if not blocks:
+            continue
+        best_block = min(blocks, key=lambda r: worst(r, dense))
+        cap = max(r["decode_bytes_4k"] for r in blocks)
+        subs = [r for r in rows if r["granularity"] != "block" and r["decode_bytes_4k"] <= cap]
+        if not subs:
+            continue
+        best_sub = min(subs, key=lambda r: worst(r, dense))
+        out.append(
+            {
+                "blocks": b,
+                "block": [best_block["granularity"], best_block["method"], best_block["budget"]],
+                "sub_block": [best_sub["granularity"], best_sub["method"], best_sub["budget"]],
+                "block_worst": worst(best_block, dense),
+                "sub_block_worst": worst(best_sub, dense),
+                "block_decode": best_block["decode_bytes_4k"] / best_block["decode_bytes_4k_dense"],
+                "sub_block_decode": best_sub["decode_bytes_4k"] / best_sub["decode_bytes_4k_dense"],
+            }
+        )
+    return out
+
+
+def mean_zero_shot(scores: dict[str, float], dense: dict[str, float]) -> float | None:
+    """Retention: the variant's accuracy over dense's, averaged over the tasks (the
+    `acc_<task>` entries; not their average `acc_avg` nor the item counts `n_<task>`)."""
+    tasks = [t for t in dense if t.startswith("acc_") and t != "acc_avg"]
+    if not scores or not tasks:
+        return None
+    return sum(scores[t] / dense[t] for t in tasks) / len(tasks)
+
+
+def model_table(result: dict[str, Any]) -> list[str]:
+    dense = result["dense"]
+    out = [
+        "| granularity | method | removed | prose (lee) | code | worst, unrepaired | "
+        "KV / token | decode bytes at 4k | predicted decode speed-up (bound) | sub-layers |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        ratios = [r["ppl"][d] / dense["ppl"][d] for d in DOMAINS]
+        un = (
+            f"{max(r['unrepaired'][d] / dense['ppl'][d] for d in DOMAINS):.3f}x"
+            if "unrepaired" in r
+            else "-"
+        )
+        dec = r["decode_bytes_4k"] / r["decode_bytes_4k_dense"]
+        names = ", ".join(r["sublayers"]) if r["granularity"] != "block" else (
+            ", ".join(sorted({s.split(".")[1] for s in r["sublayers"]}, key=int)))  # fmt: skip
+        out.append(
+            f"| {r['granularity']} | {r['method']} | {r['budget']} | {ratios[0]:.3f}x | "
+            f"{ratios[1]:.3f}x | {un} | {r['kv_bytes_per_token']:.0f} B | {dec:.3f} | "
+            f"{1 / dec:.3f}x | {names} |"
+        )
+    return out
+
+
+def comparison_lines(result: dict[str, Any]) -> list[str]:
+    dense_zs = result["dense"].get("zero_shot") or {}
+    out = [
+        "| at the decode cost of | best whole-block variant | worst ratio | zero-shot retained | "
+        "best sub-block variant | worst ratio | zero-shot retained | sub-block better on both |",
+        "|---|---|---:|---:|---|---:|---:|---|",
+    ]
+    for c in result["comparison"]:
+        zb = mean_zero_shot(c.get("block_zero_shot") or {}, dense_zs)
+        zs = mean_zero_shot(c.get("sub_block_zero_shot") or {}, dense_zs)
+        both = c["sub_block_worst"] < c["block_worst"] and (zb is None or zs is None or zs > zb)
+        fmt = lambda z: "n/a" if z is None else f"{100 * z:.1f}%"  # noqa: E731
+        out.append(
+            f"| {c['blocks']} blocks | {c['block'][1]} {c['block'][2]} blocks "
+            f"(decode {c['block_decode']:.3f}) | {c['block_worst']:.3f}x | {fmt(zb)} | "
+            f"{c['sub_block'][0]} {c['sub_block'][1]} {c['sub_block'][2]} (decode "
+            f"{c['sub_block_decode']:.3f}) | {c['sub_block_worst']:.3f}x | {fmt(zs)} | "
+            f"{'yes' if both else 'no'} |"
+        )
+    return out
+
+
+def page(results: list[dict[str, Any]], args: Any) -> str:
+    out = [
+        "Calibration: `jobs/quality.yaml`'s (PTB, Wikipedia and code, 128 x 256 tokens); "
+        "every map validated on held-out windows drawn apart from them and kept only "
+        "where no domain is worse. Ratios: perplexity over dense on the held-out news "
+        "(lee) and the code test files (512-token windows), every variant repaired by "
+        "least squares in one pass (worst, unrepaired: the same sub-layers without their "
+        "maps, where measured). Decode: predicted bytes per generated token at a 4k "
+        "context over dense's (weights read once plus the KV cache), so 1 / decode bounds "
+        "the memory-bound decode speed-up. Zero-shot retained: the variant's accuracy over "
+        f"dense's, averaged over {', '.join(args.zero_shot) or 'no tasks'}.",
+        "",
+    ]
+    for r in results:
+        commands = [
+            f"`python benchmarks/sublayers.py --models {r['model']} --max-windows "
+            f"{r['max_windows']} --block-budgets {' '.join(map(str, budgets))} "
+            f"--zero-shot-limit {r.get('zero_shot_limit', args.zero_shot_limit)} "
+            f"--loss-samples {r['loss_samples']}`"
+            for budgets in r.get("parts") or [block_budgets(r)]
+        ]
+        runs = " and ".join(commands) + (
+            ", two runs merged with --also" if len(commands) > 1 else ""
+        )
+        out += [
+            f"**{r['model']}** (N = {r['n_blocks']}, {r['dtype']}; {r['max_windows']} windows "
+            f"per domain, {r.get('zero_shot_limit', args.zero_shot_limit)} zero-shot items "
+            f"per task; {runs})",
+            "",
+            *comparison_lines(r),
+            "",
+            *model_table(r),
+            "",
+        ]
+    return "\n".join(out)
+
+
+def write_page(path: Path, text: str) -> None:
+    old = path.read_text() if path.exists() else f"# Sub-layers, measured\n\n{BEGIN}\n{END}\n"
+    head, rest = old.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
