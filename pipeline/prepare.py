@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
 from lorp.locality.profile import Profile
+from lorp.methods.sublayer_selection import LOSS_METHODS
 from lorp.repair.stats import RepairStats
 from pipeline.plan import GridPoint, ModelPlan, plan_points
 from pipeline.selectors import repair_selector, similarity_selector, unit_selector
@@ -199,7 +200,7 @@ class _Preparation:
         self._stage(self.selecting.name, self.selecting.need)
         losses = LossSelector(
             self.spec, self.job.force, self.plan, ms.stats, ms.file.stem, prof,
-            self.job.records.losses, self.job.note,
+            self.job.records.losses, self.job.note, ms.units,
         )  # fmt: skip
         plain = similarity_selector(ms.stats, prof)
         by_repair = repair_selector(ms.stats, prof, self._repair_scorer(ms.shards))
@@ -209,7 +210,8 @@ class _Preparation:
             m: MethodSpec, budget: int, granularity: str = "block"
         ) -> tuple[Selection, float]:
             if granularity != "block":
-                return by_unit(m, budget, granularity)
+                scored = m.name in LOSS_METHODS  # sub-layer SLEB: on the loss actors
+                return (losses.units if scored else by_unit)(m, budget, granularity)
             method = get_method(m.name)
             if method.needs_repair:
                 return by_repair(m, budget)

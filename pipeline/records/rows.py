@@ -380,4 +380,6 @@ def headline(row: dict[str, Any], corpora: tuple[str, ...]) -> str:
         value = row.get(name)
         if isinstance(value, float) and math.isfinite(value):
             return f"{name} {value:,.2f}"
+    if row.get("sublayers"):
+        return f"{len(row['sublayers'])} sub-layers removed"
     return f"{len(row.get('pruned_layers') or [])} blocks pruned"

@@ -9,6 +9,11 @@ each actor spent on its share (`events.jsonl`, event `losses`). The held-out win
 cut from the calibration split with `seed + 1` and never enter S; the test split is never
 used for selection.
 
+Sub-layer points of a loss-guided method (`sleb` at attention, MLP or mixed
+granularity, `lorp.methods.sublayer_selection`) ask the same actors about candidate sets
+of sub-layer units (`LossEvaluator(units=True)` on the one loaded model), remembered in a
+memo of their own.
+
 A loss-guided selection costs minutes, so it is cached by content key (S, the held-out
 windows, method, options, budget): a rerun or a resumed job selects instantly. Below that,
 every candidate's loss is remembered per model and held-out set (`LossMemo`, persisted in
@@ -66,7 +71,10 @@ class LossWorker:
         self.label = task.model.label
         lm = load_checked(task.model, device)
         windows = torch.from_numpy(task.windows.astype(np.int64))
-        self.evaluator = LossEvaluator(lm.model, windows, batch_size=task.batch_size)
+        self.evaluators = {
+            units: LossEvaluator(lm.model, windows, batch_size=task.batch_size, units=units)
+            for units in (False, True)
+        }  # one model: blocks or sub-layer units removed in memory
         timeline.report("load", start, time.time(), model=self.label, of="losses")
 
     def ready(self) -> bool:
@@ -74,10 +82,15 @@ class LossWorker:
         return True
 
     def score(
-        self, candidates: list[tuple[int, ...]], selection: str = "", step: int = 0
+        self,
+        candidates: list[tuple[int, ...]],
+        selection: str = "",
+        step: int = 0,
+        units: bool = False,
     ) -> tuple[list[float], dict[str, Any]]:
+        """The loss of each candidate set of blocks (`units`: of sub-layer units)."""
         start = time.time()
-        losses = self.evaluator(candidates)
+        losses = self.evaluators[units](candidates)
         end = time.time()
         labels = {"model": self.label, "selection": selection, "step": step, "n": len(candidates)}
         timeline.report("losses", start, end, **labels)
@@ -106,7 +119,8 @@ class LossMemo:
 
 class RayLosses:
     """`losses(candidates) -> list[float]` over `n` actors; scores only the candidates
-    the memo does not hold, and counts what it scored (`n_evals`)."""
+    the memo does not hold, and counts what it scored (`n_evals`). `units()` is the same
+    over candidate sets of sub-layer units, on the same actors."""
 
     def __init__(
         self,
@@ -132,9 +146,16 @@ class RayLosses:
         self.name, self.steps = "losses", 0  # the selection being made; its requests so far
 
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
+        return self.score(candidates, self.memo, units=False)
+
+    def units(self, memo: LossMemo) -> Callable[[list[tuple[int, ...]]], list[float]]:
+        """`losses` over sub-layer unit sets, remembered in `memo`."""
+        return lambda candidates: self.score(candidates, memo, units=True)
+
+    def score(self, candidates: list[tuple[int, ...]], memo: LossMemo, units: bool) -> list[float]:
         from pipeline.records.progress import duration
 
-        todo = self.memo.missing(candidates)
+        todo = memo.missing(candidates)
         spans: list[dict[str, Any]] = []
         self.steps += 1
         start = time.perf_counter()
@@ -142,7 +163,7 @@ class RayLosses:
             actors = self._started()
             shares = [todo[i :: len(actors)] for i in range(len(actors))]
             refs = [
-                a.score.remote(s, self.name, self.steps)
+                a.score.remote(s, self.name, self.steps, units)
                 for a, s in zip(actors, shares, strict=True)
                 if s
             ]
@@ -150,19 +171,19 @@ class RayLosses:
             out: list[float] = [0.0] * len(todo)
             for i, (losses, _) in enumerate(results):
                 out[i :: len(actors)] = losses
-            self.memo.add(todo, out)
+            memo.add(todo, out)
             spans = [s for _, s in results]
         self.n_evals += len(todo)
         self.record(candidates=len(candidates), evaluated=len(todo), spans=spans)
         if todo and self.note is not None:
             served = len(set(candidates)) - len(todo)
-            memo = f", {served} from memo" if served else ""
+            remembered = f", {served} from memo" if served else ""
             self.note(
                 f"  {self.name} step {self.steps}: {len(todo)} candidates scored in "
                 f"{duration(time.perf_counter() - start)} on {len(spans)} actor"
-                f"{'s' if len(spans) > 1 else ''}{memo}"
+                f"{'s' if len(spans) > 1 else ''}{remembered}"
             )
-        return [self.memo.losses[c] for c in candidates]
+        return [memo.losses[c] for c in candidates]
 
     def _started(self) -> list[Any]:
         """The actors that have loaded their model (waiting for the first when none has):
@@ -226,36 +247,71 @@ class LossSelector:
         profile: Any,
         record: Callable[..., None],
         note: Callable[[str], None],
+        unit_stats: Any = None,
     ) -> None:
         """`record(candidates=, evaluated=, spans=)` records each scored batch; `note`
-        says a log line; `force` re-selects and re-scores what the caches hold."""
+        says a log line; `force` re-selects and re-scores what the caches hold;
+        `unit_stats`: the sub-layer S, where the job has sub-layer points."""
         from pipeline.stages.statistics import stats_store
 
         self.spec, self.force, self.plan, self.stats = spec, force, plan, stats
         self.profile, self.stats_key = profile, stats_key
         self.record, self.note = record, note
         self.cache = SelectionCache(stats_store(spec.cache_dir, spec.storage).sub("selections"))
+        self.unit_stats = unit_stats
         self.heldout: tuple[np.ndarray, str] | None = None
         self.losses: RayLosses | None = None
+        self.memo_key = ""
+        self.unit_memo: LossMemo | None = None
 
     def __call__(self, method: Any, budget: int) -> tuple[Selection, float]:
-        from lorp.methods import select_layers, validate_options
+        from lorp.methods import select_layers
+
+        def run(losses: RayLosses) -> Selection:
+            return select_layers(
+                self.stats, budget, method.name, profile=self.profile, losses=losses,
+                **method.options,
+            )  # fmt: skip
+
+        return self._cached(method, budget, "block", run)
+
+    def units(self, method: Any, budget: int, granularity: str) -> tuple[Selection, float]:
+        """The sub-layer units a loss-guided method removes at `granularity`, scored on
+        the same actors (`lorp.methods.sublayer_selection.select_units`)."""
+        from lorp.methods.sublayer_selection import select_units
+
+        if self.unit_stats is None:
+            raise ValueError(f"granularity {granularity!r}: the sub-layer S was not captured")
+        similarity = self.unit_stats.similarity()
+
+        def run(losses: RayLosses) -> Selection:
+            by_unit = losses.units(self._unit_memo())
+            return select_units(
+                similarity, budget, granularity, method.name, losses=by_unit, **method.options
+            )
+
+        return self._cached(method, budget, granularity, run)
+
+    def _cached(
+        self, method: Any, budget: int, granularity: str, run: Callable[[RayLosses], Selection]
+    ) -> tuple[Selection, float]:
+        """The selection `run` makes with the actors' losses, or the cache's."""
+        from lorp.methods import validate_options
         from pipeline.plan import content_key
         from pipeline.records.progress import duration
 
         windows, fp = self._heldout()
         options = validate_options(method.name, method.options)
-        key = content_key(self.stats_key, fp, method.name, options, budget)
+        unit = [] if granularity == "block" else [granularity]
+        key = content_key(self.stats_key, fp, method.name, options, budget, *unit)
         hit = None if self.force else self.cache.get(key)
         if hit is not None:
             return hit
-        name = f"{self.plan.label} {method.key}-b{budget}"
+        name = f"{self.plan.label} {'-'.join([method.key, *unit])}-b{budget}"
         start = time.perf_counter()  # actor start-up and the memo's read count too
         losses = self._losses(windows, fp)
         losses.name, losses.steps = name, 0
-        sel = select_layers(
-            self.stats, budget, method.name, profile=self.profile, losses=losses, **method.options
-        )
+        sel = run(losses)
         seconds = time.perf_counter() - start
         self.cache.put(key, sel, seconds)
         n = sel.details.get("n_evals", 0)
@@ -284,12 +340,24 @@ class LossSelector:
             key = content_key(
                 self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
             )
+            self.memo_key = key
             memo = LossMemo(
                 stats_store(spec.cache_dir, spec.storage).sub("losses"), key, fresh=self.force
             )
             n = spec.resources.loss_workers or spec.resources.max_concurrent_points
             self.losses = RayLosses(task, n, self.record, memo, self.note)
         return self.losses
+
+    def _unit_memo(self) -> LossMemo:
+        """Sub-layer candidates' losses, kept apart from the block candidates'."""
+        if self.unit_memo is None:
+            from pipeline.plan import content_key
+            from pipeline.stages.statistics import stats_store
+
+            store = stats_store(self.spec.cache_dir, self.spec.storage).sub("losses")
+            key = content_key(self.memo_key, "units")
+            self.unit_memo = LossMemo(store, key, fresh=self.force)
+        return self.unit_memo
 
     def close(self) -> None:
         if self.losses is not None:

@@ -105,3 +105,49 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     assert {"best-2", "best-attention-2", "best-mlp-2"} <= set(aliases)
     mv = client.get_model_version("lorp-tiny", aliases["best-attention-2"])
     assert mv.tags["granularity"] == "attention" and mv.tags["trust_remote_code"] == "true"
+
+
+def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(tmp_path: Path) -> None:
+    """SLEB at mixed granularity asks the loss actors about candidate sets of sub-layer
+    units: its row removes what the greedy elimination over a held-out loss of the same
+    windows, run in this process, removes; blocks and units keep separate memos, and a
+    rerun selects from the cache."""
+    from lorp.methods.removal_loss import LossEvaluator
+    from pipeline.records.events import EventLog
+    from pipeline.stages.calibration import heldout_windows
+    from tests.helpers.progress_lines import progress_lines
+
+    model = save_tiny_ptb("llama", tmp_path / "llama")
+    spec = parse_spec(
+        tiny_job(
+            tmp_path, model, "sleb", budgets=[2], methods=[{"name": "sleb"}],
+            granularity=["block", "mixed"], ray={"num_cpus": 2},
+        )  # fmt: skip
+    )
+    with local_ray(), progress_lines() as lines:
+        summary = run_job(spec)
+    assert summary.done == 2 and not summary.failed  # dense is not a point
+    rows = {r["method_label"]: r for r in read_catalog(tmp_path / "sleb" / "catalog")}
+    mixed, block = rows["sleb-mixed"], rows["sleb"]
+    assert mixed["n_evals"] == 8 + 7  # N=6: the 8 units of blocks 1..4, then the 7 left
+    assert any(" sleb-mixed-b2 step 2: 7 candidates scored" in x for x in lines), lines
+    assert any("tiny sleb-mixed-b2: 2 sub-layers removed" in x for x in lines), lines
+
+    dense = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model)
+    held = torch.from_numpy(heldout_windows(tok, spec.calibration, spec.domains).windows)
+    units = LossEvaluator(dense, held, units=True)
+    S = capture_stats(dense, held.split(2), sublayers=True, progress=False).similarity()
+    want = select_units(S, 2, "mixed", "sleb", losses=units)
+    assert [parse_unit_label(u) for u in mixed["sublayers"]] == list(want.layers)
+    assert mixed["granularity"] == "mixed" and mixed["pruned_layers"] == []
+    blocks = select_units(S, 2, "block", "sleb", losses=units).details["blocks"]
+    assert block["pruned_layers"] == blocks and block["n_evals"] == 4 + 3
+
+    events = EventLog(tmp_path / "sleb" / "events.jsonl").read()
+    scored = sum(e["evaluated"] for e in events if e["event"] == "losses")
+    assert scored == 15 + 7  # block and unit candidates never share a memo entry
+    again = run_job(spec)
+    assert again.skipped == 2
+    events = EventLog(tmp_path / "sleb" / "events.jsonl").read()
+    assert sum(e["evaluated"] for e in events if e["event"] == "losses") == scored

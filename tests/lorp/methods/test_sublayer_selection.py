@@ -10,13 +10,13 @@ import torch
 
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods import select_layers
+from lorp.methods.removal_loss import LossEvaluator
 from lorp.methods.sublayer_selection import (
     block_similarity,
     check_sublayer_method,
     select_units,
     sublayer_influence,
 )
-from lorp.methods.removal_loss import LossEvaluator
 from lorp.models.architectures import decoder_blocks
 from lorp.models.perplexity import calibration_loss
 from lorp.models.sublayers import block_units, eligible_units, sublayers_removed, unit_label
@@ -109,7 +109,8 @@ def test_sleb_per_unit_removes_greedily_by_the_loss_of_the_model_without_them(
         pool, removed = eligible_units(granularity, n), []
         for _ in range(3):
             rest = [u for u in pool if u not in removed]
-            removed.append(argmin(rest, lambda u: loss(tuple(sorted([*removed, u])))))
+            gone = tuple(removed)
+            removed.append(argmin(rest, lambda u, gone=gone: loss(tuple(sorted({*gone, u})))))
         sel = select_units(sim, 3, granularity, "sleb", losses=evaluator)
         assert sel.details["order"] == [unit_label(u) for u in removed]
         assert sel.layers == tuple(sorted(removed))
