@@ -1,0 +1,77 @@
+"""benchmarks/sublayers_report.py: the equal-cost comparison (the best sub-block variant no
+costlier than the block's), the page it writes, and runs of one model merged."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests.helpers.paths import REPO
+
+sys.path.insert(0, str(REPO))
+
+from benchmarks.sublayers_report import compare, merged, page  # noqa: E402
+
+DENSE = {
+    "ppl": {"prose": 10.0, "code": 4.0},
+    "zero_shot": {"acc_arc_easy": 50.0, "acc_copa": 60.0, "acc_avg": 55.0, "n_copa": 100.0},
+}
+
+
+def row(granularity: str, method: str, budget: int, prose: float, code: float, decode: float):  # type: ignore[no-untyped-def]
+    return {
+        "granularity": granularity, "method": method, "budget": budget,
+        "sublayers": ["attn.1", "mlp.1"] if granularity == "block" else ["attn.2"],
+        "ppl": {"prose": prose, "code": code}, "unrepaired": {"prose": 2 * prose, "code": 2 * code},
+        "kv_bytes_per_token": 256.0, "decode_bytes_4k": decode, "decode_bytes_4k_dense": 100.0,
+    }  # fmt: skip
+
+
+def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_block() -> None:
+    rows = [
+        row("block", "shortgpt", 4, 35.0, 9.0, 80.0),
+        row("block", "lorp", 4, 25.0, 12.0, 80.0),  # worst 3.0 (code): the best block
+        row("attention", "shortgpt", 6, 14.0, 5.0, 79.0),  # worst 1.4: the best sub-block
+        row("mixed", "lorp", 6, 11.0, 4.2, 81.0),  # better, but costlier: not compared
+        row("block", "shortgpt", 8, 60.0, 20.0, 60.0),
+        row("block", "lorp", 8, 70.0, 16.0, 60.0),
+    ]
+    result = {"rows": rows, "dense": DENSE}
+    out = compare(result)
+    assert len(out) == 1  # nothing sub-block is as cheap as 8 blocks here
+    c = out[0]
+    assert c["block"] == ["block", "lorp", 4] and c["sub_block"] == ["attention", "shortgpt", 6]
+    assert (c["block_worst"], c["sub_block_worst"]) == (3.0, 1.4)
+    assert (c["block_decode"], c["sub_block_decode"]) == (0.8, 0.79)
+    c["block_zero_shot"] = {"acc_arc_easy": 40.0, "acc_copa": 60.0, "acc_avg": 50.0}  # 90%
+    c["sub_block_zero_shot"] = {"acc_arc_easy": 50.0, "acc_copa": 54.0, "acc_avg": 52.0}  # 95%
+    result |= {"model": "m", "n_blocks": 6, "dtype": "float32", "seconds": 1,
+               "max_windows": 16, "loss_samples": 8, "comparison": out}  # fmt: skip
+    text = page([result], SimpleNamespace(zero_shot=["arc_easy", "copa"], zero_shot_limit=200))
+    line = next(x for x in text.splitlines() if x.startswith("| 4 blocks"))
+    assert "| 3.000x | 90.0% |" in line and "| 1.400x | 95.0% | yes |" in line
+    assert (
+        "| attention | shortgpt | 6 | 1.400x | 1.250x | 2.800x | 256 B | 0.790 | 1.266x |" in text
+    )
+
+
+def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
+    settings = {"model": "m", "dtype": "float32", "max_windows": 8, "loss_samples": 8,
+                "sequential": False, "distill_epochs": 0, "zero_shot_limit": 50,
+                "dense": DENSE, "seconds": 5}  # fmt: skip
+    a = settings | {"rows": [row("block", "lorp", 4, 25.0, 12.0, 80.0)],
+                    "comparison": [{"blocks": 4}]}  # fmt: skip
+    b = settings | {"rows": [row("block", "lorp", 4, 99.0, 99.0, 80.0),
+                             row("block", "lorp", 2, 15.0, 6.0, 90.0)],
+                    "comparison": [{"blocks": 4, "x": 1}, {"blocks": 2}]}  # fmt: skip
+    out = merged(a, b, "b")
+    assert [(r["budget"], r["ppl"]["prose"]) for r in out["rows"]] == [(4, 25.0), (2, 15.0)]
+    assert out["comparison"] == [{"blocks": 2}, {"blocks": 4}] and out["seconds"] == 10
+    assert out["parts"] == [[4], [2, 4]]  # each run's block budgets, for its command line
+    near = {**b, "dense": {**DENSE, "ppl": {"prose": 10.0000001, "code": 4.0}}}
+    assert merged(a, near, "b")["dense"] == DENSE  # the 7th digit: the same run
+    far = {**b, "dense": {**DENSE, "ppl": {"prose": 10.01, "code": 4.0}}}
+    with pytest.raises(SystemExit, match="dense differs"):
+        merged(a, far, "b")
