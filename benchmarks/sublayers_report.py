@@ -147,7 +147,11 @@ def page(results: list[dict[str, Any]], args: Any) -> str:
         "where no domain is worse. Ratios: perplexity over dense on the held-out news "
         "(lee) and the code test files (512-token windows), every variant repaired by "
         "least squares in one pass (worst, unrepaired: the same sub-layers without their "
-        "maps, where measured). Decode: predicted bytes per generated token at a 4k "
+        "maps, where measured). Methods: `shortgpt` (1 - cos per unit), `lorp` (LoRP over "
+        "the 2N units) and `sleb` (greedy removal by the held-out calibration loss, "
+        "`loss_samples` x 256 tokens drawn apart from the fit's, scored on a bfloat16 copy "
+        "of the model), at every granularity. Decode: predicted bytes per generated token "
+        "at a 4k "
         "context over dense's (weights read once plus the KV cache), so 1 / decode bounds "
         "the memory-bound decode speed-up. Zero-shot retained: the variant's accuracy over "
         f"dense's, averaged over {', '.join(args.zero_shot) or 'no tasks'}.",
