@@ -106,7 +106,10 @@ def select_units(
     n_blocks = similarity.n_blocks // 2
     check_unit_budget(budget, granularity, n_blocks)
     if method in LOSS_METHODS and losses is None:
-        raise ValueError(f"method {method!r} scores candidate removals: pass losses=")
+        raise ValueError(
+            f"method {method!r} scores candidate models: pass losses=, a callable from "
+            "candidate sets of sub-layer units to drop to their calibration losses"
+        )
     if granularity == "block":
         by_blocks = None if losses is None else _as_blocks(losses)
         if by_blocks is not None and method in LOSS_METHODS:
