@@ -120,8 +120,13 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(tmp_path: Path) -> No
     model = save_tiny_ptb("llama", tmp_path / "llama")
     spec = parse_spec(
         tiny_job(
-            tmp_path, model, "sleb", budgets=[2], methods=[{"name": "sleb"}],
-            granularity=["block", "mixed"], ray={"num_cpus": 2},
+            tmp_path,
+            model,
+            "sleb",
+            budgets=[2],
+            methods=[{"name": "sleb"}],
+            granularity=["block", "mixed"],
+            ray={"num_cpus": 2},
         )  # fmt: skip
     )
     with local_ray(), progress_lines() as lines:

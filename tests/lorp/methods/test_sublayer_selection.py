@@ -76,7 +76,10 @@ def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
         (lambda s: select_units(s, 5, "attention", "shortgpt"), r"budget: 5 attention units"),
         (lambda s: select_units(s, 0, "mlp", "lorp"), "budget: 0"),
         (lambda s: select_units(s, 2, "attention", "ppl"), "method: 'ppl' has no sub-layer"),
-        (lambda s: select_units(s, 2, "attention", "sleb"), "'sleb' scores candidate models: pass losses=.* sub-layer units"),
+        (
+            lambda s: select_units(s, 2, "attention", "sleb"),
+            "'sleb' scores candidate models: pass losses=.* sub-layer units",
+        ),
         (lambda s: select_units(s, 2, "heads", "lorp"), "granularity: must be one of"),
         (
             lambda s: select_units(LayerSimilarity(s.matrix[:12, :12], 11), 2, "mlp", "lorp"),
