@@ -22,14 +22,13 @@ from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard
 from tests.helpers.job_specs import tiny_job
-from tests.helpers.ray_cluster import local_ray
 from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration]
 
 
 def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model = save_tiny_ptb("llama", tmp_path / "llama")
@@ -41,8 +40,7 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
                     "speed_budget_s": 4},
         ray={"num_cpus": 2},
     )  # fmt: skip
-    with local_ray():
-        summary = run_job(parse_spec(spec))
+    summary = run_job(parse_spec(spec))
     assert summary.done == 7 and not summary.failed and summary.captured == 1
     run_dir = tmp_path / "units"
     rows = {r["method_label"]: r for r in read_catalog(run_dir / "catalog")}
@@ -107,7 +105,9 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     assert mv.tags["granularity"] == "attention" and mv.tags["trust_remote_code"] == "true"
 
 
-def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(tmp_path: Path) -> None:
+def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
+    ray_cluster: None, tmp_path: Path
+) -> None:
     """SLEB at mixed granularity asks the loss actors about candidate sets of sub-layer
     units: its row removes what the greedy elimination over a held-out loss of the same
     windows, run in this process, removes; blocks and units keep separate memos, and a
@@ -129,7 +129,7 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(tmp_path: Path) -> No
             ray={"num_cpus": 2},
         )  # fmt: skip
     )
-    with local_ray(), progress_lines() as lines:
+    with progress_lines() as lines:
         summary = run_job(spec)
     assert summary.done == 2 and not summary.failed  # dense is not a point
     rows = {r["method_label"]: r for r in read_catalog(tmp_path / "sleb" / "catalog")}
