@@ -111,11 +111,9 @@ def select_units(
             "candidate sets of sub-layer units to drop to their calibration losses"
         )
     if granularity == "block":
-        by_blocks = None if losses is None else _as_blocks(losses)
-        if by_blocks is not None and method in LOSS_METHODS:
-            options = {**options, "losses": by_blocks}
-        chosen = select_layers(block_similarity(similarity), budget, method, **options)
-        options.pop("losses", None)
+        asks = losses is not None and method in LOSS_METHODS
+        scored = {"losses": _as_blocks(losses)} if asks else {}
+        chosen = select_layers(block_similarity(similarity), budget, method, **options, **scored)
         units = tuple(block_units(chosen.layers))
         details: dict[str, Any] = {"blocks": list(chosen.layers), **dict(chosen.details)}
     elif method == "shortgpt":
