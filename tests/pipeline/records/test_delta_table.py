@@ -5,6 +5,7 @@ never replace one another, on a store that keeps its conditions and on one that 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +62,30 @@ def test_maintenance_compacts_and_keeps_the_time_travel_window(tmp_path: Path) -
     assert (tmp_path / "t" / "_delta_log" / "_last_checkpoint").is_file()
     assert len(list((tmp_path / "t").glob("*.parquet"))) == files + 1
     assert table.size_bytes() > 0
+
+
+def test_one_object_shared_by_threads_keeps_each_threads_table_its_own(tmp_path: Path) -> None:
+    """Threads sharing one DeltaTable (three jobs' publishers in one process, a job's
+    publisher and its maintenance) each keep their own delta-rs table: another thread's
+    commit never moves the snapshot a write of this thread is planned on. With one
+    shared, a publisher's compaction once read its rows at one version and committed
+    against a later one, and a row went back to an older value."""
+    table = DeltaTable(str(tmp_path / "t"))
+    keys = ["run_id", "grid_key"]
+    table.merge(source(["a"], 1.0), keys, delete_flag=DELETED, partition="run_id")
+    mine = table._latest()
+    planned = mine.version()
+    other = threading.Thread(
+        target=table.merge, args=(source(["b"], 2.0), keys), kwargs={"delete_flag": DELETED}
+    )
+    other.start()
+    other.join()
+    assert table.version() == planned + 1  # the other thread's commit landed...
+    assert mine.version() == planned  # ...and left this thread's snapshot where it was
+    assert table._latest() is mine and mine.version() == planned + 1  # brought up to date
+    assert table.compact_files(("run_id", "r")) == 2
+    rows = sorted((r["grid_key"], r["x"]) for r in table.read().to_pylist())
+    assert rows == [("a", 1.0), ("b", 2.0)]
 
 
 def test_a_store_that_ignores_conditional_writes_is_refused(
