@@ -50,8 +50,8 @@ from benchmarks.sublayers_report import (  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 BLOCK_BUDGETS = (4, 8)
-METHODS = ("shortgpt", "lorp", "sleb")
-UNIT_ONLY = {"mlp": ("shortgpt", "sleb")}
+METHODS = ("shortgpt", "lorp", "sleb", "ppl")
+UNIT_ONLY = {"mlp": ("shortgpt", "sleb", "ppl")}
 """The methods run at MLP granularity (LoRP's clusters are spent on attentions there)."""
 CONTEXT = 4096
 """The decode context the costs are compared at."""
@@ -105,7 +105,7 @@ def choose(
     from lorp.models.sublayers import eligible_units
 
     scored = method in LOSS_METHODS
-    if scored and granularity != "block":
+    if method == "sleb" and granularity != "block":
         pool = eligible_units(granularity, similarity.n_blocks // 2)
         if budget >= len(pool):
             return pool

@@ -16,6 +16,11 @@ first and last block's units are never candidates, as for whole blocks.
   with those gone so far, gives the lowest calibration loss goes. It reads no S; its
   `losses=` callable scores candidate unit sets
   (`lorp.methods.removal_loss.LossEvaluator(units=True)`, or the pipeline's actors).
+- ``ppl``: Shortened LLaMA's one-shot criterion with sub-layers for blocks: each eligible
+  unit is scored by the calibration loss of the model without it alone, and the
+  `budget` lowest go (ties: lower unit). One round of |pool| candidates, where SLEB runs
+  `budget` rounds; the same `losses=`, and the block form's `keep_first=4`,
+  `keep_last=2` (units of those blocks are never candidates).
 
 ``block`` granularity runs any registered method on the block S (the even boundaries) and
 returns the units of the blocks it chose, so every granularity is compared on the same
@@ -29,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from lorp.locality.allocation import allocate_detailed
+from lorp.locality.allocation import allocate_detailed, tie_key
 from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.lorp_method import check_lorp_options, cluster_labels
-from lorp.methods.loss_guided import check_keep
+from lorp.methods.loss_guided import CountedLosses, check_keep
 from lorp.methods.registry import Losses, Selection, resolve_budget, select_layers
 from lorp.methods.sleb import greedy_removal
 from lorp.models.sublayers import (
@@ -45,9 +50,9 @@ from lorp.models.sublayers import (
     unit_label,
 )
 
-SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb")
+SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb", "ppl")
 """The methods with a sub-layer form; any registered method runs at `block` granularity."""
-LOSS_METHODS = ("sleb",)
+LOSS_METHODS = ("sleb", "ppl")
 """The sub-layer methods that score candidate removals (`losses=` over unit sets)."""
 
 
@@ -118,9 +123,10 @@ def select_units(
         details: dict[str, Any] = {"blocks": list(chosen.layers), **dict(chosen.details)}
     elif method == "shortgpt":
         units, details = _shortgpt(similarity, budget, granularity)
-    elif method == "sleb":
+    elif method in LOSS_METHODS:
         assert losses is not None
-        units, details = _sleb(n_blocks, budget, granularity, losses, **options)
+        rule = _sleb if method == "sleb" else _ppl
+        units, details = rule(n_blocks, budget, granularity, losses, **options)
     else:
         units, details = _lorp(similarity, budget, granularity, **options)
     details = {"granularity": granularity, "sublayers": [unit_label(u) for u in units], **details}
@@ -197,11 +203,44 @@ def _sleb(
     keep_last: int = 1,
 ) -> tuple[tuple[int, ...], dict[str, Any]]:
     """SLEB over the granularity's units of blocks keep_first..N-1-keep_last."""
-    check_keep({"keep_first": keep_first, "keep_last": keep_last}, n_blocks)
-    pool = [
-        u for u in eligible_units(granularity, n_blocks)
-        if keep_first <= u // 2 < n_blocks - keep_last
-    ]  # fmt: skip
+    pool = _unit_pool(n_blocks, granularity, keep_first, keep_last)
     order, details = greedy_removal(pool, budget, losses)
     details["order"] = [unit_label(u) for u in order]
     return tuple(sorted(order)), details
+
+
+def _ppl(
+    n_blocks: int,
+    budget: int,
+    granularity: str,
+    losses: Losses,
+    *,
+    keep_first: int = 4,
+    keep_last: int = 2,
+) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """Shortened LLaMA's PPL criterion over the granularity's units of blocks
+    keep_first..N-1-keep_last: one round, each unit removed alone."""
+    pool = _unit_pool(n_blocks, granularity, keep_first, keep_last)
+    if budget > len(pool):
+        raise ValueError(
+            f"budget {budget} exceeds the {len(pool)} candidate {granularity} units "
+            f"(keep_first={keep_first}, keep_last={keep_last}, N={n_blocks})"
+        )
+    counted = CountedLosses(losses)
+    scores = dict(zip(pool, counted([(u,) for u in pool]), strict=True))
+    order = sorted(pool, key=lambda u: (tie_key(scores[u]), u))
+    return tuple(sorted(order[:budget])), {
+        "scores": {unit_label(u): v for u, v in scores.items()},
+        "order": [unit_label(u) for u in order],
+        "candidates": list(pool),
+        "n_evals": counted.n_evals,
+    }
+
+
+def _unit_pool(n_blocks: int, granularity: str, keep_first: int, keep_last: int) -> list[int]:
+    """The granularity's eligible units of blocks keep_first..N-1-keep_last."""
+    check_keep({"keep_first": keep_first, "keep_last": keep_last}, n_blocks)
+    return [
+        u for u in eligible_units(granularity, n_blocks)
+        if keep_first <= u // 2 < n_blocks - keep_last
+    ]  # fmt: skip

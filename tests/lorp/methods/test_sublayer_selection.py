@@ -75,7 +75,10 @@ def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
     [
         (lambda s: select_units(s, 5, "attention", "shortgpt"), r"budget: 5 attention units"),
         (lambda s: select_units(s, 0, "mlp", "lorp"), "budget: 0"),
-        (lambda s: select_units(s, 2, "attention", "ppl"), "method: 'ppl' has no sub-layer"),
+        (
+            lambda s: select_units(s, 2, "attention", "lorp-loss"),
+            "method: 'lorp-loss' has no sub-layer",
+        ),
         (
             lambda s: select_units(s, 2, "attention", "sleb"),
             "'sleb' scores candidate models: pass losses=.* sub-layer units",
@@ -90,7 +93,7 @@ def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
 def test_bad_points_are_refused_in_one_line(call, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         call(unit_S())
-    check_sublayer_method("ppl", "block")  # any method runs on whole blocks
+    check_sublayer_method("lorp-loss", "block")  # any method runs on whole blocks
 
 
 def test_sleb_per_unit_removes_greedily_by_the_loss_of_the_model_without_them(
@@ -125,3 +128,29 @@ def test_sleb_per_unit_removes_greedily_by_the_loss_of_the_model_without_them(
     )
     assert by_blocks.details["blocks"] == list(blocks.layers)
     assert by_blocks.layers == tuple(block_units(blocks.layers))
+
+
+def test_ppl_per_unit_removes_the_units_whose_lone_removal_costs_least(
+    windows: torch.Tensor,
+) -> None:
+    """Shortened LLaMA's criterion per unit on a real tiny model: one round scoring each
+    eligible unit of blocks keep_first..N-1-keep_last alone; the `budget` lowest go, as
+    brute force over `sublayers_removed` finds. A budget beyond the pool is one line."""
+    model = tiny_model("llama")
+    n = len(decoder_blocks(model))
+    evaluator = LossEvaluator(model, windows, batch_size=2, units=True)
+    sim = LayerSimilarity(random_S(2 * n + 1, seed=1), 2 * n)
+
+    def loss(unit: int) -> float:
+        with sublayers_removed(model, (unit,)):
+            return calibration_loss(model, windows, batch_size=2)
+
+    keep = {"keep_first": 1, "keep_last": 1}
+    pool = [u for u in eligible_units("mixed", n) if 1 <= u // 2 < n - 1]
+    expected = sorted(pool, key=lambda u: (round(loss(u), 12), u))[:3]
+    sel = select_units(sim, 3, "mixed", "ppl", losses=evaluator, **keep)
+    assert sel.layers == tuple(sorted(expected))
+    assert sel.details["order"][:3] == [unit_label(u) for u in expected]
+    assert sel.details["n_evals"] == len(pool)
+    with pytest.raises(ValueError, match=r"budget 3 exceeds the 2 candidate attention units"):
+        select_units(sim, 3, "attention", "ppl", losses=evaluator, keep_first=2, keep_last=2)

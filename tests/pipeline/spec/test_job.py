@@ -149,7 +149,11 @@ def test_materialize_is_refused_where_it_has_nothing_to_write(
         (["layer"], [{"name": "shortgpt"}], "granularity[0]: must be one of"),
         ([], [{"name": "shortgpt"}], "granularity: at least one of block"),
         (["attention", "attention"], [{"name": "shortgpt"}], "granularity: "),
-        (["block", "mlp"], [{"name": "ppl"}], "methods[0]: 'ppl' has no sub-layer form"),
+        (
+            ["block", "mlp"],
+            [{"name": "lorp-loss"}],
+            "methods[0]: 'lorp-loss' has no sub-layer form",
+        ),
     ],
 )
 def test_a_granularity_or_a_method_without_its_form_is_refused_in_one_line(
