@@ -57,6 +57,14 @@ class DeltaTable:
         """Commits of this object's that another writer's commit made it try again."""
         self._local = threading.local()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to a Ray worker, say) without this process's per-thread tables."""
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     @property
     def _table(self) -> Any:
         """The table as this thread's writes last saw it (`_latest`). One per thread: a

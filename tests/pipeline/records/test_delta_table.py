@@ -4,6 +4,7 @@ never replace one another, on a store that keeps its conditions and on one that 
 
 from __future__ import annotations
 
+import pickle
 import re
 import threading
 import time
@@ -86,6 +87,8 @@ def test_one_object_shared_by_threads_keeps_each_threads_table_its_own(tmp_path:
     assert table.compact_files(("run_id", "r")) == 2
     rows = sorted((r["grid_key"], r["x"]) for r in table.read().to_pylist())
     assert rows == [("a", 1.0), ("b", 2.0)]
+    copy = pickle.loads(pickle.dumps(table))  # to a Ray worker: without this process's tables
+    assert copy._table is None and copy.read().num_rows == 2
 
 
 def test_a_store_that_ignores_conditional_writes_is_refused(
