@@ -96,22 +96,24 @@ def write_pruned_files(
     if dtype is not None:
         config.dtype = dtype
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        _write_shards(tmp, index, new_index, rewrites, dtype)
+        write_shards(tmp, index, new_index, rewrites, dtype)
         config.save_pretrained(tmp)
-        _copy_side_files(src, tmp, config)
+        copy_side_files(src, tmp, config)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=2, sort_keys=True))
     log.info("wrote pruned checkpoint %s from %s's files (%d blocks kept)", out, src, len(kept))
     return out
 
 
-def _write_shards(
+def write_shards(
     out: Path,
     index: Mapping[str, TensorEntry],
     new_index: Mapping[int, int],
     changes: Mapping[str, Any],
     dtype: torch.dtype | None,
 ) -> None:
-    """One output shard per source shard, tensors in the source's order."""
+    """One output shard per source shard, tensors in the source's order: the tensors of
+    `index` in kept blocks (`new_index`: old block -> new; also the Nemotron-NAS writer's,
+    `lorp.models.nemotron_nas.write_sublayer_files`, with every block kept in place)."""
     by_file: dict[Path, list[TensorEntry]] = {}
     for key, entry in index.items():
         b = block_of(key)
@@ -185,7 +187,7 @@ def _write_file(
     return offset
 
 
-def _copy_side_files(src: Path, out: Path, config: Any) -> None:
+def copy_side_files(src: Path, out: Path, config: Any) -> None:
     """Generation config and tokenizer files, copied (or the generation config derived
     from the model's config, as `save_pretrained` does for a model without one)."""
     from transformers import GenerationConfig

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 from torch import nn
 
@@ -144,18 +145,83 @@ def save_sublayer_variant(
     if out.exists() and not overwrite:
         raise FileExistsError(f"output directory already exists: {str(out)!r}")
     tensors = variant_tensors(model, wanted)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_form(tmp, config, wanted, provenance)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    log.info("saved a sub-layer variant (%d removed) to %s", len(wanted), out)
+    return out
+
+
+def write_sublayer_files(
+    src: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    units: Iterable[int],
+    provenance: Mapping[str, Any],
+    *,
+    changed: Mapping[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """The same checkpoint written from the dense checkpoint `src`'s files, tensor by
+    tensor (peak memory: one tensor, whatever the model's size), with `changed` (key ->
+    the tensor a repair's fold gave) in place of the source's: how a sub-layer manifest is
+    written out (`lorp.models.variant_manifest.materialize_variant`). Tensor for tensor
+    what `save_sublayer_variant` writes from the same variant in memory, in `dtype` (by
+    default each tensor keeps the checkpoint's)."""
+    from transformers import AutoConfig
+
+    from lorp.models.file_surgery import copy_side_files, write_shards
+    from lorp.models.safetensors_index import tensor_index
+
+    src, out = Path(src), Path(out_dir)
+    source = AutoConfig.from_pretrained(str(src))
+    wanted = list(units)
+    text = source.to_dict()
+    if dtype is not None:
+        text["dtype"] = str(dtype).removeprefix("torch.")
+    config = nemotron_nas_config(text, wanted)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output directory already exists: {str(out)!r}")
+    gone = _unit_prefixes(wanted)
+    tied = bool(config.get("tie_word_embeddings"))
+    index = {
+        k: e for k, e in tensor_index(src).items()
+        if not k.startswith(gone) and not (tied and k == "lm_head.weight")
+    }  # fmt: skip
+    folds = {k: (lambda t, v=v: v.to(t.dtype)) for k, v in (changed or {}).items()}
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        n = int(config["num_hidden_layers"])
+        write_shards(tmp, index, {b: b for b in range(n)}, folds, dtype)
+        _write_form(tmp, config, wanted, provenance)
+        copy_side_files(src, tmp, source)
+    log.info("wrote a sub-layer variant (%d removed) to %s from %s's files", len(wanted), out, src)
+    return out
+
+
+def _unit_prefixes(units: Iterable[int]) -> tuple[str, ...]:
+    """The checkpoint keys a removed unit takes with it: its module and its input norm."""
+    out = []
+    for u in units:
+        b = u // 2
+        parts = (
+            ("self_attn", "input_layernorm") if u % 2 == 0 else ("mlp", "post_attention_layernorm")
+        )
+        out += [f"model.layers.{b}.{p}." for p in parts]
+    return tuple(out)
+
+
+def _write_form(
+    tmp: Path, config: Mapping[str, Any], units: list[int], provenance: Mapping[str, Any]
+) -> None:
+    """The Nemotron-NAS config, its modelling code and the provenance file."""
     meta = {
-        "granularity_units": [unit_label(u) for u in sorted(wanted)],
+        "granularity_units": [unit_label(u) for u in sorted(units)],
         "trust_remote_code": True,
         **dict(provenance),
     }
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        for name in CODE_FILES:
-            shutil.copyfile(CODE_DIR / name, tmp / name)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    log.info("saved a sub-layer variant (%d removed) to %s", len(wanted), out)
-    return out
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for name in CODE_FILES:
+        shutil.copyfile(CODE_DIR / name, tmp / name)
+    (tmp / PROVENANCE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -10,6 +10,13 @@ to the full copy `lorp.models.surgery.save_pruned` writes from the model in memo
 
 A variant directory holds `lorp_variant.json`, `lorp_changes.safetensors` and the
 provenance file (`lorp_pruning.json`) every pruned checkpoint carries.
+
+A sub-layer variant (attention or MLP units removed, `lorp.models.sublayers`) has a
+manifest of its own format, `lorp-sublayer-variant/1` (an older lorp refuses it in one
+line rather than read it as a block variant of no blocks): the units it removes and the
+output projections its repair folded (SmolLM2-135M in float32: an `o_proj` is 1.3 MB, a
+`down_proj` 3.5 MB, against 540 MB). It is written out as the Nemotron-NAS checkpoint
+vLLM serves, from the base's files (`lorp.models.nemotron_nas.write_sublayer_files`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from lorp.models.surgery import PROVENANCE_FILE
 MANIFEST_FILE = "lorp_variant.json"
 CHANGES_FILE = "lorp_changes.safetensors"
 FORMAT = "lorp-variant/1"
+UNIT_FORMAT = "lorp-sublayer-variant/1"
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,41 @@ def write_manifest(
     return out
 
 
+def write_unit_manifest(
+    out_dir: str | os.PathLike[str],
+    base: BaseRef,
+    units: Iterable[int],
+    provenance: Mapping[str, Any],
+    *,
+    changed: Mapping[str, torch.Tensor] | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """A sub-layer variant of `base` without `units` (module docstring), whose repair
+    rewrote `changed` (checkpoint key -> its folded tensor, in memory:
+    `lorp.repair.sublayer_repair.folded_parameters`), stored in `dtype`, atomically."""
+    from safetensors.torch import save_file
+
+    from lorp.models.loading import parse_dtype
+    from lorp.models.sublayers import unit_label
+
+    wanted = sorted(int(u) for u in units)
+    cast = parse_dtype(dtype)
+    tensors = {k: v.detach().to(cast).contiguous().cpu() for k, v in (changed or {}).items()}
+    doc = {
+        "format": UNIT_FORMAT, "base": asdict(base), "units": wanted,
+        "sublayers": [unit_label(u) for u in wanted], "dtype": dtype, "changed": sorted(tensors),
+    }  # fmt: skip
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output directory already exists: {str(out)!r}")
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / CHANGES_FILE), metadata={"format": "pt"})
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=2, sort_keys=True))
+        (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=2))
+    return out
+
+
 def _changed_tensors(
     base_dir: Path, changes: FileChanges | None, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -119,8 +162,10 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         doc = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{str(file)!r} is not a lorp variant manifest ({exc})") from None
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{str(file)!r}: format {doc.get('format')!r}, expected {FORMAT!r}")
+    if doc.get("format") not in (FORMAT, UNIT_FORMAT):
+        raise ValueError(
+            f"{str(file)!r}: format {doc.get('format')!r}, expected {FORMAT!r} or {UNIT_FORMAT!r}"
+        )
     return doc
 
 
@@ -181,6 +226,13 @@ def materialize_variant(
     base = Path(base_dir) if base_dir is not None else resolve_base(base_ref(doc), fetch)
     stored = load_file(str(Path(path) / CHANGES_FILE))
     provenance = json.loads((Path(path) / PROVENANCE_FILE).read_text())
+    if doc["format"] == UNIT_FORMAT:
+        from lorp.models.nemotron_nas import write_sublayer_files
+
+        return write_sublayer_files(
+            base, out_dir, doc["units"], provenance, changed=stored,
+            dtype=parse_dtype(doc["dtype"]), overwrite=overwrite,
+        )  # fmt: skip
     return write_pruned_files(
         base,
         out_dir,

@@ -193,21 +193,41 @@ def fold_units(model: nn.Module, fits: Sequence[RunFit]) -> None:
     """Fold every unit fit into the dense `model`'s weights, in place: the site's output
     projection (`o_proj` or `down_proj`) and, for a `normed` fit, its post-norm's weight."""
     arch = architecture_of(model)
-    blocks = decoder_blocks(model)
     for fit in fits:
-        u = fit.run[0] - 1
-        block = blocks[u // 2]
-        proj = getattr(block, ATTENTION).o_proj if u % 2 == 0 else block.mlp.down_proj
+        proj, norm = _fold_sites(model, fit)
         proj.weight.copy_(folded_down_weight(proj.weight, fit))
         if proj.bias is not None:
             proj.bias.copy_(folded_down_bias(proj.bias, fit))
-        if fit.form == "normed":
-            norm = (
-                attention_site(block, arch.post_attn_norm)
-                if u % 2 == 0
-                else mlp_site(block, arch.post_mlp_norm)
-            )
+        if norm is not None:
             norm.weight.copy_(folded_norm_weight(norm.weight, fit, arch.norm_offset))
+
+
+def folded_parameters(model: nn.Module, fits: Sequence[RunFit]) -> dict[str, torch.Tensor]:
+    """The parameters `fold_units` rewrites for `fits`, by their names in the model's
+    state (the checkpoint's keys): what a sub-layer manifest stores
+    (`lorp.models.variant_manifest.write_unit_manifest`)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for fit in fits:
+        proj, norm = _fold_sites(model, fit)
+        for module in (proj, norm):
+            for p in module.parameters(recurse=False) if module is not None else ():
+                out[names[id(p)]] = p.detach()
+    return out
+
+
+def _fold_sites(model: nn.Module, fit: RunFit) -> tuple[nn.Module, nn.Module | None]:
+    """The output projection a unit fit folds into (unit s-1's `o_proj` or `down_proj`),
+    and the post-norm a `normed` fit folds into too."""
+    arch = architecture_of(model)
+    u = fit.run[0] - 1
+    block = decoder_blocks(model)[u // 2]
+    proj = getattr(block, ATTENTION).o_proj if u % 2 == 0 else block.mlp.down_proj
+    if fit.form != "normed":
+        return proj, None
+    if u % 2 == 0:
+        return proj, attention_site(block, arch.post_attn_norm)
+    return proj, mlp_site(block, arch.post_mlp_norm)
 
 
 def repair_sublayers(

@@ -85,10 +85,12 @@ class JobSpec:
     default), what the variant changes (`lorp.models.variant_manifest`): its base model by
     reference and fingerprint, the blocks it drops and the tensors its repair rewrote
     (SmolLM2-135M: a few KiB unrepaired, 3.5 MB a repaired run, against 540 MB a full
-    copy), which `lorp pull`, the registry's loading and vLLM evaluation write back as a
-    standard checkpoint; `full`, a standard checkpoint (safetensors, config, tokenizer)
-    that vLLM and transformers load as it is; `none`, no checkpoint (the variant is
-    measured and catalogued, not registered)."""
+    copy), or for a sub-layer variant the units it removes and the projections its repair
+    folded, which `lorp pull`, the registry's loading and vLLM evaluation write back as a
+    standard checkpoint (a sub-layer variant's in Nemotron-NAS form); `full`, a
+    standard checkpoint (safetensors, config, tokenizer) that vLLM and transformers load
+    as it is; `none`, no checkpoint (the variant is measured and catalogued, not
+    registered)."""
     save_checkpoints: bool | None = None
     """Before `checkpoints`: false is `checkpoints: none`, true the default. Still read,
     with a one-line notice."""

@@ -52,7 +52,7 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
         provenance["repair"] = {**(provenance.get("repair") or {}), "runs": records}
     backend = task.backend if task.checkpoint or task.backend != "vllm" else "transformers"
     with scratch_dir() as scratch:
-        saved = _save(task, lm, scratch, provenance)
+        saved = _save(task, lm, scratch, provenance, fits)
         metrics = evaluate_point(task, lm, saved or lm.path, scratch, backend)
     serving = metrics.pop("serving", None) or {}
     return PointResult(
@@ -62,16 +62,34 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
     )  # fmt: skip
 
 
-def _save(task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any]) -> Path | None:
-    """The Nemotron-NAS checkpoint (`lorp.models.nemotron_nas`), written into the storage
-    (or scratch, then uploaded) as a block point's is; None where none is wanted."""
+def _save(
+    task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any], fits: list[Any]
+) -> Path | None:
+    """The Nemotron-NAS checkpoint (`lorp.models.nemotron_nas`), or under `checkpoints:
+    manifest` the units and the folded projections by reference to the base
+    (`lorp.models.variant_manifest.write_unit_manifest`), written into the storage (or
+    scratch, then uploaded) as a block point's is; None where none is wanted."""
     if not task.checkpoint:
         return None
-    from lorp.models.nemotron_nas import save_sublayer_variant
+    from lorp.models.nemotron_nas import check_servable, save_sublayer_variant
 
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
-    save_sublayer_variant(lm.model, lm.tokenizer, local, task.units, provenance, overwrite=True)
+    if task.checkpoint_format == "manifest":
+        from lorp.models.variant_manifest import BaseRef, write_unit_manifest
+        from lorp.repair.sublayer_repair import folded_parameters
+        from pipeline.stored_bases import stored_base_uri
+
+        check_servable(lm.model.config.to_dict())  # as the whole checkpoint: before writing
+        m = task.model
+        stored = stored_base_uri(task.storage, m.kind, m.fingerprint)  # the preparation's copy
+        write_unit_manifest(
+            local, BaseRef(m.ref, m.kind, m.fingerprint, m.revision, stored), task.units,
+            provenance, changed=folded_parameters(lm.model, fits), dtype=m.dtype,
+            overwrite=True,
+        )  # fmt: skip
+    else:
+        save_sublayer_variant(lm.model, lm.tokenizer, local, task.units, provenance, overwrite=True)
     if storage.remote:
         storage.put_dir(local, task.checkpoint)
     return local

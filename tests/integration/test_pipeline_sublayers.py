@@ -1,7 +1,8 @@
 """Granularity as a grid dimension: one sub-layer capture on Ray serves block, attention and
-MLP points; sub-layer points are repaired from unit sums, stored as Nemotron-NAS
-checkpoints, catalogued with their granularity and sub-layers, costed by what they keep,
-timed, and registered under their own aliases; on a real local Ray and sqlite MLflow."""
+MLP points; sub-layer points are repaired from unit sums, stored as manifests that write
+out as Nemotron-NAS checkpoints, catalogued with their granularity and sub-layers, costed
+by what they keep, timed, and registered under their own aliases; on a real local Ray and
+sqlite MLflow."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lorp.data.windows import resolve_bos
 from lorp.locality.capture import capture_stats
 from lorp.methods.sublayer_selection import select_units
 from lorp.models.sublayers import parse_unit_label, remove_sublayers
+from lorp.models.variant_manifest import materialize_variant, read_manifest
 from pipeline.records.catalog import read_catalog
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
@@ -74,14 +76,17 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     assert row["decode_bytes_per_token_4k"] < rows["dense"]["decode_bytes_per_token_4k"]
     assert row["params"] < row["params_dense"] == rows["dense"]["params"]
 
-    # The Nemotron-NAS checkpoint loads in transformers (its own code) and gives the
-    # in-memory variant's logits; its provenance names the sub-layers.
+    # Stored as a sub-layer manifest (the job's default `checkpoints: manifest`): written
+    # out from its base, the Nemotron-NAS checkpoint loads in transformers (its own code)
+    # and gives the in-memory variant's logits; its provenance names the sub-layers.
     ckpt = Path(row["checkpoint"])
+    assert read_manifest(ckpt)["sublayers"] == row["sublayers"]
+    written = materialize_variant(ckpt, tmp_path / "written")  # the base as the job named it
     assert (
-        json.loads((ckpt / "lorp_pruning.json").read_text())["granularity_units"]
+        json.loads((written / "lorp_pruning.json").read_text())["granularity_units"]
         == (row["sublayers"])
     )
-    served = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True).eval()
+    served = AutoModelForCausalLM.from_pretrained(written, trust_remote_code=True).eval()
     remove_sublayers(dense, want)
     with torch.no_grad():
         ids = windows[:2]

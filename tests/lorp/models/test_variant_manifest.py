@@ -1,5 +1,6 @@
 """A variant stored as what it changes materialises into the full copy, tensor for tensor;
-its size is what it changes; a base that changed is refused in one line."""
+its size is what it changes; a base that changed is refused in one line. A sub-layer
+variant's manifest materialises into the Nemotron-NAS checkpoint written from memory."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lorp.models.variant_manifest import (
     read_manifest,
     variant_bytes,
     write_manifest,
+    write_unit_manifest,
 )
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import fit_runs
@@ -96,5 +98,53 @@ def test_a_changed_base_is_refused_in_one_line(
 
 def test_not_a_manifest_is_refused(tmp_path: Path) -> None:
     (tmp_path / "lorp_variant.json").write_text('{"format": "other/9"}')
-    with pytest.raises(ValueError, match="format 'other/9', expected 'lorp-variant/1'"):
+    with pytest.raises(ValueError, match="format 'other/9', expected 'lorp-variant/1' or"):
         read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_sublayer_manifest_materialises_into_the_checkpoint_written_from_memory(
+    family: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Units removed and repaired in memory, saved whole in Nemotron-NAS form = the
+    manifest (the units and the folded output projections) written out from its base's
+    files, tensor for tensor; it stores those projections only."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lorp.models.nemotron_nas import save_sublayer_variant
+    from lorp.repair.sublayer_repair import folded_parameters, repair_sublayers
+    from tests.helpers.repair_runs import batches
+    from tests.helpers.tiny_models import tiny_config
+
+    path = checkpoints["llama"]
+    if family == "qwen2":  # Qwen2.5-Coder's form: full attention, q/k/v biases
+        config = tiny_config("qwen2")
+        config.use_sliding_window, config.layer_types = False, ["full_attention"] * N_BLOCKS
+        torch.manual_seed(0)
+        path = tmp_path / "qwen2"
+        AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    units = [4, 7, 8]  # attn.2 (after mlp.1), and mlp.3 + attn.4 (after attn.3)
+    variant = copy.deepcopy(in_memory(path))
+    fits = repair_sublayers(variant, units, batches(token_windows(8)), ridge=1e-3)
+    changed = folded_parameters(variant, fits)
+    assert sorted(changed) == [
+        "model.layers.1.mlp.down_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+    ]  # fmt: skip
+    provenance = {"method": "shortgpt", "grid_key": "k"}
+    full = save_sublayer_variant(variant, None, tmp_path / "full", units, provenance)
+    manifest = write_unit_manifest(
+        tmp_path / "m", base_ref(path), units, provenance, changed=changed
+    )
+    doc = read_manifest(manifest)
+    assert doc["format"] == "lorp-sublayer-variant/1" and doc["units"] == units
+    assert doc["sublayers"] == ["attn.2", "mlp.3", "attn.4"]
+    assert variant_bytes(manifest) < variant_bytes(full) / 3
+    out = materialize_variant(manifest, tmp_path / "pulled")  # resolves and checks its base
+    assert_same_checkpoint(full, out)
+    assert json.loads((out / "lorp_pruning.json").read_text()) == json.loads(
+        (full / "lorp_pruning.json").read_text()
+    )
+    assert (out / "modeling_decilm.py").is_file()
