@@ -73,7 +73,6 @@ def write_manifest(
     """Write the variant of `base_dir` (the local copy of `base`) without blocks `layers`,
     with the tensors `changes` rewrites (a repair's fold, `lorp.repair.fold.file_folds`)
     computed from the base's tensors in `dtype`, to `out_dir`, atomically."""
-    from safetensors.torch import save_file
 
     from lorp.models.loading import parse_dtype
 
@@ -85,14 +84,7 @@ def write_manifest(
         "dtype": dtype,
         "changed": sorted(changed),
     }
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"output directory already exists: {str(out)!r}")
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(changed, str(tmp / CHANGES_FILE), metadata={"format": "pt"})
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=2, sort_keys=True))
-        (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=2))
-    return out
+    return _write_variant_dir(out_dir, doc, changed, provenance, overwrite)
 
 
 def write_unit_manifest(
@@ -108,7 +100,6 @@ def write_unit_manifest(
     """A sub-layer variant of `base` without `units` (module docstring), whose repair
     rewrote `changed` (checkpoint key -> its folded tensor, in memory:
     `lorp.repair.sublayer_repair.folded_parameters`), stored in `dtype`, atomically."""
-    from safetensors.torch import save_file
 
     from lorp.models.loading import parse_dtype
     from lorp.models.sublayers import unit_label
@@ -120,11 +111,24 @@ def write_unit_manifest(
         "format": UNIT_FORMAT, "base": asdict(base), "units": wanted,
         "sublayers": [unit_label(u) for u in wanted], "dtype": dtype, "changed": sorted(tensors),
     }  # fmt: skip
+    return _write_variant_dir(out_dir, doc, tensors, provenance, overwrite)
+
+
+def _write_variant_dir(
+    out_dir: str | os.PathLike[str],
+    doc: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    provenance: Mapping[str, Any],
+    overwrite: bool,
+) -> Path:
+    """A variant directory (manifest, changed tensors, provenance), atomically."""
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"output directory already exists: {str(out)!r}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / CHANGES_FILE), metadata={"format": "pt"})
+        save_file(dict(tensors), str(tmp / CHANGES_FILE), metadata={"format": "pt"})
         (tmp / PROVENANCE_FILE).write_text(json.dumps(dict(provenance), indent=2, sort_keys=True))
         (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=2))
     return out
