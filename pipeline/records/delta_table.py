@@ -99,8 +99,9 @@ class DeltaTable:
         from deltalake.exceptions import TableNotFoundError
 
         try:
-            table = Table(self.table_uri, storage_options=self.options)
-            if version is not None:
+            pinned = version if isinstance(version, int) else None  # loaded at it, once
+            table = Table(self.table_uri, version=pinned, storage_options=self.options)
+            if version is not None and pinned is None:
                 table.load_as_version(version)
         except TableNotFoundError:
             return None
