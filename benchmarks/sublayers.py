@@ -50,8 +50,8 @@ from benchmarks.sublayers_report import (  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 BLOCK_BUDGETS = (4, 8)
-METHODS = ("shortgpt", "lorp", "sleb", "ppl")
-UNIT_ONLY = {"mlp": ("shortgpt", "sleb", "ppl")}
+METHODS = ("shortgpt", "lorp", "sleb", "ppl", "finercut")
+UNIT_ONLY = {"mlp": ("shortgpt", "sleb", "ppl", "finercut")}
 """The methods run at MLP granularity (LoRP's clusters are spent on attentions there)."""
 CONTEXT = 4096
 """The decode context the costs are compared at."""
@@ -101,15 +101,16 @@ def choose(
 ) -> list[int]:
     """The units `method` removes; a loss-guided method asked for every eligible unit of a
     granularity takes them all without scoring (there is nothing to rank)."""
-    from lorp.methods.sublayer_selection import LOSS_METHODS, select_units
+    from lorp.methods.sublayer_selection import LOSS_METHODS, loss_measure, select_units
     from lorp.models.sublayers import eligible_units
 
-    scored = method in LOSS_METHODS
-    if method == "sleb" and granularity != "block":
+    asks = losses is not None and method in LOSS_METHODS
+    scored = losses.by(loss_measure(method)) if asks else None
+    if method in ("sleb", "finercut") and granularity != "block":
         pool = eligible_units(granularity, similarity.n_blocks // 2)
         if budget >= len(pool):
             return pool
-    sel = select_units(similarity, budget, granularity, method, losses=losses if scored else None)
+    sel = select_units(similarity, budget, granularity, method, losses=scored)
     return list(sel.layers)
 
 
@@ -312,32 +313,44 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
 class SelectionLosses:
     """The loss-guided methods' `losses=` over unit sets, on the held-out calibration
     windows: a `select_dtype` copy of the model (bfloat16 runs on this CPU's AMX at about
-    five times float32's speed), made on first use, and every candidate's loss remembered,
-    so SLEB at a larger budget replays the smaller one's steps for free."""
+    five times float32's speed), made on first use, and every candidate's value remembered
+    per measure (NLL; FinerCut's JS divergence), so SLEB at a larger budget replays the
+    smaller one's steps for free. `by(measure)` is the callable a method takes."""
 
     def __init__(self, model: Any, windows: Any, dtype: str) -> None:
         self.model, self.windows, self.dtype = model, windows, dtype
-        self.memo: dict[tuple[int, ...], float] = {}
-        self.evaluator: Any = None
+        self.memos: dict[str, dict[tuple[int, ...], float]] = {}
+        self.evaluators: dict[str, Any] = {}
+        self.copy: Any = None
 
     @property
     def evaluated(self) -> int:
-        return len(self.memo)
+        return sum(len(m) for m in self.memos.values())
 
-    def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
-        todo = [c for c in dict.fromkeys(candidates) if c not in self.memo]
+    def by(self, measure: str) -> Any:
+        return lambda candidates: self.score(candidates, measure)
+
+    def score(self, candidates: list[tuple[int, ...]], measure: str) -> list[float]:
+        memo = self.memos.setdefault(measure, {})
+        todo = [c for c in dict.fromkeys(candidates) if c not in memo]
         if todo:
-            if self.evaluator is None:
-                import torch
+            memo.update(zip(todo, self._evaluator(measure)(todo), strict=True))
+        return [memo[c] for c in candidates]
 
-                from lorp.methods.removal_loss import LossEvaluator
-                from lorp.models.loading import DTYPES
+    def _evaluator(self, measure: str) -> Any:
+        if measure not in self.evaluators:
+            import torch
 
-                copy_ = copy.deepcopy(self.model).to(DTYPES[self.dtype])
-                w = torch.as_tensor(self.windows, dtype=torch.long)
-                self.evaluator = LossEvaluator(copy_, w, batch_size=4, units=True)
-            self.memo.update(zip(todo, self.evaluator(todo), strict=True))
-        return [self.memo[c] for c in candidates]
+            from lorp.methods.removal_loss import LossEvaluator
+            from lorp.models.loading import DTYPES
+
+            if self.copy is None:
+                self.copy = copy.deepcopy(self.model).to(DTYPES[self.dtype])
+            w = torch.as_tensor(self.windows, dtype=torch.long)
+            self.evaluators[measure] = LossEvaluator(
+                self.copy, w, batch_size=4, units=True, measure=measure
+            )
+        return self.evaluators[measure]
 
 
 def extended(args: Any, alias: str) -> dict[str, Any] | None:

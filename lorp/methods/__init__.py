@@ -3,6 +3,7 @@ method is one new module here, decorated with `register_method`, imported below.
 
 from lorp.methods import (  # noqa: F401
     angular,
+    finercut,
     lorp_loss,
     lorp_method,
     ppl,

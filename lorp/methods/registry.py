@@ -24,14 +24,18 @@ beyond the block-input matrix:
   ``losses=``, a `Losses` callable supplied by whoever can build and run models (the
   pipeline, or `lorp.methods.removal_loss.LossEvaluator` in one process); methods without the flag
   never see it. The method stays pure: it only hands candidate sets to the callable and reads
-  back numbers.
+  back numbers. ``measure`` says which number (`MEASURES`):
+  ``"nll"``, the calibration loss (SLEB, PPL, loss-guided LoRP), or ``"js"``, the
+  Jensen-Shannon divergence of the candidate's next-token distributions from the dense
+  model's (FinerCut).
 
 `Losses`: ``losses(candidates) -> values``. Each candidate is a sorted tuple of distinct
 0-based block indices to drop; its value is the mean calibration NLL per predicted token
-of the model without those blocks (lower is better). One call is one batch: the caller
-may score its candidates in parallel (the pipeline spreads them over several actors), so
-a method hands over every candidate it can decide on at once, e.g. all single removals of
-one greedy step.
+of the model without those blocks, or for a method registered with ``measure="js"`` the
+mean JS divergence per position of its outputs from the dense model's (lower is better).
+One call is one batch: the caller may score its candidates in parallel (the pipeline
+spreads them over several actors), so a method hands over every candidate it can decide
+on at once, e.g. all single removals of one greedy step.
 
 Two keyword parameters are not options: ``losses`` (above) and ``profile``, a
 precomputed `lorp.Profile` of the same S that `select_layers` passes to any method whose
@@ -63,6 +67,8 @@ RepairScores = Callable[[list[tuple[int, int]], str], list[float]]
 # holds every option (defaults filled in); n_blocks is None when not known yet.
 OptionCheck = Callable[[Mapping[str, Any], int | None], None]
 NOT_OPTIONS = ("losses", "profile", "repair_scores")
+MEASURES = ("nll", "js")
+"""What a `Losses` value is: the calibration NLL, or the JS divergence from dense outputs."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class RegisteredMethod:
     takes_profile: bool = False
     needs_repair: bool = False
     check: OptionCheck | None = None
+    measure: str = "nll"
 
     @property
     def summary(self) -> str:
@@ -127,6 +134,7 @@ def register_method(
     needs_last_token: bool = False,
     needs_repair: bool = False,
     check: OptionCheck | None = None,
+    measure: str = "nll",
 ) -> Callable[[Callable[..., Selection]], Callable[..., Selection]]:
     """Decorator: register `fn` as method `name`; a second registration of a name fails.
 
@@ -141,6 +149,8 @@ def register_method(
         names = {p.name for p in params}
         if needs_evaluator and "losses" not in names:
             raise TypeError(f"method {name!r} needs an evaluator but takes no 'losses' argument")
+        if measure not in MEASURES:
+            raise ValueError(f"method {name!r}: measure must be one of {MEASURES}, got {measure!r}")
         if needs_repair and "repair_scores" not in names:
             raise TypeError(f"method {name!r} needs repair scores but takes no 'repair_scores'")
         _REGISTRY[name] = RegisteredMethod(
@@ -153,6 +163,7 @@ def register_method(
             takes_profile="profile" in names,
             needs_repair=needs_repair,
             check=check,
+            measure=measure,
         )
         return fn
 

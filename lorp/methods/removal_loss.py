@@ -8,6 +8,11 @@ model: `lorp.models.surgery.blocks_dropped` removes the blocks in memory for the
 forward passes and restores the model after, so no weights are copied or written. The
 pipeline builds the same callable over several actors to score a batch in parallel.
 
+With ``measure="js"`` a candidate's value is instead how far its output moved: the mean
+Jensen-Shannon divergence (nats) per position between the dense model's next-token
+distribution and the candidate's, on the same windows, FinerCut's criterion (Zhang et al.,
+2024). The dense distributions are computed once per window batch and call.
+
 With ``units=True`` a candidate is a set of sub-layer units instead
 (`lorp.models.sublayers`: unit 2i is block i's attention, 2i + 1 its MLP), the losses the
 sub-layer forms of the loss-guided methods read (`lorp.methods.sublayer_selection`): a
@@ -18,6 +23,7 @@ block that loses both units is dropped, one that loses one runs without it
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -26,6 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lorp.methods.registry import MEASURES
 from lorp.models.architectures import decoder_blocks, decoder_stack
 from lorp.models.perplexity import window_nll
 from lorp.models.streaming import device_of
@@ -63,9 +70,14 @@ class LossEvaluator:
         batch_size: int = 8,
         progress: bool = False,
         units: bool = False,
+        measure: str = "nll",
     ) -> None:
+        if measure not in MEASURES:
+            raise ValueError(f"measure: must be one of {', '.join(MEASURES)}, got {measure!r}")
         self.model = model
         self.units = bool(units)
+        self.measure = measure
+        self._dense: torch.Tensor | None = None  # js: the batch's dense log-probabilities
         self.windows = torch.as_tensor(windows, dtype=torch.long)
         self.batch_size = int(batch_size)
         self.progress = progress
@@ -100,17 +112,20 @@ class LossEvaluator:
                 starts = range(0, len(self.windows), self.batch_size)
                 for start in tqdm(starts, disable=not self.progress, desc="loss batches"):
                     batch = self.windows[start : start + self.batch_size].to(device)
+                    if self.measure == "js":
+                        self._dense = _log_probs(self.model(input_ids=batch, use_cache=False))
                     for i, (total, m) in self._visit(root, [], batch).items():
                         nll[i] += total
                         count[i] += m
         finally:
+            self._dense = None
             self.model.train(was_training)
         self.n_evals += len(cands)
         loss = {seq: t / m for seq, t, m in zip(distinct, nll, count, strict=True)}
         out = [loss[seq] for seq in kept]
         what = "sub-layers" if self.units else "blocks"
         for cand, loss in zip(cands, out, strict=True):
-            log.debug("loss without %s %s: %.6f", what, list(cand), loss)
+            log.debug("%s without %s %s: %.6f", self.measure, what, list(cand), loss)
         return out
 
     def _steps(self, candidate: tuple[int, ...]) -> tuple[Step, ...]:
@@ -166,10 +181,14 @@ class LossEvaluator:
     def _finish(
         self, state: torch.Tensor | None, last: Step, batch: torch.Tensor
     ) -> tuple[float, int]:
-        """NLL of the candidate that runs block `last` on `state`, then the LM head."""
+        """NLL (or JS sum) of the candidate that runs block `last` on `state`, then the LM
+        head."""
         with ExitStack() as undo:
             self._only([last], state, undo)
-            return window_nll(self.model, batch)
+            if self._dense is None:
+                return window_nll(self.model, batch)
+            out = self.model(input_ids=batch, use_cache=False)
+            return js_divergence_sum(self._dense, _log_probs(out)), batch.numel()
 
     def _only(self, chain: list[Step], state: torch.Tensor | None, undo: ExitStack) -> None:
         """Until `undo` closes, the model runs the blocks of `chain` alone (each without
@@ -184,6 +203,22 @@ class LossEvaluator:
         undo.enter_context(
             blocks_dropped(self.model, [b for b in range(len(blocks)) if b not in inside])
         )
+
+
+def _log_probs(output: Any) -> torch.Tensor:
+    return torch.log_softmax(output.logits.float(), dim=-1)
+
+
+def js_divergence_sum(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Sum over positions of JS(P || Q) in nats, from log-probabilities [..., V]; one row
+    at a time, so the temporaries stay a few rows of the vocabulary wide."""
+    total = 0.0
+    rows = zip(p.flatten(0, -2).split(64), q.flatten(0, -2).split(64), strict=True)
+    for lp, lq in rows:
+        m = torch.logaddexp(lp, lq) - math.log(2.0)
+        kl = lp.exp() * (lp - m) + lq.exp() * (lq - m)
+        total += float(0.5 * kl.sum(dim=-1).double().sum())
+    return total
 
 
 class _Node:

@@ -11,11 +11,16 @@ first and last block's units are never candidates, as for whole blocks.
   the unit S picks K, spectral clustering partitions all 2N units, and the two-stage
   allocation spends the budget on the granularity's units only, so an attention-only
   budget still sees which MLPs cluster with which attentions.
-- ``sleb``: SLEB's greedy elimination with sub-layers for blocks (the loss-aware removal
-  that FinerCut runs over attention and FFN layers): at each step the unit whose removal,
-  with those gone so far, gives the lowest calibration loss goes. It reads no S; its
+- ``sleb``: SLEB's greedy elimination with sub-layers for blocks: at each step the unit
+  whose removal, with those gone so far, gives the lowest calibration loss goes. It reads no S; its
   `losses=` callable scores candidate unit sets
   (`lorp.methods.removal_loss.LossEvaluator(units=True)`, or the pipeline's actors).
+- ``finercut``: FinerCut's greedy removal by the change in output
+  (`lorp.methods.finercut`): SLEB's search, each candidate scored by the JS divergence of
+  its next-token distributions from the dense model's, so its `losses=` must measure that
+  (`LossEvaluator(units=True, measure="js")`; `loss_measure` says which a method needs).
+  At ``mixed`` granularity it is FinerCut as published: attention and FFN layers ranked
+  together.
 - ``ppl``: Shortened LLaMA's one-shot criterion with sub-layers for blocks: each eligible
   unit is scored by the calibration loss of the model without it alone, and the
   `budget` lowest go (ties: lower unit). One round of |pool| candidates, where SLEB runs
@@ -39,7 +44,7 @@ from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.lorp_method import check_lorp_options, cluster_labels
 from lorp.methods.loss_guided import CountedLosses, check_keep
-from lorp.methods.registry import Losses, Selection, resolve_budget, select_layers
+from lorp.methods.registry import Losses, Selection, get_method, resolve_budget, select_layers
 from lorp.methods.sleb import greedy_removal
 from lorp.models.sublayers import (
     block_units,
@@ -50,10 +55,16 @@ from lorp.models.sublayers import (
     unit_label,
 )
 
-SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb", "ppl")
+SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb", "ppl", "finercut")
 """The methods with a sub-layer form; any registered method runs at `block` granularity."""
-LOSS_METHODS = ("sleb", "ppl")
+LOSS_METHODS = ("sleb", "ppl", "finercut")
 """The sub-layer methods that score candidate removals (`losses=` over unit sets)."""
+
+
+def loss_measure(method: str) -> str:
+    """What a loss-guided method's `losses=` must return (`lorp.methods.registry.MEASURES`):
+    the calibration NLL, or for FinerCut the JS divergence from the dense outputs."""
+    return get_method(method).measure
 
 
 def check_sublayer_method(method: str, granularity: str, field: str = "method") -> None:
@@ -125,7 +136,7 @@ def select_units(
         units, details = _shortgpt(similarity, budget, granularity)
     elif method in LOSS_METHODS:
         assert losses is not None
-        rule = _sleb if method == "sleb" else _ppl
+        rule = _ppl if method == "ppl" else _sleb  # finercut: SLEB's search, its own measure
         units, details = rule(n_blocks, budget, granularity, losses, **options)
     else:
         units, details = _lorp(similarity, budget, granularity, **options)

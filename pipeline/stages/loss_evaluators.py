@@ -12,7 +12,9 @@ used for selection.
 Sub-layer points of a loss-guided method (`sleb` at attention, MLP or mixed
 granularity, `lorp.methods.sublayer_selection`) ask the same actors about candidate sets
 of sub-layer units (`LossEvaluator(units=True)` on the one loaded model), remembered in a
-memo of their own.
+memo of their own. FinerCut (`finercut`, registered with ``measure="js"``) asks the same
+actors for the JS divergence of each candidate's outputs from the dense model's instead
+of its loss (`LossEvaluator(measure="js")`), remembered apart from the losses.
 
 A loss-guided selection costs minutes, so it is cached by content key (S, the held-out
 windows, method, options, budget): a rerun or a resumed job selects instantly. Below that,
@@ -37,7 +39,7 @@ import numpy as np
 import ray
 
 from lorp import Selection
-from lorp.methods.registry import jsonable
+from lorp.methods.registry import MEASURES, jsonable
 from pipeline.cluster.model_source import load_checked, model_source
 from pipeline.messages import LossTask
 from pipeline.records import timeline
@@ -72,8 +74,11 @@ class LossWorker:
         lm = load_checked(task.model, device)
         windows = torch.from_numpy(task.windows.astype(np.int64))
         self.evaluators = {
-            units: LossEvaluator(lm.model, windows, batch_size=task.batch_size, units=units)
+            (units, measure): LossEvaluator(
+                lm.model, windows, batch_size=task.batch_size, units=units, measure=measure
+            )
             for units in (False, True)
+            for measure in MEASURES
         }  # one model: blocks or sub-layer units removed in memory
         timeline.report("load", start, time.time(), model=self.label, of="losses")
 
@@ -87,10 +92,12 @@ class LossWorker:
         selection: str = "",
         step: int = 0,
         units: bool = False,
+        measure: str = "nll",
     ) -> tuple[list[float], dict[str, Any]]:
-        """The loss of each candidate set of blocks (`units`: of sub-layer units)."""
+        """The loss (`measure` "js": the output's divergence from dense) of each candidate
+        set of blocks (`units`: of sub-layer units)."""
         start = time.time()
-        losses = self.evaluators[units](candidates)
+        losses = self.evaluators[units, measure](candidates)
         end = time.time()
         labels = {"model": self.label, "selection": selection, "step": step, "n": len(candidates)}
         timeline.report("losses", start, end, **labels)
@@ -119,8 +126,8 @@ class LossMemo:
 
 class RayLosses:
     """`losses(candidates) -> list[float]` over `n` actors; scores only the candidates
-    the memo does not hold, and counts what it scored (`n_evals`). `units()` is the same
-    over candidate sets of sub-layer units, on the same actors."""
+    the memo does not hold, and counts what it scored (`n_evals`). `scorer()` is the same
+    over candidate sets of sub-layer units, or by another measure, on the same actors."""
 
     def __init__(
         self,
@@ -148,11 +155,16 @@ class RayLosses:
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
         return self.score(candidates, self.memo, units=False)
 
-    def units(self, memo: LossMemo) -> Callable[[list[tuple[int, ...]]], list[float]]:
-        """`losses` over sub-layer unit sets, remembered in `memo`."""
-        return lambda candidates: self.score(candidates, memo, units=True)
+    def scorer(
+        self, memo: LossMemo, units: bool, measure: str
+    ) -> Callable[[list[tuple[int, ...]]], list[float]]:
+        """`losses` over block (`units`: sub-layer unit) sets, by `measure`, remembered in
+        `memo`."""
+        return lambda candidates: self.score(candidates, memo, units, measure)
 
-    def score(self, candidates: list[tuple[int, ...]], memo: LossMemo, units: bool) -> list[float]:
+    def score(
+        self, candidates: list[tuple[int, ...]], memo: LossMemo, units: bool, measure: str = "nll"
+    ) -> list[float]:
         from pipeline.records.progress import duration
 
         todo = memo.missing(candidates)
@@ -163,7 +175,7 @@ class RayLosses:
             actors = self._started()
             shares = [todo[i :: len(actors)] for i in range(len(actors))]
             refs = [
-                a.score.remote(s, self.name, self.steps, units)
+                a.score.remote(s, self.name, self.steps, units, measure)
                 for a, s in zip(actors, shares, strict=True)
                 if s
             ]
@@ -262,14 +274,18 @@ class LossSelector:
         self.heldout: tuple[np.ndarray, str] | None = None
         self.losses: RayLosses | None = None
         self.memo_key = ""
-        self.unit_memo: LossMemo | None = None
+        self.memos: dict[tuple[bool, str], LossMemo] = {}
 
     def __call__(self, method: Any, budget: int) -> tuple[Selection, float]:
-        from lorp.methods import select_layers
+        from lorp.methods import get_method, select_layers
+
+        measure = get_method(method.name).measure
 
         def run(losses: RayLosses) -> Selection:
+            memo = losses.memo if measure == "nll" else self._memo(False, measure)
+            scored = losses.scorer(memo, False, measure)
             return select_layers(
-                self.stats, budget, method.name, profile=self.profile, losses=losses,
+                self.stats, budget, method.name, profile=self.profile, losses=scored,
                 **method.options,
             )  # fmt: skip
 
@@ -278,14 +294,15 @@ class LossSelector:
     def units(self, method: Any, budget: int, granularity: str) -> tuple[Selection, float]:
         """The sub-layer units a loss-guided method removes at `granularity`, scored on
         the same actors (`lorp.methods.sublayer_selection.select_units`)."""
-        from lorp.methods.sublayer_selection import select_units
+        from lorp.methods.sublayer_selection import loss_measure, select_units
 
         if self.unit_stats is None:
             raise ValueError(f"granularity {granularity!r}: the sub-layer S was not captured")
         similarity = self.unit_stats.similarity()
 
         def run(losses: RayLosses) -> Selection:
-            by_unit = losses.units(self._unit_memo())
+            measure = loss_measure(method.name)
+            by_unit = losses.scorer(self._memo(True, measure), True, measure)
             return select_units(
                 similarity, budget, granularity, method.name, losses=by_unit, **method.options
             )
@@ -348,16 +365,18 @@ class LossSelector:
             self.losses = RayLosses(task, n, self.record, memo, self.note)
         return self.losses
 
-    def _unit_memo(self) -> LossMemo:
-        """Sub-layer candidates' losses, kept apart from the block candidates'."""
-        if self.unit_memo is None:
+    def _memo(self, units: bool, measure: str) -> LossMemo:
+        """The values of sub-layer candidates, or of another measure, kept apart from the
+        block candidates' losses (whose memo keeps the key it always had)."""
+        if (units, measure) not in self.memos:
             from pipeline.plan import content_key
             from pipeline.stages.statistics import stats_store
 
             store = stats_store(self.spec.cache_dir, self.spec.storage).sub("losses")
-            key = content_key(self.memo_key, "units")
-            self.unit_memo = LossMemo(store, key, fresh=self.force)
-        return self.unit_memo
+            parts = [*(["units"] if units else []), *([measure] if measure != "nll" else [])]
+            key = content_key(self.memo_key, *parts)
+            self.memos[units, measure] = LossMemo(store, key, fresh=self.force)
+        return self.memos[units, measure]
 
     def close(self) -> None:
         if self.losses is not None:

@@ -102,6 +102,10 @@ def test_sleb_points_are_scored_once_and_matched_on_their_own_units(tmp_path) ->
     assert three == list(select_units(S, 3, "mixed", "sleb", losses=plain).layers)
     assert choose(S, 4, "attention", "sleb", losses) == eligible_units("attention", 6)
     assert losses.evaluated == 21  # every attention goes: nothing to rank
+    finercut = choose(S, 2, "mixed", "finercut", losses)  # its own measure, its own memo
+    assert len(losses.memos["js"]) == 8 + 7 and losses.evaluated == 21 + 15
+    js = LossEvaluator(model, torch.as_tensor(held), units=True, measure="js")
+    assert finercut == list(select_units(S, 2, "mixed", "finercut", losses=js).layers)
     dense = sum(p.numel() for p in model.parameters())
     units = block_units([1, 2])
     target = decode_bytes(shape, units, dense - sublayer_parameters(model, units), "float32", 4096)

@@ -113,9 +113,10 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
 def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     ray_cluster: None, tmp_path: Path
 ) -> None:
-    """SLEB at mixed granularity asks the loss actors about candidate sets of sub-layer
-    units: its row removes what the greedy elimination over a held-out loss of the same
-    windows, run in this process, removes; blocks and units keep separate memos, and a
+    """SLEB and FinerCut at mixed granularity ask the loss actors about candidate sets of
+    sub-layer units: each row removes what the greedy elimination over the held-out loss
+    (FinerCut: the JS divergence from the dense outputs) of the same windows, run in this
+    process, removes; blocks and units, and the two measures, keep separate memos, and a
     rerun selects from the cache."""
     from lorp.methods.removal_loss import LossEvaluator
     from pipeline.records.events import EventLog
@@ -129,14 +130,14 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
             model,
             "sleb",
             budgets=[2],
-            methods=[{"name": "sleb"}],
+            methods=[{"name": "sleb"}, {"name": "finercut"}],
             granularity=["block", "mixed"],
             ray={"num_cpus": 2},
         )  # fmt: skip
     )
     with progress_lines() as lines:
         summary = run_job(spec)
-    assert summary.done == 2 and not summary.failed  # dense is not a point
+    assert summary.done == 4 and not summary.failed  # dense is not a point
     rows = {r["method_label"]: r for r in read_catalog(tmp_path / "sleb" / "catalog")}
     mixed, block = rows["sleb-mixed"], rows["sleb"]
     assert mixed["n_evals"] == 8 + 7  # N=6: the 8 units of blocks 1..4, then the 7 left
@@ -153,11 +154,18 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     assert mixed["granularity"] == "mixed" and mixed["pruned_layers"] == []
     blocks = select_units(S, 2, "block", "sleb", losses=units).details["blocks"]
     assert block["pruned_layers"] == blocks and block["n_evals"] == 4 + 3
+    js = LossEvaluator(dense, held, units=True, measure="js")
+    want = select_units(S, 2, "mixed", "finercut", losses=js)
+    got = rows["finercut-mixed"]
+    assert [parse_unit_label(u) for u in got["sublayers"]] == list(want.layers)
+    assert got["n_evals"] == 8 + 7
+    blocks = select_units(S, 2, "block", "finercut", losses=js).details["blocks"]
+    assert rows["finercut"]["pruned_layers"] == blocks
 
     events = EventLog(tmp_path / "sleb" / "events.jsonl").read()
     scored = sum(e["evaluated"] for e in events if e["event"] == "losses")
-    assert scored == 15 + 7  # block and unit candidates never share a memo entry
+    assert scored == 2 * (15 + 7)  # no two of the four memos share an entry
     again = run_job(spec)
-    assert again.skipped == 2
+    assert again.skipped == 4
     events = EventLog(tmp_path / "sleb" / "events.jsonl").read()
     assert sum(e["evaluated"] for e in events if e["event"] == "losses") == scored

@@ -25,6 +25,7 @@ S6 = locality_matrix((3, 3))
 def test_builtin_methods_registered() -> None:
     assert available_methods() == [
         "angular",
+        "finercut",
         "lorp",
         "lorp-loss",
         "lorp-stage2",
@@ -59,7 +60,7 @@ def test_budget_fractions(stats: SimilarityStats) -> None:
 
 
 def test_bad_method_and_options(stats: SimilarityStats) -> None:
-    with pytest.raises(ValueError, match="unknown method 'lorpp' \\(known: angular, lorp"):
+    with pytest.raises(ValueError, match="unknown method 'lorpp' \\(known: angular, finercut, lorp"):
         select_layers(stats, 2, "lorpp")
     with pytest.raises(
         ValueError, match="method 'shortgpt' has no option 'k' \\(options: candidates\\)"

@@ -122,3 +122,40 @@ def test_loss_evaluator_scores_sublayer_units_bit_identically(
     assert all(not b._forward_pre_hooks and not b._forward_hooks for b in decoder_blocks(model))
     with pytest.raises(ValueError, match="attn.0 cannot be removed"):
         LossEvaluator(model, windows, units=True)([(0,)])
+
+
+def js_oracle(dense: torch.Tensor, pruned: torch.Tensor) -> float:
+    """Mean JS divergence (nats) per position, from logits, written out from the
+    definition in float64: 0.5 KL(P || M) + 0.5 KL(Q || M), M = (P + Q) / 2."""
+    p, q = dense.double().softmax(-1), pruned.double().softmax(-1)
+    m = 0.5 * (p + q)
+    kl = lambda a: (a * (a / m).log()).sum(-1)  # noqa: E731
+    return float((0.5 * kl(p) + 0.5 * kl(q)).mean())
+
+
+@pytest.mark.parametrize("units", [False, True])
+def test_js_measure_is_the_divergence_of_the_pruned_outputs_from_the_dense_ones(
+    units: bool, windows: torch.Tensor
+) -> None:
+    """FinerCut's measure: with measure="js" a candidate's value is the mean JS divergence
+    per position between its next-token distributions and the dense model's, through the
+    shared prefixes, for block and unit candidates alike; the dense model scores 0."""
+    from lorp.models.sublayers import sublayers_removed
+
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with torch.no_grad():
+        dense = model(input_ids=windows).logits
+    cands = [(2,), (3,), (2, 5), (1, 4)] if units else [(1,), (3,), (1, 2), (2, 4)]
+    got = LossEvaluator(model, windows, batch_size=2, units=units, measure="js")([(), *cands])
+    expected = []
+    for c in cands:
+        with sublayers_removed(model, c) if units else blocks_dropped(model, c), torch.no_grad():
+            expected.append(js_oracle(dense, model(input_ids=windows).logits))
+    assert got[0] == pytest.approx(0.0, abs=1e-6)
+    assert got[1:] == pytest.approx(expected, rel=1e-4)
+    assert min(expected) > 1e-4 and len(set(round(v, 6) for v in expected)) == len(cands)
+    assert all(v < math.log(2) for v in got)  # JS is bounded by ln 2
+    assert_unchanged(model, before)
+    with pytest.raises(ValueError, match="measure: must be one of nll, js, got 'kl'"):
+        LossEvaluator(model, windows, measure="kl")

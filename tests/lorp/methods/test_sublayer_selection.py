@@ -154,3 +154,40 @@ def test_ppl_per_unit_removes_the_units_whose_lone_removal_costs_least(
     assert sel.details["n_evals"] == len(pool)
     with pytest.raises(ValueError, match=r"budget 3 exceeds the 2 candidate attention units"):
         select_units(sim, 3, "attention", "ppl", losses=evaluator, keep_first=2, keep_last=2)
+
+
+def test_finercut_removes_greedily_what_moves_the_output_distribution_least(
+    windows: torch.Tensor,
+) -> None:
+    """FinerCut on a real tiny model: each step removes the eligible unit whose removal,
+    with those gone, gives the least JS divergence from the dense outputs, as brute force
+    over `sublayers_removed` finds; the registry says its losses measure JS, and its pick
+    differs from SLEB's here (a different measure, not a renamed one)."""
+    from lorp.methods.sublayer_selection import loss_measure
+    from tests.lorp.methods.test_removal_loss import js_oracle
+
+    model = tiny_model("llama")
+    n = len(decoder_blocks(model))
+    js = LossEvaluator(model, windows, batch_size=2, units=True, measure="js")
+    sim = LayerSimilarity(random_S(2 * n + 1, seed=1), 2 * n)
+    with torch.no_grad():
+        dense = model(input_ids=windows).logits
+
+    def divergence(units: tuple[int, ...]) -> float:
+        with sublayers_removed(model, units), torch.no_grad():
+            return js_oracle(dense, model(input_ids=windows).logits)
+
+    pool, removed = eligible_units("mixed", n), []
+    for _ in range(3):
+        rest, gone = [u for u in pool if u not in removed], tuple(removed)
+        removed.append(argmin(rest, lambda u, gone=gone: divergence(tuple(sorted({*gone, u})))))
+    sel = select_units(sim, 3, "mixed", "finercut", losses=js)
+    assert sel.details["order"] == [unit_label(u) for u in removed]
+    assert sel.details["picked_loss"][-1] == pytest.approx(divergence(tuple(removed)), rel=1e-4)
+    assert loss_measure("finercut") == "js" and loss_measure("sleb") == "nll"
+    nll = LossEvaluator(model, windows, batch_size=2, units=True)
+    assert select_units(sim, 3, "mixed", "sleb", losses=nll).layers != sel.layers
+    by_blocks = select_units(sim, 2, "block", "finercut", losses=js)
+    block_js = LossEvaluator(model, windows, batch_size=2, measure="js")
+    blocks = select_layers(block_similarity(sim), 2, "finercut", losses=block_js)
+    assert by_blocks.details["blocks"] == list(blocks.layers)

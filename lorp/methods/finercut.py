@@ -1,0 +1,53 @@
+"""FinerCut (Zhang et al., 2024, "FinerCut: Finer-grained Interpretable Layer Pruning for
+Large Language Models", arXiv:2405.18218).
+
+Rule: greedy removal by the change in the model's output. At each of `budget` steps every
+remaining candidate is scored by how far the model without it, and without all removed so
+far, moves its next-token distributions from the dense model's on the calibration
+windows; the candidate that moves them least goes (ties, to 12 decimals: lower index). The
+distance is the Jensen-Shannon divergence, averaged over positions: `losses` is registered
+with ``measure="js"``, so the caller scores candidates by it
+(`lorp.methods.removal_loss.LossEvaluator(measure="js")`, or the pipeline's actors). The
+search is SLEB's (`lorp.methods.sleb.greedy_removal`); only the measure differs.
+
+FinerCut's candidates are the attention and FFN layers of every block, ranked together:
+that is this method at ``mixed`` granularity
+(`lorp.methods.sublayer_selection.select_units`). Registered here, over whole blocks, it is
+the same search with blocks for candidates, so it can be compared at every granularity.
+
+The released code (github.com/YaNgZhAnG-V5/llm_dissect, `scripts/prune_layer.py`,
+`greedy_pruning`) masks each candidate's `o_proj` or `down_proj` input, scores it with its
+`Output` evaluator against logits collected from the dense model on the pruning set (the
+configs name ``distance_metric: js_divergence``), and removes the argmin, first of equals.
+Its ``kl_div(..., reduction="mean")`` divides by the vocabulary size as well, a constant
+that changes no pick. Its `--exclude` rate protects the first blocks until that share is
+pruned (default: block 0 until the first removal); here ``keep_first`` and ``keep_last``
+protect fixed sets, 1 and 1 by default, as for SLEB.
+
+Details: as SLEB's (`order`, `step_losses` holding each step's divergences, `picked_loss`,
+`candidates`, `n_evals`).
+"""
+
+from __future__ import annotations
+
+from lorp.locality.similarity import LayerSimilarity
+from lorp.methods.loss_guided import check_keep
+from lorp.methods.registry import Losses, Selection, register_method
+from lorp.methods.sleb import sleb_order
+
+
+@register_method("finercut", needs_evaluator=True, check=check_keep, measure="js")
+def finercut(
+    similarity: LayerSimilarity,
+    budget: int,
+    *,
+    keep_first: int = 1,
+    keep_last: int = 1,
+    losses: Losses | None = None,
+) -> Selection:
+    """FinerCut: greedily remove what moves the output distribution least (JS divergence)."""
+    assert losses is not None  # select_layers refuses a loss-guided method without one
+    order, details = sleb_order(
+        similarity.n_blocks, budget, losses, keep_first=keep_first, keep_last=keep_last
+    )
+    return Selection(layers=tuple(sorted(order)), details=details)

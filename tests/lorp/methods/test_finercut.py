@@ -1,0 +1,58 @@
+"""FinerCut over whole blocks: SLEB's greedy search, each candidate scored by the JS
+divergence of its outputs from the dense model's, which the registry tells the caller to
+measure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorp import select_layers
+from lorp.methods import get_method, register_method, unregister_method
+from lorp.methods.removal_loss import LossEvaluator
+from lorp.models.surgery import blocks_dropped
+from tests.helpers.loss_oracle import Recorder, argmin, damage
+from tests.helpers.similarity_matrices import locality_matrix
+from tests.helpers.tiny_models import tiny_model
+from tests.lorp.methods.test_removal_loss import js_oracle
+
+S6 = locality_matrix((3, 3))
+
+
+def test_finercut_removes_the_blocks_that_move_the_output_least(windows: torch.Tensor) -> None:
+    """On a real tiny model: each step removes the block whose removal, with those gone,
+    gives the least JS divergence from the dense outputs, as brute force finds."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        dense = model(input_ids=windows).logits
+
+    def divergence(blocks: tuple[int, ...]) -> float:
+        with blocks_dropped(model, blocks), torch.no_grad():
+            return js_oracle(dense, model(input_ids=windows).logits)
+
+    first = argmin([1, 2, 3, 4], lambda b: divergence((b,)))
+    rest = [b for b in (1, 2, 3, 4) if b != first]
+    second = argmin(rest, lambda b: divergence(tuple(sorted((first, b)))))
+    js = LossEvaluator(model, windows, batch_size=2, measure="js")
+    sel = select_layers(S6, 2, "finercut", losses=js)
+    assert sel.details["order"] == [first, second] and sel.details["n_evals"] == 4 + 3
+    assert sel.details["picked_loss"][1] == pytest.approx(divergence(sel.layers), rel=1e-4)
+    assert get_method("finercut").measure == "js" and get_method("sleb").measure == "nll"
+
+
+def test_finercut_keeps_the_barriers_its_options_set() -> None:
+    rec = Recorder(damage(8))
+    sel = select_layers(locality_matrix((4, 4)), 3, "finercut", losses=rec, keep_last=3)
+    assert sel.details["candidates"] == [1, 2, 3, 4] and [len(c) for c in rec.calls] == [4, 3, 2]
+    with pytest.raises(ValueError, match="keep_first"):
+        select_layers(S6, 1, "finercut", losses=rec, keep_first=-1)
+
+
+def test_a_method_may_only_measure_what_callers_can_score() -> None:
+    with pytest.raises(ValueError, match=r"method 'odd': measure must be one of \('nll', 'js'\)"):
+
+        @register_method("odd", needs_evaluator=True, measure="kl")
+        def odd(similarity, budget, *, losses=None):  # type: ignore[no-untyped-def]  # noqa: ARG001
+            raise AssertionError
+
+    unregister_method("odd")
