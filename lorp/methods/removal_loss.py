@@ -11,7 +11,10 @@ pipeline builds the same callable over several actors to score a batch in parall
 With ``measure="js"`` a candidate's value is instead how far its output moved: the mean
 Jensen-Shannon divergence (nats) per position between the dense model's next-token
 distribution and the candidate's, on the same windows, FinerCut's criterion (Zhang et al.,
-2024). The dense distributions are computed once per window batch and call.
+2024). The dense model's logits are computed once per window batch and call, and kept as
+the model returns them (its dtype: exact, and no larger than the candidates' own logits);
+both sides' log-probabilities are taken a few rows at a time, so the measure needs about
+the memory of the NLL, whatever the vocabulary.
 
 With ``units=True`` a candidate is a set of sub-layer units instead
 (`lorp.models.sublayers`: unit 2i is block i's attention, 2i + 1 its MLP), the losses the
@@ -77,7 +80,7 @@ class LossEvaluator:
         self.model = model
         self.units = bool(units)
         self.measure = measure
-        self._dense: torch.Tensor | None = None  # js: the batch's dense log-probabilities
+        self._dense: torch.Tensor | None = None  # js: the batch's dense logits
         self.windows = torch.as_tensor(windows, dtype=torch.long)
         self.batch_size = int(batch_size)
         self.progress = progress
@@ -113,7 +116,7 @@ class LossEvaluator:
                 for start in tqdm(starts, disable=not self.progress, desc="loss batches"):
                     batch = self.windows[start : start + self.batch_size].to(device)
                     if self.measure == "js":
-                        self._dense = _log_probs(self.model(input_ids=batch, use_cache=False))
+                        self._dense = self.model(input_ids=batch, use_cache=False).logits
                     for i, (total, m) in self._visit(root, [], batch).items():
                         nll[i] += total
                         count[i] += m
@@ -187,8 +190,8 @@ class LossEvaluator:
             self._only([last], state, undo)
             if self._dense is None:
                 return window_nll(self.model, batch)
-            out = self.model(input_ids=batch, use_cache=False)
-            return js_divergence_sum(self._dense, _log_probs(out)), batch.numel()
+            logits = self.model(input_ids=batch, use_cache=False).logits
+            return js_divergence_sum(self._dense, logits), batch.numel()
 
     def _only(self, chain: list[Step], state: torch.Tensor | None, undo: ExitStack) -> None:
         """Until `undo` closes, the model runs the blocks of `chain` alone (each without
@@ -205,16 +208,13 @@ class LossEvaluator:
         )
 
 
-def _log_probs(output: Any) -> torch.Tensor:
-    return torch.log_softmax(output.logits.float(), dim=-1)
-
-
 def js_divergence_sum(p: torch.Tensor, q: torch.Tensor) -> float:
-    """Sum over positions of JS(P || Q) in nats, from log-probabilities [..., V]; one row
-    at a time, so the temporaries stay a few rows of the vocabulary wide."""
+    """Sum over positions of JS(P || Q) in nats, from logits [..., V] of any float dtype:
+    64 positions at a time, so the float32 temporaries stay a few rows wide."""
     total = 0.0
     rows = zip(p.flatten(0, -2).split(64), q.flatten(0, -2).split(64), strict=True)
-    for lp, lq in rows:
+    for a, b in rows:
+        lp, lq = torch.log_softmax(a.float(), dim=-1), torch.log_softmax(b.float(), dim=-1)
         m = torch.logaddexp(lp, lq) - math.log(2.0)
         kl = lp.exp() * (lp - m) + lq.exp() * (lq - m)
         total += float(0.5 * kl.sum(dim=-1).double().sum())
