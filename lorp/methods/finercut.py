@@ -8,7 +8,7 @@ windows; the candidate that moves them least goes (ties, to 12 decimals: lower i
 distance is the Jensen-Shannon divergence, averaged over positions: `losses` is registered
 with ``measure="js"``, so the caller scores candidates by it
 (`lorp.methods.removal_loss.LossEvaluator(measure="js")`, or the pipeline's actors). The
-search is SLEB's (`lorp.methods.sleb.greedy_removal`); only the measure differs.
+search is SLEB's (`lorp.methods.sleb.greedy_selection`); only the measure differs.
 
 FinerCut's candidates are the attention and FFN layers of every block, ranked together:
 that is this method at ``mixed`` granularity
@@ -33,7 +33,7 @@ from __future__ import annotations
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.loss_guided import check_keep
 from lorp.methods.registry import Losses, Selection, register_method
-from lorp.methods.sleb import sleb_order
+from lorp.methods.sleb import greedy_selection
 
 
 @register_method("finercut", needs_evaluator=True, check=check_keep, measure="js")
@@ -46,8 +46,4 @@ def finercut(
     losses: Losses | None = None,
 ) -> Selection:
     """FinerCut: greedily remove what moves the output distribution least (JS divergence)."""
-    assert losses is not None  # select_layers refuses a loss-guided method without one
-    order, details = sleb_order(
-        similarity.n_blocks, budget, losses, keep_first=keep_first, keep_last=keep_last
-    )
-    return Selection(layers=tuple(sorted(order)), details=details)
+    return greedy_selection(similarity.n_blocks, budget, losses, keep_first, keep_last)

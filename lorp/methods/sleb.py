@@ -78,8 +78,15 @@ def sleb(
     losses: Losses | None = None,
 ) -> Selection:
     """SLEB: greedily remove the block whose removal gives the lowest calibration loss."""
+    return greedy_selection(similarity.n_blocks, budget, losses, keep_first, keep_last)
+
+
+def greedy_selection(
+    n_blocks: int, budget: int, losses: Losses | None, keep_first: int, keep_last: int
+) -> Selection:
+    """SLEB's search as a `Selection`, by whatever `losses` measures (FinerCut's too)."""
     assert losses is not None  # select_layers refuses a loss-guided method without one
     order, details = sleb_order(
-        similarity.n_blocks, budget, losses, keep_first=keep_first, keep_last=keep_last
+        n_blocks, budget, losses, keep_first=keep_first, keep_last=keep_last
     )
     return Selection(layers=tuple(sorted(order)), details=details)
