@@ -60,7 +60,7 @@ def test_budget_fractions(stats: SimilarityStats) -> None:
 
 
 def test_bad_method_and_options(stats: SimilarityStats) -> None:
-    with pytest.raises(ValueError, match="unknown method 'lorpp' \\(known: angular, finercut, lorp"):
+    with pytest.raises(ValueError, match="unknown method 'lorpp' \\(known: angular, finercut"):
         select_layers(stats, 2, "lorpp")
     with pytest.raises(
         ValueError, match="method 'shortgpt' has no option 'k' \\(options: candidates\\)"
