@@ -19,10 +19,19 @@ The released code (github.com/YaNgZhAnG-V5/llm_dissect, `scripts/prune_layer.py`
 `greedy_pruning`) masks each candidate's `o_proj` or `down_proj` input, scores it with its
 `Output` evaluator against logits collected from the dense model on the pruning set (the
 configs name ``distance_metric: js_divergence``), and removes the argmin, first of equals.
-Its ``kl_div(..., reduction="mean")`` divides by the vocabulary size as well, a constant
-that changes no pick. Its `--exclude` rate protects the first blocks until that share is
-pruned (default: block 0 until the first removal); here ``keep_first`` and ``keep_last``
-protect fixed sets, 1 and 1 by default, as for SLEB.
+Two departures, both deliberate:
+
+- The measure. Here it is the Jensen-Shannon divergence as defined, 0.5 KL(P || M) +
+  0.5 KL(Q || M) with M = (P + Q) / 2. The released `compare_outputs_js_divergence`
+  hands ``F.kl_div`` the log-probabilities of P and Q as its input and M as its target,
+  which computes 0.5 KL(M || P) + 0.5 KL(M || Q): another symmetric divergence, zero
+  exactly when the outputs agree, whose ranking can differ. lorp follows the name. (Its
+  ``reduction="mean"`` also divides by the vocabulary size, a constant that changes no
+  pick.)
+- The barriers. Its `--exclude` rate protects the first blocks until that share is pruned
+  (default: block 0, until the first removal) and never the last block; here
+  ``keep_first`` and ``keep_last`` protect fixed sets, 1 and 1 by default, as for SLEB and
+  every sub-layer method (attn.0 cannot go: generation reads positions from its cache).
 
 Details: as SLEB's (`order`, `step_losses` holding each step's divergences, `picked_loss`,
 `candidates`, `n_evals`).
