@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -328,7 +329,9 @@ class SelectionLosses:
         return sum(len(m) for m in self.memos.values())
 
     def by(self, measure: str) -> Any:
-        return lambda candidates: self.score(candidates, measure)
+        scorer = functools.partial(self.score, measure=measure)
+        scorer.measure = measure  # type: ignore[attr-defined]  # checked by the method
+        return scorer
 
     def score(self, candidates: list[tuple[int, ...]], measure: str) -> list[float]:
         memo = self.memos.setdefault(measure, {})

@@ -210,7 +210,7 @@ class _Preparation:
             m: MethodSpec, budget: int, granularity: str = "block"
         ) -> tuple[Selection, float]:
             if granularity != "block":
-                scored = m.name in LOSS_METHODS  # sub-layer SLEB: on the loss actors
+                scored = m.name in LOSS_METHODS  # sub-layer SLEB, PPL, FinerCut: on the loss actors
                 return (losses.units if scored else by_unit)(m, budget, granularity)
             method = get_method(m.name)
             if method.needs_repair:

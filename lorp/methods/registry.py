@@ -183,6 +183,17 @@ def _option_defaults(name: str, params: list[inspect.Parameter]) -> dict[str, An
     return defaults
 
 
+def check_measure(method: str, measure: str, losses: Any) -> None:
+    """One line when `losses` says it measures something other than what `method` ranks
+    by (a callable without a ``measure`` attribute is taken at its word)."""
+    given = getattr(losses, "measure", measure)
+    if given != measure:
+        raise ValueError(
+            f"method {method!r} ranks by {measure!r}, but its losses= measure {given!r} "
+            f"(e.g. LossEvaluator(..., measure={measure!r}))"
+        )
+
+
 def unregister_method(name: str) -> None:
     """Remove a method (for plugins and tests that register temporary ones)."""
     _REGISTRY.pop(name, None)
@@ -316,6 +327,7 @@ def select_layers(
                 f"method {method!r} scores candidate models: pass losses=, a callable from "
                 "candidate sets of blocks to drop to their calibration losses"
             )
+        check_measure(method, spec.measure, losses)
         kwargs["losses"] = losses
     if spec.needs_repair:
         if repair_scores is None:

@@ -1,5 +1,6 @@
 """Calibration loss of a model with candidate block sets removed: the `Losses` callable that
-the loss-guided methods (`sleb`, `ppl`, `lorp-loss`) consume, in one process.
+the loss-guided methods (`sleb`, `ppl`, `lorp-loss`; `finercut` with ``measure="js"``)
+consume, in one process.
 
 The loss is the mean NLL per predicted token over calibration windows [n, T], the same
 convention as `lorp.models.perplexity` (position 0 of each window is never a target), so
@@ -54,7 +55,8 @@ class LossEvaluator:
 
     Each candidate is a set of 0-based block indices to drop (empty: the model as it is),
     or with ``units=True`` a set of sub-layer units; its value is `calibration_loss` of the
-    model without them. The model runs in eval mode
+    model without them (``measure="js"``: the mean JS divergence per position of its
+    outputs from the dense model's; `measure` says which). The model runs in eval mode
     and is left exactly as it was found. `n_evals` counts the candidates scored.
 
     Candidates share work: the blocks each one keeps, in depth order, form a trie, and the
@@ -116,6 +118,7 @@ class LossEvaluator:
                 for start in tqdm(starts, disable=not self.progress, desc="loss batches"):
                     batch = self.windows[start : start + self.batch_size].to(device)
                     if self.measure == "js":
+                        self._dense = None  # the last batch's logits go before the next's
                         self._dense = self.model(input_ids=batch, use_cache=False).logits
                     for i, (total, m) in self._visit(root, [], batch).items():
                         nll[i] += total
@@ -146,7 +149,7 @@ class LossEvaluator:
     def _visit(
         self, node: _Node, handed: list[torch.Tensor], batch: torch.Tensor
     ) -> dict[int, tuple[float, int]]:
-        """(NLL sum, tokens) of every candidate under `node`, whose blocks so far left the
+        """(NLL or JS sum, count) of every candidate under `node`, whose blocks so far left the
         state in `handed` (empty: the embeddings). The state comes in a list that this
         call empties, so only this frame holds it and it is freed before the last subtree:
         a SLEB trie is a spine N deep, and N live states of [B, T, d] would add up."""
@@ -210,11 +213,15 @@ class LossEvaluator:
 
 def js_divergence_sum(p: torch.Tensor, q: torch.Tensor) -> float:
     """Sum over positions of JS(P || Q) in nats, from logits [..., V] of any float dtype:
-    64 positions at a time, so the float32 temporaries stay a few rows wide."""
+    64 positions at a time, so the float32 temporaries stay a few rows wide. A -inf logit
+    (a masked token) adds nothing: its log-probability is clamped to the float32 minimum,
+    where 0 * (-inf) would be NaN."""
     total = 0.0
+    floor = torch.finfo(torch.float32).min
     rows = zip(p.flatten(0, -2).split(64), q.flatten(0, -2).split(64), strict=True)
     for a, b in rows:
-        lp, lq = torch.log_softmax(a.float(), dim=-1), torch.log_softmax(b.float(), dim=-1)
+        lp = torch.log_softmax(a.float(), dim=-1).clamp_(min=floor)
+        lq = torch.log_softmax(b.float(), dim=-1).clamp_(min=floor)
         m = torch.logaddexp(lp, lq) - math.log(2.0)
         kl = lp.exp() * (lp - m) + lq.exp() * (lq - m)
         total += float(0.5 * kl.sum(dim=-1).double().sum())

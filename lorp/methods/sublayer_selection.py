@@ -44,7 +44,14 @@ from lorp.locality.rls import DEFAULT_KS, DEFAULT_THRESHOLDS
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods.lorp_method import check_lorp_options, cluster_labels
 from lorp.methods.loss_guided import CountedLosses, check_keep
-from lorp.methods.registry import Losses, Selection, get_method, resolve_budget, select_layers
+from lorp.methods.registry import (
+    Losses,
+    Selection,
+    check_measure,
+    get_method,
+    resolve_budget,
+    select_layers,
+)
 from lorp.methods.sleb import greedy_removal
 from lorp.models.sublayers import (
     block_units,
@@ -136,6 +143,7 @@ def select_units(
         units, details = _shortgpt(similarity, budget, granularity)
     elif method in LOSS_METHODS:
         assert losses is not None
+        check_measure(method, loss_measure(method), losses)
         rule = _ppl if method == "ppl" else _sleb  # finercut: SLEB's search, its own measure
         units, details = rule(n_blocks, budget, granularity, losses, **options)
     else:

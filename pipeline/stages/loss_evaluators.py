@@ -1,5 +1,5 @@
-"""Loss-guided selection on the fleet: the `Losses` callable that `sleb`, `ppl` and
-`lorp-loss` consume, served by Ray actors, and a cache of their selections.
+"""Loss-guided selection on the fleet: the `Losses` callable that `sleb`, `ppl`,
+`lorp-loss` and `finercut` consume, served by Ray actors, and a cache of their selections.
 
 Each `LossWorker` actor loads the dense model once and scores candidate block sets on the
 held-out calibration windows (`lorp.methods.removal_loss.LossEvaluator`: blocks dropped in memory,
@@ -152,15 +152,15 @@ class RayLosses:
         self.note = note  # one progress line per scored batch: a SLEB step can take an hour
         self.name, self.steps = "losses", 0  # the selection being made; its requests so far
 
+    measure = "nll"  # what calling this object scores: block sets' losses
+
     def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
         return self.score(candidates, self.memo, units=False)
 
-    def scorer(
-        self, memo: LossMemo, units: bool, measure: str
-    ) -> Callable[[list[tuple[int, ...]]], list[float]]:
+    def scorer(self, memo: LossMemo, units: bool, measure: str) -> Scorer:
         """`losses` over block (`units`: sub-layer unit) sets, by `measure`, remembered in
         `memo`."""
-        return lambda candidates: self.score(candidates, memo, units, measure)
+        return Scorer(self, memo, units, measure)
 
     def score(
         self, candidates: list[tuple[int, ...]], memo: LossMemo, units: bool, measure: str = "nll"
@@ -217,6 +217,17 @@ class RayLosses:
     def close(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+class Scorer:
+    """`losses` over block or unit sets by one measure, on `RayLosses`' actors; its
+    `measure` lets the method check that it is scored by what it ranks by."""
+
+    def __init__(self, losses: RayLosses, memo: LossMemo, units: bool, measure: str) -> None:
+        self.losses, self.memo, self.units, self.measure = losses, memo, units, measure
+
+    def __call__(self, candidates: list[tuple[int, ...]]) -> list[float]:
+        return self.losses.score(candidates, self.memo, self.units, self.measure)
 
 
 class SelectionCache:

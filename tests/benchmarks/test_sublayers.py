@@ -106,6 +106,8 @@ def test_sleb_points_are_scored_once_and_matched_on_their_own_units(tmp_path) ->
     assert len(losses.memos["js"]) == 8 + 7 and losses.evaluated == 21 + 15
     js = LossEvaluator(model, torch.as_tensor(held), units=True, measure="js")
     assert finercut == list(select_units(S, 2, "mixed", "finercut", losses=js).layers)
+    some = list(losses.memos["js"])[:3]
+    assert [losses.memos["js"][c] for c in some] == pytest.approx(js(some), rel=1e-5)
     dense = sum(p.numel() for p in model.parameters())
     units = block_units([1, 2])
     target = decode_bytes(shape, units, dense - sublayer_parameters(model, units), "float32", 4096)

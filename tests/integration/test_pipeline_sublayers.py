@@ -159,6 +159,12 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     got = rows["finercut-mixed"]
     assert [parse_unit_label(u) for u in got["sublayers"]] == list(want.layers)
     assert got["n_evals"] == 8 + 7
+    # The actors measured JS, not the loss: the cached selection's step values are the
+    # in-process evaluator's divergences (a loss would be about ln 512 here).
+    cached = [json.loads(f.read_text()) for f in tmp_path.rglob("selections/*.json")]
+    (fc,) = [c for c in cached if c["method"] == "finercut" and c["details"].get("granularity")]
+    assert fc["details"]["picked_loss"] == pytest.approx(want.details["picked_loss"], rel=1e-4)
+    assert max(fc["details"]["picked_loss"]) < 0.69  # a JS divergence is at most ln 2
     blocks = select_units(S, 2, "block", "finercut", losses=js).details["blocks"]
     assert rows["finercut"]["pruned_layers"] == blocks
 

@@ -56,3 +56,33 @@ def test_a_method_may_only_measure_what_callers_can_score() -> None:
             raise AssertionError
 
     unregister_method("odd")
+
+
+def test_a_callable_measuring_the_loss_is_refused_for_finercut(windows: torch.Tensor) -> None:
+    """A method and its losses must agree on what they measure: the loss evaluator handed
+    to FinerCut (or the JS one to SLEB), over blocks or units, is one line, not a SLEB
+    selection labelled FinerCut."""
+    from lorp.locality.similarity import LayerSimilarity
+    from lorp.methods.sublayer_selection import select_units
+    from tests.helpers.similarity_matrices import random_S
+
+    model = tiny_model("llama")
+    nll = LossEvaluator(model, windows, batch_size=2)
+    with pytest.raises(ValueError, match="'finercut' ranks by 'js', but its losses= measure 'nll'"):
+        select_layers(S6, 1, "finercut", losses=nll)
+    js = LossEvaluator(model, windows, batch_size=2, units=True, measure="js")
+    unit_S = LayerSimilarity(random_S(13, seed=1), 12)  # the tiny model's 12 units
+    with pytest.raises(ValueError, match="'sleb' ranks by 'nll', but its losses= measure 'js'"):
+        select_units(unit_S, 1, "mixed", "sleb", losses=js)
+    assert nll.n_evals == js.n_evals == 0  # refused before scoring anything
+
+
+def test_js_is_finite_where_a_logit_is_minus_infinity() -> None:
+    from lorp.methods.removal_loss import js_divergence_sum
+
+    a = torch.tensor([[[1.0, 2.0, float("-inf")]]])
+    b = torch.tensor([[[2.0, 1.0, float("-inf")]]])
+    p, q = a[..., :2].softmax(-1), b[..., :2].softmax(-1)
+    m = (p + q) / 2
+    want = float(0.5 * (p * (p / m).log()).sum() + 0.5 * (q * (q / m).log()).sum())
+    assert js_divergence_sum(a, b) == pytest.approx(want, rel=1e-6)
