@@ -9,7 +9,10 @@ import yaml
 
 
 def tiny_job(root: Path, model: Path, name: str = "grid", **overrides: Any) -> dict[str, Any]:
-    """3 budgets x 3 methods on PTB windows of 48 tokens; evaluation off unless overridden."""
+    """3 budgets x 3 methods on PTB windows of 48 tokens; evaluation off unless overridden.
+    One capture worker takes the three shards in turn: every worker a job starts is a
+    process that imports torch and transformers and loads the model (about 7 CPU-seconds
+    here), and only the tests of sharding itself need more (they say so)."""
     spec = {
         "name": name,
         "output_dir": str(root / name),
@@ -26,6 +29,7 @@ def tiny_job(root: Path, model: Path, name: str = "grid", **overrides: Any) -> d
         },
         "evaluation": {"enabled": False},
         "repair": ["none"],  # repaired twins are the repair tests' (test_pipeline_repair.py)
+        "resources": {"capture_workers": 1},
     }
     return spec | overrides
 

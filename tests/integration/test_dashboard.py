@@ -51,6 +51,7 @@ def catalog(tmp_path_factory) -> tuple[list[dict], Path]:  # type: ignore[no-unt
         "evaluation": {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
         "checkpoints": "none",
         "repair": ["none"],
+        "resources": {"capture_workers": 1},  # one model load per model, as tiny_job's
     }
     with local_ray():
         run_job(parse_spec(spec))
