@@ -428,6 +428,16 @@ def resolve_backend(spec: JobSpec, vllm_installed: bool) -> str:
 # -- points ------------------------------------------------------------------------------
 
 
+def on_loss_actors(method: str, granularity: str) -> bool:
+    """Whether selecting with `method` at `granularity` scores candidates on the loss
+    actors (`pipeline.stages.loss_evaluators.LossSelector`)."""
+    from lorp.methods.sublayer_selection import LOSS_METHODS
+
+    if granularity == "block":
+        return get_method(method).needs_evaluator
+    return method in LOSS_METHODS
+
+
 def plan_points(
     spec: JobSpec,
     plan: ModelPlan,
@@ -449,9 +459,10 @@ def plan_points(
         points.append(GridPoint(grid_key(model_key, "dense", {}, 0, ev), plan, None, None))
         if ready is not None:
             ready(points[:1])
-    # similarity-only selections first, sub-layer ones among them; loss-guided ones last
+    # Selections on the loss actors last: they hold the grid's slots until the last of
+    # them is made, so a repair-aware one (its sums from capture workers) must come first.
     grid = [(g, m) for g in spec.granularity for m in spec.methods]
-    grid.sort(key=lambda gm: gm[0] == "block" and get_method(gm[1].name).needs_evaluator)
+    grid.sort(key=lambda gm: on_loss_actors(gm[1].name, gm[0]))
     for g, m in grid:
         for budget in plan.budgets_for(g):
             sel, seconds = select(m, budget) if g == "block" else select(m, budget, g)

@@ -204,7 +204,7 @@ class _Preparation:
         )  # fmt: skip
         plain = similarity_selector(ms.stats, prof)
         by_repair = repair_selector(ms.stats, prof, self._repair_scorer(ms.shards))
-        by_unit = unit_selector(ms.units)
+        by_unit = unit_selector(ms.units, scores=self._repair_scorer(ms.shards, units=True))
 
         def select(
             m: MethodSpec, budget: int, granularity: str = "block"
@@ -226,33 +226,34 @@ class _Preparation:
             losses.close()
 
     def _repair_scorer(
-        self, shards: CalibrationShards | None
+        self, shards: CalibrationShards | None, units: bool = False
     ) -> Callable[[list[tuple[int, int]], str], list[float]]:
         """`repair_scores` for the repair-aware methods: the candidate runs' sums from
         the capture workers (one pass per call, cached), ranked on the driver by the
         residual their maps leave, or (`score: loss`) by the held-out loss of each
-        repaired variant, scored on the grid's resources; the sums are kept for the
-        repaired points that will need them."""
+        repaired variant, scored on the grid's resources; block runs' sums are kept for
+        the repaired points that will need them. `units`: the runs are of sub-layer
+        units (`window` at mixed granularity)."""
         from lorp.methods.window_scores import window_scores
 
         def scores(runs: list[tuple[int, int]], score: str = "residual") -> list[float]:
             assert shards is not None
             self._stage("repair scores", self.spec.resources.capture)
             rs = repair_statistics(
-                self.spec, self.plan, shards, runs, self.spec.run_dir, self.job.force
+                self.spec, self.plan, shards, runs, self.spec.run_dir, self.job.force, units
             )
             self.job.records.repair_scored(self.plan, rs, len(runs))
-            for run in rs.stats.runs:
+            for run in () if units else rs.stats.runs:
                 self.repair_known[run] = rs.file
             loss = score == "loss"
-            ranked = self._repaired_losses(rs, runs) if loss else window_scores(rs.stats)
+            ranked = self._repaired_losses(rs, runs, units) if loss else window_scores(rs.stats)
             self.emit("stage", self.selecting)  # back to the selection's own needs
             return [ranked[(int(s), int(e))] for s, e in runs]
 
         return scores
 
     def _repaired_losses(
-        self, rs: ModelRepairStats, runs: list[tuple[int, int]]
+        self, rs: ModelRepairStats, runs: list[tuple[int, int]], units: bool
     ) -> dict[tuple[int, int], float]:
         """The held-out loss of each run's repaired variant (`score: loss`), scored on
         the grid's resources; one log line when any was scored now."""
@@ -261,7 +262,7 @@ class _Preparation:
         self._stage("repair losses", self.spec.resources.grid)
         start = time.perf_counter()
         losses, scored = repaired_window_losses(
-            self.spec, self.plan, rs.stats, rs.file.stem, runs, self.job.force
+            self.spec, self.plan, rs.stats, rs.file.stem, runs, self.job.force, units
         )
         if scored:
             self.job.note(

@@ -29,16 +29,21 @@ def similarity_selector(stats: SimilarityStats, profile: Any = None) -> Selector
     return select
 
 
-def unit_selector(units: SimilarityStats | None, profile: Any = None) -> Selector:
+def unit_selector(
+    units: SimilarityStats | None, profile: Any = None, scores: RepairScores | None = None
+) -> Selector:
     """Select sub-layer units from the sub-layer S (`lorp.methods.sublayer_selection`);
-    `block` granularity reads the block S (`similarity_selector`)."""
+    `block` granularity reads the block S (`similarity_selector`). `scores` ranks runs of
+    units for `window` (`pipeline.prepare`, its unit repair scorer)."""
     from lorp.methods.sublayer_selection import select_units
 
     def select(m: MethodSpec, budget: int, granularity: str) -> tuple[Selection, float]:
         if units is None:
             raise ValueError(f"granularity {granularity!r}: the sub-layer S was not captured")
         start = time.perf_counter()
-        sel = select_units(units.similarity(), budget, granularity, m.name, **m.options)
+        sel = select_units(
+            units.similarity(), budget, granularity, m.name, repair_scores=scores, **m.options
+        )
         return sel, time.perf_counter() - start
 
     return select

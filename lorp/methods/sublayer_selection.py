@@ -21,6 +21,14 @@ first and last block's units are never candidates, as for whole blocks.
   (`LossEvaluator(units=True, measure="js")`; `loss_measure` says which a method needs).
   At ``mixed`` granularity it is FinerCut as published: attention and FFN layers ranked
   together.
+- ``window``: the repair-aware window (`lorp.methods.window`) with units for blocks, at
+  ``mixed`` granularity only: a run of consecutive units is a contiguous stretch of the
+  residual stream, where attentions or MLPs alone are not (the other kind lies between
+  them). Every window of `budget` consecutive eligible units gets its map fitted from
+  one pass of unit repair sums, and the one whose repaired variant does best by
+  `score` goes; its `repair_scores=` callable scores unit runs
+  (`lorp.methods.window_scores.window_scores` of `lorp.repair.sublayer_repair.unit_stats`,
+  or `unit_window_losses`).
 - ``ppl``: Shortened LLaMA's one-shot criterion with sub-layers for blocks: each eligible
   unit is scored by the calibration loss of the model without it alone, and the
   `budget` lowest go (ties: lower unit). One round of |pool| candidates, where SLEB runs
@@ -46,13 +54,17 @@ from lorp.methods.lorp_method import check_lorp_options, cluster_labels
 from lorp.methods.loss_guided import CountedLosses, check_keep
 from lorp.methods.registry import (
     Losses,
+    RepairScores,
     Selection,
+    best_window,
+    check_choice,
     check_measure,
     get_method,
     resolve_budget,
     select_layers,
 )
 from lorp.methods.sleb import greedy_removal
+from lorp.methods.window import SCORES
 from lorp.models.sublayers import (
     block_units,
     budget_limit,
@@ -62,10 +74,12 @@ from lorp.models.sublayers import (
     unit_label,
 )
 
-SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb", "ppl", "finercut")
+SUBLAYER_METHODS = ("lorp", "shortgpt", "sleb", "ppl", "finercut", "window")
 """The methods with a sub-layer form; any registered method runs at `block` granularity."""
 LOSS_METHODS = ("sleb", "ppl", "finercut")
 """The sub-layer methods that score candidate removals (`losses=` over unit sets)."""
+WINDOW_GRANULARITIES = ("block", "mixed")
+"""Where `window` runs: a contiguous run of units exists only where both kinds count."""
 
 
 def loss_measure(method: str) -> str:
@@ -81,6 +95,11 @@ def check_sublayer_method(method: str, granularity: str, field: str = "method") 
         raise ValueError(
             f"{field}: {method!r} has no sub-layer form (granularity {granularity!r} takes "
             f"{', '.join(SUBLAYER_METHODS)})"
+        )
+    if method == "window" and granularity not in WINDOW_GRANULARITIES:
+        raise ValueError(
+            f"{field}: 'window' removes a contiguous run, and {granularity!r} units are not "
+            "contiguous (the other kind lies between them): it runs at 'block' or 'mixed'"
         )
 
 
@@ -116,13 +135,15 @@ def select_units(
     method: str,
     *,
     losses: Losses | None = None,
+    repair_scores: RepairScores | None = None,
     **options: Any,
 ) -> Selection:
     """The units (`lorp.models.sublayers`) `method` removes at `granularity` for `budget`
     units of it, from a sub-layer S (2N units). `Selection.layers` are units, its
     `n_blocks` 2N, its details name the granularity and the units' labels. A method of
     `LOSS_METHODS` scores candidate unit sets with `losses` (at `block` granularity too:
-    a block is its two units)."""
+    a block is its two units). `window` ranks runs with `repair_scores`: runs of units
+    at `mixed`, runs of blocks at `block` (there it is `select_layers`' argument)."""
     check_sublayer_method(method, granularity)
     if similarity.n_blocks % 2:
         raise ValueError("select_units needs the sub-layer S (capture_stats(sublayers=True))")
@@ -133,14 +154,24 @@ def select_units(
             f"method {method!r} scores candidate models: pass losses=, a callable from "
             "candidate sets of sub-layer units to drop to their calibration losses"
         )
+    if method == "window" and repair_scores is None:
+        raise ValueError(
+            "method 'window' ranks runs by their linear repair: pass repair_scores=, a "
+            "callable from candidate runs to their repaired scores"
+        )
     if granularity == "block":
         asks = losses is not None and method in LOSS_METHODS
-        scored = {"losses": _as_blocks(losses)} if asks else {}
+        scored: dict[str, Any] = {"losses": _as_blocks(losses)} if asks else {}
+        if method == "window":
+            scored["repair_scores"] = repair_scores
         chosen = select_layers(block_similarity(similarity), budget, method, **options, **scored)
         units = tuple(block_units(chosen.layers))
         details: dict[str, Any] = {"blocks": list(chosen.layers), **dict(chosen.details)}
     elif method == "shortgpt":
         units, details = _shortgpt(similarity, budget, granularity)
+    elif method == "window":
+        assert repair_scores is not None
+        units, details = _window(n_blocks, budget, repair_scores, **options)
     elif method in LOSS_METHODS:
         assert losses is not None
         check_measure(method, loss_measure(method), losses)
@@ -226,6 +257,32 @@ def _sleb(
     order, details = greedy_removal(pool, budget, losses)
     details["order"] = [unit_label(u) for u in order]
     return tuple(sorted(order)), details
+
+
+def _window(
+    n_blocks: int,
+    budget: int,
+    repair_scores: RepairScores,
+    *,
+    score: str = "residual",
+    last_block: bool = False,
+) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """The `budget` consecutive eligible units (attn.1 to mlp.N-2) whose repaired variant
+    scores lowest; ties go to the shallower window."""
+    check_choice("score", score, SCORES)
+    if last_block:
+        raise ValueError("option 'last_block': a sub-layer window never takes the last block")
+    pool = eligible_units("mixed", n_blocks)
+    starts = pool[: len(pool) - budget + 1]
+    runs = [(s, s + budget - 1) for s in starts]
+    scores = [float(x) for x in repair_scores(runs, score)]
+    if len(scores) != len(runs):
+        raise RuntimeError(f"repair_scores returned {len(scores)} values for {len(runs)} runs")
+    s = best_window([-x for x in scores], starts)
+    return tuple(range(s, s + budget)), {
+        "window_start": unit_label(s),
+        f"window_{score}": {unit_label(u): x for u, x in zip(starts, scores, strict=True)},
+    }
 
 
 def _ppl(

@@ -1,7 +1,8 @@
 """The scores the repair-aware `window` method ranks contiguous windows by: the residual
-each window's validated linear map leaves (`window_scores`, from the sums alone), or the
-calibration loss of the model with the window removed and its map applied by hooks
-(`window_losses`: nothing copied, the model left as it was).
+each window's validated linear map leaves (`window_scores`, from the sums alone, of block
+or of sub-layer unit runs alike), or the calibration loss of the model with the window
+removed and its map applied (`window_losses` for blocks, by hooks; `unit_window_losses`
+for units, folded for the call): nothing copied, the model left as it was.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import torch
 from torch import nn
 
 from lorp.models.perplexity import calibration_loss
+from lorp.models.sublayers import sublayers_removed
 from lorp.models.surgery import blocks_dropped
 from lorp.repair.fit import fit_runs, held_sums, validated
 from lorp.repair.fold import applied_by_hooks
 from lorp.repair.maps import DEFAULT_RIDGE, RIDGES, fit_full
 from lorp.repair.stats import RepairStats, Run
+from lorp.repair.sublayer_repair import fit_unit_runs, units_folded
 
 
 def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[Run, float]:
@@ -83,5 +86,26 @@ def window_losses(
             blocks_dropped(model, range(run[0], run[1] + 1)) as kept,
             applied_by_hooks(model, fits, kept),
         ):
+            out[run] = calibration_loss(model, windows, batch_size)
+    return out
+
+
+def unit_window_losses(
+    model: nn.Module,
+    stats: RepairStats,
+    windows: torch.Tensor,
+    *,
+    ridge: float | None = None,
+    batch_size: int = 8,
+    runs: Sequence[Run] | None = None,
+) -> dict[Run, float]:
+    """`window_losses` for runs of sub-layer units (`stats` from
+    `lorp.repair.sublayer_repair.unit_stats`): each run's units removed and its fitted map
+    folded into unit s-1's output projection for the call (`units_folded`), the model
+    restored after each. The fit is the repaired point's (`fit_unit_runs`)."""
+    out = {}
+    for run in runs if runs is not None else stats.runs:
+        fits = fit_unit_runs(model, stats.subset([run]), ridge=ridge)
+        with units_folded(model, fits), sublayers_removed(model, range(run[0], run[1] + 1)):
             out[run] = calibration_loss(model, windows, batch_size)
     return out

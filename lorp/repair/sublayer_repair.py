@@ -21,7 +21,8 @@ parameter count: only the kept sub-layers' weights change.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -141,6 +142,9 @@ def capture_unit_stats(
     n = len(decoder_blocks(model))
     forms = {r: unit_form(model, r) for r in runs}
     stats = RepairStats(2 * n, int(model.config.hidden_size), runs, forms)
+    for r in runs:  # a normed start's scale as it is now, as block sums keep it (T0)
+        if forms[r] == "normed":
+            stats.base[r[0]] = torch.diagonal(unit_T0(model, r, "normed")).clone()
     device = device_of(model)
     # Unit s-1's site for each start s (X and M), and the attention site of every odd
     # boundary a run reads (M: the stream between a block's attention and its MLP).
@@ -200,6 +204,21 @@ def fold_units(model: nn.Module, fits: Sequence[RunFit]) -> None:
             proj.bias.copy_(folded_down_bias(proj.bias, fit))
         if norm is not None:
             norm.weight.copy_(folded_norm_weight(norm.weight, fit, arch.norm_offset))
+
+
+@contextmanager
+def units_folded(model: nn.Module, fits: Sequence[RunFit]) -> Iterator[None]:
+    """Inside the block, `fits` are folded into `model`'s weights (`fold_units`); on exit
+    the weights they rewrote are restored (a copy of those alone is held meanwhile)."""
+    saved = {n: p.detach().clone() for n, p in folded_parameters(model, fits).items()}
+    params = dict(model.named_parameters())
+    try:
+        fold_units(model, fits)
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                params[name].copy_(value)
 
 
 def folded_parameters(model: nn.Module, fits: Sequence[RunFit]) -> dict[str, torch.Tensor]:

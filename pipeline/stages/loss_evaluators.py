@@ -397,31 +397,38 @@ class LossSelector:
 
 @ray.remote
 def _repaired_losses(
-    task: LossTask, stats: Any, runs: list[tuple[int, int]], ridge: float | None
+    task: LossTask, stats: Any, runs: list[tuple[int, int]], ridge: float | None, units: bool
 ) -> list[float]:
-    """`lorp.methods.window_scores.window_losses` on one worker: the dense model loaded once, each
-    run removed and its map applied in turn, scored on the held-out windows."""
+    """`lorp.methods.window_scores.window_losses` (`units`: `unit_window_losses`) on one
+    worker: the dense model loaded once, each run removed and its map applied in turn,
+    scored on the held-out windows."""
     import torch
 
-    from lorp.methods.window_scores import window_losses
+    from lorp.methods.window_scores import unit_window_losses, window_losses
 
     torch.set_num_threads(max(1, int(task.resources.num_cpus)))
     device = "cuda" if task.resources.num_gpus > 0 else "cpu"
     lm = load_checked(task.model, device)
     windows = torch.from_numpy(task.windows.astype(np.int64))
-    got = window_losses(
-        lm.model, stats, windows, ridge=ridge, batch_size=task.batch_size, runs=runs
-    )
+    score = unit_window_losses if units else window_losses
+    got = score(lm.model, stats, windows, ridge=ridge, batch_size=task.batch_size, runs=runs)
     return [got[r] for r in runs]
 
 
 def repaired_window_losses(
-    spec: JobSpec, plan: Any, stats: Any, stats_key: str, runs: list[tuple[int, int]], force: bool
+    spec: JobSpec,
+    plan: Any,
+    stats: Any,
+    stats_key: str,
+    runs: list[tuple[int, int]],
+    force: bool,
+    units: bool = False,
 ) -> tuple[dict[tuple[int, int], float], int]:
     """Run -> the held-out calibration loss of `plan`'s model with that run removed and
-    its fitted map applied (the `window` method's `score: loss`), and how many were
-    scored now: one task on the grid's resources scores the runs its memo does not hold
-    (kept in storage by the repair sums' key, the held-out windows and the ridge)."""
+    its fitted map applied (the `window` method's `score: loss`; `units`: runs of
+    sub-layer units), and how many were scored now: one task on the grid's resources
+    scores the runs its memo does not hold (kept in storage by the repair sums' key, the
+    held-out windows and the ridge)."""
     from pipeline.plan import content_key
     from pipeline.stages.calibration import heldout_windows
     from pipeline.stages.statistics import plan_tokenizer, stats_store
@@ -433,11 +440,12 @@ def repaired_window_losses(
     device = "cuda" if res.num_gpus > 0 else "cpu"
     key = content_key(
         plan.fingerprint, fp, "repaired", stats_key, spec.repair_ridge, spec.repair_rounds,
-        plan.spec.dtype, task.batch_size, device,
+        plan.spec.dtype, task.batch_size, device, *(["units"] if units else []),
     )  # fmt: skip
     memo = LossMemo(stats_store(spec.cache_dir, spec.storage).sub("losses"), key, fresh=force)
     todo = memo.missing([(int(s), int(e)) for s, e in runs])
     if todo:  # only the runs to score travel: at large d each run's sums are d x d
         call = _repaired_losses.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=2)
-        memo.add(todo, ray.get(call.remote(task, stats.subset(todo), todo, spec.ridge_value)))
+        scored = call.remote(task, stats.subset(todo), todo, spec.ridge_value, units)
+        memo.add(todo, ray.get(scored))
     return {(int(s), int(e)): memo.losses[(s, e)] for s, e in runs}, len(todo)

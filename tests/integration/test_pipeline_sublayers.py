@@ -17,8 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lorp.data.windows import resolve_bos
 from lorp.locality.capture import capture_stats
 from lorp.methods.sublayer_selection import select_units
+from lorp.methods.window_scores import unit_window_losses
 from lorp.models.sublayers import parse_unit_label, remove_sublayers
 from lorp.models.variant_manifest import materialize_variant, read_manifest
+from lorp.repair.sublayer_repair import unit_stats
 from pipeline.records.catalog import read_catalog
 from pipeline.run import run_job
 from pipeline.spec.parse import parse_spec
@@ -117,7 +119,8 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     sub-layer units: each row removes what the greedy elimination over the held-out loss
     (FinerCut: the JS divergence from the dense outputs) of the same windows, run in this
     process, removes; blocks and units, and the two measures, keep separate memos, and a
-    rerun selects from the cache."""
+    rerun selects from the cache. The repair-aware window at mixed granularity scores
+    runs of units by their repaired variants' held-out loss on a worker."""
     from lorp.methods.removal_loss import LossEvaluator
     from pipeline.records.events import EventLog
     from pipeline.stages.calibration import heldout_windows
@@ -130,14 +133,18 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
             model,
             "sleb",
             budgets=[2],
-            methods=[{"name": "sleb"}, {"name": "finercut"}],
+            methods=[
+                {"name": "sleb"},
+                {"name": "finercut"},
+                {"name": "window", "label": "window-loss", "options": {"score": "loss"}},
+            ],
             granularity=["block", "mixed"],
             ray={"num_cpus": 2},
         )  # fmt: skip
     )
     with progress_lines() as lines:
         summary = run_job(spec)
-    assert summary.done == 4 and not summary.failed  # dense is not a point
+    assert summary.done == 6 and not summary.failed  # dense is not a point
     rows = {r["method_label"]: r for r in read_catalog(tmp_path / "sleb" / "catalog")}
     mixed, block = rows["sleb-mixed"], rows["sleb"]
     assert mixed["n_evals"] == 8 + 7  # N=6: the 8 units of blocks 1..4, then the 7 left
@@ -168,10 +175,27 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     blocks = select_units(S, 2, "block", "finercut", losses=js).details["blocks"]
     assert rows["finercut"]["pruned_layers"] == blocks
 
+    # The window of consecutive units whose repaired variant has the lowest held-out
+    # loss, each candidate's score the loss of that variant built here from unit sums of
+    # the job's own calibration shards (validated on the held-out windows).
+    shards = sorted((tmp_path / "sleb" / "calibration").rglob("*.parquet"))
+    fit = torch.cat([read_shard(p) for p in shards]).split(2)
+    skip = int(resolve_bos(tok, "auto") is not None)
+    runs = [(s, s + 1) for s in range(2, 9)]  # attn.1 .. mlp.4, two at a time
+    sums = unit_stats(dense, runs, fit, {"": held.split(2)}, skip_prefix=skip)
+    here = unit_window_losses(dense, sums, held, ridge=spec.ridge_value)
+    window = rows["window-loss-mixed"]  # its checkpoint's provenance holds the scores
+    provenance = json.loads((Path(window["checkpoint"]) / "lorp_pruning.json").read_text())
+    got = {parse_unit_label(u): v for u, v in provenance["details"]["window_loss"].items()}
+    assert got == pytest.approx({s: here[(s, e)] for s, e in runs}, rel=1e-4)
+    start = min(got, key=lambda u: (got[u], u))
+    assert [parse_unit_label(u) for u in window["sublayers"]] == [start, start + 1]
+    assert len(set(got.values())) == len(runs)  # the candidates differ: the pick means something
+
     events = EventLog(tmp_path / "sleb" / "events.jsonl").read()
     scored = sum(e["evaluated"] for e in events if e["event"] == "losses")
     assert scored == 2 * (15 + 7)  # no two of the four memos share an entry
     again = run_job(spec)
-    assert again.skipped == 4
+    assert again.skipped == 6
     events = EventLog(tmp_path / "sleb" / "events.jsonl").read()
     assert sum(e["evaluated"] for e in events if e["event"] == "losses") == scored

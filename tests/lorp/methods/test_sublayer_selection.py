@@ -85,6 +85,17 @@ def test_block_granularity_is_the_block_method_on_the_even_boundaries() -> None:
         ),
         (lambda s: select_units(s, 2, "heads", "lorp"), "granularity: must be one of"),
         (
+            lambda s: select_units(s, 2, "attention", "window", repair_scores=lambda r, x: r),
+            "method: 'window' removes a contiguous run, and 'attention' units are not",
+        ),
+        (lambda s: select_units(s, 2, "mixed", "window"), "'window' ranks runs .* repair_scores="),
+        (
+            lambda s: select_units(
+                s, 2, "mixed", "window", repair_scores=lambda r, x: [0.0] * len(r), score="kl"
+            ),
+            "score",
+        ),
+        (
             lambda s: select_units(LayerSimilarity(s.matrix[:12, :12], 11), 2, "mlp", "lorp"),
             "needs the sub-layer S",
         ),
@@ -191,3 +202,25 @@ def test_finercut_removes_greedily_what_moves_the_output_distribution_least(
     block_js = LossEvaluator(model, windows, batch_size=2, measure="js")
     blocks = select_layers(block_similarity(sim), 2, "finercut", losses=block_js)
     assert by_blocks.details["blocks"] == list(blocks.layers)
+
+
+def test_window_per_unit_removes_the_consecutive_units_whose_repair_scores_lowest() -> None:
+    """At mixed granularity the candidates are every run of `budget` consecutive units
+    from attn.1 to mlp.N-2 (attentions and MLPs alternate); the run scored lowest goes,
+    the shallower of equals; `score` reaches the scorer; the block form gets block runs."""
+    asked: list[tuple[list[tuple[int, int]], str]] = []
+
+    def scores(runs: list[tuple[int, int]], score: str) -> list[float]:
+        asked.append((runs, score))
+        return [{(3, 5): 0.1, (6, 8): 0.1}.get(r, 0.5) for r in runs]
+
+    sel = select_units(unit_S(), 3, "mixed", "window", repair_scores=scores, score="loss")
+    assert asked == [([(2, 4), (3, 5), (4, 6), (5, 7), (6, 8), (7, 9)], "loss")]
+    assert sel.layers == (3, 4, 5) and sel.details["window_start"] == "mlp.1"
+    assert sel.details["sublayers"] == ["mlp.1", "attn.2", "mlp.2"]
+    assert sel.details["window_loss"]["mlp.1"] == 0.1
+    with pytest.raises(ValueError, match="option 'last_block'"):
+        select_units(unit_S(), 3, "mixed", "window", repair_scores=scores, last_block=True)
+    asked.clear()
+    blocks = select_units(unit_S(), 2, "block", "window", repair_scores=scores)
+    assert asked[0][0] == [(1, 2), (2, 3), (3, 4)] and blocks.details["blocks"] == [1, 2]

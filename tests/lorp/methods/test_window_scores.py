@@ -1,5 +1,6 @@
 """What the window method ranks by, measured on the model: the relative error a window's map
-leaves (on held-out windows where given), and its folded variant's loss."""
+leaves (on held-out windows where given), and its folded variant's loss; for runs of whole
+blocks and of sub-layer units."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import copy
 import pytest
 import torch
 
-from lorp.methods.window_scores import window_losses, window_scores
+from lorp.methods.window_scores import unit_window_losses, window_losses, window_scores
 from lorp.models.architectures import decoder_blocks
 from lorp.models.perplexity import calibration_loss
+from lorp.models.sublayers import remove_sublayers
 from lorp.models.surgery import drop_layers
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import fit_runs
 from lorp.repair.fold import applied_by_hooks, fold
 from lorp.repair.prune_and_repair import full_fits
+from lorp.repair.sublayer_repair import repair_from_stats, unit_stats, unit_T0
 from tests.helpers.tiny_models import N_BLOCKS, tiny_model
 from tests.helpers.windows import token_windows
 
@@ -92,3 +95,31 @@ def test_window_losses_are_the_folded_variants_calibration_losses(family: str) -
         assert loss != pytest.approx(calibration_loss(pruned, held), rel=1e-5)
     assert len(set(losses.values())) == 3
     assert window_losses(model, stats, held, runs=[(2, 3)]) == {(2, 3): losses[(2, 3)]}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_unit_window_losses_are_the_repaired_sublayer_variants_losses(family: str) -> None:
+    """A run of sub-layer units scores the loss of the variant a repaired sub-layer point
+    writes (its map folded into unit s-1's projection, its units removed; Gemma 3: the
+    exact fold through its post-norms); the model scored is left as it was. A run of
+    whole blocks' units scores by residual what the block run does."""
+    model = tiny_model(family)
+    x, held = token_windows(n=6), token_windows(n=4, seed=9)
+    runs = [(2, 5), (3, 6), (5, 7)]  # blocks 1-2; mlp.1 to attn.3; mlp.2 to attn.3
+    stats = unit_stats(model, runs, [x], {"": [held]})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = unit_window_losses(model, stats, held, batch_size=3)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    for (s, e), loss in losses.items():
+        variant = copy.deepcopy(model)
+        repair_from_stats(variant, range(s, e + 1), stats)
+        assert loss == pytest.approx(calibration_loss(variant, held), rel=1e-5)
+        pruned = copy.deepcopy(model)
+        remove_sublayers(pruned, range(s, e + 1))
+        assert loss != pytest.approx(calibration_loss(pruned, held), rel=1e-5)  # a map folded
+    assert len(set(losses.values())) == 3
+    if family == "gemma3_text":  # the normed starts keep their scale, as block sums do
+        torch.testing.assert_close(stats.base[3], torch.diagonal(unit_T0(model, (3, 6), "normed")))
+    blocks = capture_repair_stats(model, [x], [(1, 2)], progress=False)
+    units = unit_stats(model, [(2, 5)], [x], None)
+    assert window_scores(units)[(2, 5)] == pytest.approx(window_scores(blocks)[(1, 2)], rel=1e-4)
