@@ -383,7 +383,7 @@ class SelectionLosses:
 class WindowLosses:
     """`window`'s `repair_scores=` at mixed granularity: every candidate run's unit sums
     from the fit's windows (validated on the held-out ones), then each repaired variant's
-    loss on the held-out windows (`unit_window_losses`), on the float32 model; remembered
+    loss on the held-out windows (`window_losses(units=True)`), on the float32 model; remembered
     per run."""
 
     def __init__(self, model: Any, fit: Any, held: Any, windows: Any, skip: int) -> None:
@@ -394,7 +394,7 @@ class WindowLosses:
     def __call__(self, runs: list[tuple[int, int]], score: str) -> list[float]:
         import torch
 
-        from lorp.methods.window_scores import unit_window_losses
+        from lorp.methods.window_scores import window_losses
         from lorp.repair.sublayer_repair import unit_stats
 
         assert score == "loss"
@@ -402,7 +402,7 @@ class WindowLosses:
         if todo:
             sums = unit_stats(self.model, todo, self.fit, self.held, skip_prefix=self.skip)
             w = torch.as_tensor(self.windows, dtype=torch.long)
-            self.memo |= unit_window_losses(self.model, sums, w, batch_size=4)
+            self.memo |= window_losses(self.model, sums, w, batch_size=4, units=True)
         return [self.memo[r] for r in runs]
 
 

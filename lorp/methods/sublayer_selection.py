@@ -28,7 +28,7 @@ first and last block's units are never candidates, as for whole blocks.
   one pass of unit repair sums, and the one whose repaired variant does best by
   `score` goes; its `repair_scores=` callable scores unit runs
   (`lorp.methods.window_scores.window_scores` of `lorp.repair.sublayer_repair.unit_stats`,
-  or `unit_window_losses`).
+  or `window_losses(units=True)`).
 - ``ppl``: Shortened LLaMA's one-shot criterion with sub-layers for blocks: each eligible
   unit is scored by the calibration loss of the model without it alone, and the
   `budget` lowest go (ties: lower unit). One round of |pool| candidates, where SLEB runs

@@ -1,13 +1,14 @@
 """The scores the repair-aware `window` method ranks contiguous windows by: the residual
 each window's validated linear map leaves (`window_scores`, from the sums alone, of block
 or of sub-layer unit runs alike), or the calibration loss of the model with the window
-removed and its map applied (`window_losses` for blocks, by hooks; `unit_window_losses`
-for units, folded for the call): nothing copied, the model left as it was.
+removed and its map applied (`window_losses`: for blocks by hooks, for units folded for
+the call): nothing copied, the model left as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -68,12 +69,16 @@ def window_losses(
     ridge: float | None = None,
     batch_size: int = 8,
     runs: Sequence[Run] | None = None,
+    units: bool = False,
 ) -> dict[Run, float]:
     """For every run of `stats` (or `runs`): the mean calibration NLL on `windows` of the
     dense `model` with that run's blocks removed and its fitted map applied, each run on
     its own (`fit_runs` with `ridge`: None validates it on `stats.held`, as a repaired
     point's fit is). The map is applied by hooks and the blocks dropped in memory, so
-    the model is left as it was found, a streamed one included.
+    the model is left as it was found, a streamed one included. `units`: runs of
+    sub-layer units (`stats` from `lorp.repair.sublayer_repair.unit_stats`), each run's
+    units removed and its map (`fit_unit_runs`, the repaired point's fit) folded into
+    unit s-1's output projection for the call (`units_folded`), restored after.
 
     The loss ranks windows by what the repaired variant predicts, where `window_scores`
     ranks them by the state the map reaches: measured on SmolLM2-135M and
@@ -81,31 +86,22 @@ def window_losses(
     state's error, and the residual chose windows 6-7% worse on held-out news."""
     out = {}
     for run in runs if runs is not None else stats.runs:
-        fits = fit_runs(model, stats.subset([run]), ridge=ridge)
-        with (
-            blocks_dropped(model, range(run[0], run[1] + 1)) as kept,
-            applied_by_hooks(model, fits, kept),
-        ):
+        with _repaired(model, stats.subset([run]), run, ridge, units):
             out[run] = calibration_loss(model, windows, batch_size)
     return out
 
 
-def unit_window_losses(
-    model: nn.Module,
-    stats: RepairStats,
-    windows: torch.Tensor,
-    *,
-    ridge: float | None = None,
-    batch_size: int = 8,
-    runs: Sequence[Run] | None = None,
-) -> dict[Run, float]:
-    """`window_losses` for runs of sub-layer units (`stats` from
-    `lorp.repair.sublayer_repair.unit_stats`): each run's units removed and its fitted map
-    folded into unit s-1's output projection for the call (`units_folded`), the model
-    restored after each. The fit is the repaired point's (`fit_unit_runs`)."""
-    out = {}
-    for run in runs if runs is not None else stats.runs:
-        fits = fit_unit_runs(model, stats.subset([run]), ridge=ridge)
-        with units_folded(model, fits), sublayers_removed(model, range(run[0], run[1] + 1)):
-            out[run] = calibration_loss(model, windows, batch_size)
-    return out
+@contextmanager
+def _repaired(
+    model: nn.Module, stats: RepairStats, run: Run, ridge: float | None, units: bool
+) -> Iterator[None]:
+    """Inside the block, `model` runs without `run` and with its fitted map."""
+    removed = range(run[0], run[1] + 1)
+    if units:
+        fits = fit_unit_runs(model, stats, ridge=ridge)
+        with units_folded(model, fits), sublayers_removed(model, removed):
+            yield
+        return
+    fits = fit_runs(model, stats, ridge=ridge)
+    with blocks_dropped(model, removed) as kept, applied_by_hooks(model, fits, kept):
+        yield

@@ -399,19 +399,20 @@ class LossSelector:
 def _repaired_losses(
     task: LossTask, stats: Any, runs: list[tuple[int, int]], ridge: float | None, units: bool
 ) -> list[float]:
-    """`lorp.methods.window_scores.window_losses` (`units`: `unit_window_losses`) on one
+    """`lorp.methods.window_scores.window_losses` (`units`: of sub-layer units) on one
     worker: the dense model loaded once, each run removed and its map applied in turn,
     scored on the held-out windows."""
     import torch
 
-    from lorp.methods.window_scores import unit_window_losses, window_losses
+    from lorp.methods.window_scores import window_losses
 
     torch.set_num_threads(max(1, int(task.resources.num_cpus)))
     device = "cuda" if task.resources.num_gpus > 0 else "cpu"
     lm = load_checked(task.model, device)
     windows = torch.from_numpy(task.windows.astype(np.int64))
-    score = unit_window_losses if units else window_losses
-    got = score(lm.model, stats, windows, ridge=ridge, batch_size=task.batch_size, runs=runs)
+    got = window_losses(
+        lm.model, stats, windows, ridge=ridge, batch_size=task.batch_size, runs=runs, units=units
+    )
     return [got[r] for r in runs]
 
 

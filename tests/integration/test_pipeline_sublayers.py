@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lorp.data.windows import resolve_bos
 from lorp.locality.capture import capture_stats
 from lorp.methods.sublayer_selection import select_units
-from lorp.methods.window_scores import unit_window_losses
+from lorp.methods.window_scores import window_losses
 from lorp.models.sublayers import parse_unit_label, remove_sublayers
 from lorp.models.variant_manifest import materialize_variant, read_manifest
 from lorp.repair.sublayer_repair import unit_stats
@@ -183,7 +183,7 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     skip = int(resolve_bos(tok, "auto") is not None)
     runs = [(s, s + 1) for s in range(2, 9)]  # attn.1 .. mlp.4, two at a time
     sums = unit_stats(dense, runs, fit, {"": held.split(2)}, skip_prefix=skip)
-    here = unit_window_losses(dense, sums, held, ridge=spec.ridge_value)
+    here = window_losses(dense, sums, held, ridge=spec.ridge_value, units=True)
     window = rows["window-loss-mixed"]  # its checkpoint's provenance holds the scores
     provenance = json.loads((Path(window["checkpoint"]) / "lorp_pruning.json").read_text())
     got = {parse_unit_label(u): v for u, v in provenance["details"]["window_loss"].items()}

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lorp.methods.window_scores import unit_window_losses, window_losses, window_scores
+from lorp.methods.window_scores import window_losses, window_scores
 from lorp.models.architectures import decoder_blocks
 from lorp.models.perplexity import calibration_loss
 from lorp.models.sublayers import remove_sublayers
@@ -98,7 +98,7 @@ def test_window_losses_are_the_folded_variants_calibration_losses(family: str) -
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_unit_window_losses_are_the_repaired_sublayer_variants_losses(family: str) -> None:
+def test_window_losses_of_unit_runs_are_the_repaired_sublayer_variants_losses(family: str) -> None:
     """A run of sub-layer units scores the loss of the variant a repaired sub-layer point
     writes (its map folded into unit s-1's projection, its units removed; Gemma 3: the
     exact fold through its post-norms); the model scored is left as it was. A run of
@@ -108,7 +108,7 @@ def test_unit_window_losses_are_the_repaired_sublayer_variants_losses(family: st
     runs = [(2, 5), (3, 6), (5, 7)]  # blocks 1-2; mlp.1 to attn.3; mlp.2 to attn.3
     stats = unit_stats(model, runs, [x], {"": [held]})
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    losses = unit_window_losses(model, stats, held, batch_size=3)
+    losses = window_losses(model, stats, held, batch_size=3, units=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     for (s, e), loss in losses.items():
         variant = copy.deepcopy(model)
