@@ -27,9 +27,8 @@ from typing import Any, Protocol
 from lorp import Selection, get_method
 from lorp import profile as lorp_profile
 from lorp.locality.profile import Profile
-from lorp.methods.sublayer_selection import LOSS_METHODS
 from lorp.repair.stats import RepairStats
-from pipeline.plan import GridPoint, ModelPlan, plan_points
+from pipeline.plan import GridPoint, ModelPlan, on_loss_actors, plan_points
 from pipeline.selectors import repair_selector, similarity_selector, unit_selector
 from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec
@@ -210,7 +209,7 @@ class _Preparation:
             m: MethodSpec, budget: int, granularity: str = "block"
         ) -> tuple[Selection, float]:
             if granularity != "block":
-                scored = m.name in LOSS_METHODS  # sub-layer SLEB, PPL, FinerCut: on the loss actors
+                scored = on_loss_actors(m.name, granularity)  # SLEB, PPL, FinerCut
                 return (losses.units if scored else by_unit)(m, budget, granularity)
             method = get_method(m.name)
             if method.needs_repair:

@@ -56,7 +56,6 @@ from lorp.methods.registry import (
     Losses,
     RepairScores,
     Selection,
-    best_window,
     check_choice,
     check_measure,
     get_method,
@@ -64,7 +63,7 @@ from lorp.methods.registry import (
     select_layers,
 )
 from lorp.methods.sleb import greedy_removal
-from lorp.methods.window import SCORES
+from lorp.methods.window import SCORES, best_run
 from lorp.models.sublayers import (
     block_units,
     budget_limit,
@@ -274,11 +273,7 @@ def _window(
         raise ValueError("option 'last_block': a sub-layer window never takes the last block")
     pool = eligible_units("mixed", n_blocks)
     starts = pool[: len(pool) - budget + 1]
-    runs = [(s, s + budget - 1) for s in starts]
-    scores = [float(x) for x in repair_scores(runs, score)]
-    if len(scores) != len(runs):
-        raise RuntimeError(f"repair_scores returned {len(scores)} values for {len(runs)} runs")
-    s = best_window([-x for x in scores], starts)
+    s, scores = best_run(starts, budget, repair_scores, score)
     return tuple(range(s, s + budget)), {
         "window_start": unit_label(s),
         f"window_{score}": {unit_label(u): x for u, x in zip(starts, scores, strict=True)},

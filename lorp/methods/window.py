@@ -57,12 +57,20 @@ def repair_window(
     """Repair-aware window: the contiguous blocks whose linear repair does best."""
     assert repair_scores is not None  # select_layers hands it over or refuses
     starts = window_starts(similarity.n_blocks, budget, 1, last_block)
-    runs = [(s, s + budget - 1) for s in starts]
-    scores = [float(x) for x in repair_scores(runs, score)]
-    if len(scores) != len(runs):
-        raise RuntimeError(f"repair_scores returned {len(scores)} values for {len(runs)} runs")
-    s = best_window([-x for x in scores], starts)
+    s, scores = best_run(starts, budget, repair_scores, score)
     return Selection(
         layers=tuple(range(s, s + budget)),
         details={"window_start": s, f"window_{score}": dict(zip(starts, scores, strict=True))},
     )
+
+
+def best_run(
+    starts: list[int], budget: int, repair_scores: RepairScores, score: str
+) -> tuple[int, list[float]]:
+    """The start of the run [s, s + budget) that `repair_scores` scores lowest (ties: the
+    shallower), and every start's score; runs of blocks or of sub-layer units alike."""
+    runs = [(s, s + budget - 1) for s in starts]
+    scores = [float(x) for x in repair_scores(runs, score)]
+    if len(scores) != len(runs):
+        raise RuntimeError(f"repair_scores returned {len(scores)} values for {len(runs)} runs")
+    return best_window([-x for x in scores], starts), scores

@@ -70,9 +70,14 @@ def unit_T0(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
     d = int(model.config.hidden_size)
     if form == "full":
         return torch.eye(d, dtype=torch.float64)
-    norm = site_norm(model, run[0] - 1)
+    return torch.diag(site_scale(model, run[0] - 1))
+
+
+def site_scale(model: nn.Module, unit: int) -> torch.Tensor:
+    """The scale unit `unit`'s post-norm applies (its weight plus the family's offset)."""
+    norm = site_norm(model, unit)
     assert norm is not None
-    return torch.diag(norm.weight.detach().double().cpu() + architecture_of(model).norm_offset)
+    return norm.weight.detach().double().cpu() + architecture_of(model).norm_offset
 
 
 class _UnitStates:
@@ -144,7 +149,7 @@ def capture_unit_stats(
     stats = RepairStats(2 * n, int(model.config.hidden_size), runs, forms)
     for r in runs:  # a normed start's scale as it is now, as block sums keep it (T0)
         if forms[r] == "normed":
-            stats.base[r[0]] = torch.diagonal(unit_T0(model, r, "normed")).clone()
+            stats.base[r[0]] = site_scale(model, r[0] - 1)
     device = device_of(model)
     # Unit s-1's site for each start s (X and M), and the attention site of every odd
     # boundary a run reads (M: the stream between a block's attention and its MLP).
