@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.sublayers_report import (  # noqa: E402
     DOMAINS,
+    SECTIONS,
     SETTINGS,
     close_enough,
     compare,
@@ -457,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--from-runs", action="store_true", help="render what --runs holds")
     p.add_argument("--page", type=Path)
+    p.add_argument(
+        "--section", default="main", choices=sorted(SECTIONS),
+        help="which of the page's rendered blocks --page rewrites",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.runs.mkdir(parents=True, exist_ok=True)
     results = []
@@ -477,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     text = page(results, args)
     print(text)
     if args.page:
-        write_page(args.page, text)
+        write_page(args.page, text, args.section)
     return 0
 
 

@@ -183,8 +183,23 @@ def page(results: list[dict[str, Any]], args: Any) -> str:
     return "\n".join(out)
 
 
-def write_page(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else f"# Sub-layers, measured\n\n{BEGIN}\n{END}\n"
-    head, rest = old.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+SECTIONS = {"main": "The tables", "small": "At one and two blocks' cost"}
+"""The page's rendered blocks (`--section`): the comparison at 4 and 8 blocks' cost, and the
+one at the smallest budgets, run separately with more zero-shot items."""
+
+
+def markers(section: str) -> tuple[str, str]:
+    if section == "main":
+        return BEGIN, END
+    return f"<!-- sublayers-{section}:begin -->", f"<!-- sublayers-{section}:end -->"
+
+
+def write_page(path: Path, text: str, section: str = "main") -> None:
+    """`text` between `section`'s markers on the page (appended under its heading the first
+    time); the rest of the page as it was."""
+    from benchmarks.run import replace_section
+
+    if not path.exists():
+        path.write_text("# Sub-layers, measured\n")
+    begin, end = markers(section)
+    replace_section(path, begin, end, text, SECTIONS[section])

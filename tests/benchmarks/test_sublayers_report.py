@@ -12,7 +12,7 @@ from tests.helpers.paths import REPO
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sublayers_report import compare, merged, page  # noqa: E402
+from benchmarks.sublayers_report import BEGIN, END, compare, merged, page, write_page  # noqa: E402
 
 DENSE = {
     "ppl": {"prose": 10.0, "code": 4.0},
@@ -75,3 +75,22 @@ def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
     far = {**b, "dense": {**DENSE, "ppl": {"prose": 10.01, "code": 4.0}}}
     with pytest.raises(SystemExit, match="dense differs"):
         merged(a, far, "b")
+
+
+def test_each_section_of_the_page_is_rewritten_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "sublayers.md"
+    path.write_text(f"# Sub-layers\n\nprose\n\n{BEGIN}\nold tables\n{END}\n\nafter\n")
+    write_page(path, "small tables", "small")
+    write_page(path, "new tables")
+    write_page(path, "smaller tables", "small")
+    text = path.read_text()
+    assert text.startswith(f"# Sub-layers\n\nprose\n\n{BEGIN}\nnew tables\n{END}\n\nafter\n")
+    assert text.endswith(
+        "## At one and two blocks' cost\n\n<!-- sublayers-small:begin -->\nsmaller tables\n"
+        "<!-- sublayers-small:end -->\n"
+    )
+    assert "old tables" not in text and "small tables" not in text
+    fresh = tmp_path / "new.md"
+    write_page(fresh, "tables")
+    text = fresh.read_text()
+    assert text.startswith("# Sub-layers, measured\n") and f"{BEGIN}\ntables\n{END}" in text
