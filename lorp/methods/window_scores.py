@@ -1,8 +1,8 @@
 """The scores the repair-aware `window` method ranks contiguous windows by: the residual
 each window's validated linear map leaves (`window_scores`, from the sums alone, of block
 or of sub-layer unit runs alike), or the calibration loss of the model with the window
-removed and its map applied (`window_losses`: for blocks by hooks, for units folded for
-the call): nothing copied, the model left as it was.
+removed and its map applied by hooks (`window_losses`): nothing copied, the model left as
+it was, a streamed one included.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from lorp.models.perplexity import calibration_loss
-from lorp.models.sublayers import sublayers_removed
 from lorp.models.surgery import blocks_dropped
+from lorp.repair.distill import applied_maps, sublayer_cut
 from lorp.repair.fit import fit_runs, held_sums, validated
 from lorp.repair.fold import applied_by_hooks
 from lorp.repair.maps import DEFAULT_RIDGE, RIDGES, fit_full
 from lorp.repair.stats import RepairStats, Run
-from lorp.repair.sublayer_repair import fit_unit_runs, units_folded
+from lorp.repair.sublayer_repair import fit_unit_runs
 
 
 def window_scores(stats: RepairStats, *, ridge: float = DEFAULT_RIDGE) -> dict[Run, float]:
@@ -77,8 +77,9 @@ def window_losses(
     point's fit is). The map is applied by hooks and the blocks dropped in memory, so
     the model is left as it was found, a streamed one included. `units`: runs of
     sub-layer units (`stats` from `lorp.repair.sublayer_repair.unit_stats`), each run's
-    units removed and its map (`fit_unit_runs`, the repaired point's fit) folded into
-    unit s-1's output projection for the call (`units_folded`), restored after.
+    units removed and its map (`fit_unit_runs`, the repaired point's fit) applied by a
+    hook on unit s-1's output (`lorp.repair.distill.applied_maps`), as the fold into its
+    output projection would.
 
     The loss ranks windows by what the repaired variant predicts, where `window_scores`
     ranks them by the state the map reaches: measured on SmolLM2-135M and
@@ -99,7 +100,7 @@ def _repaired(
     removed = range(run[0], run[1] + 1)
     if units:
         fits = fit_unit_runs(model, stats, ridge=ridge)
-        with units_folded(model, fits), sublayers_removed(model, removed):
+        with applied_maps(model, fits, sublayer_cut(model, list(removed))):
             yield
         return
     fits = fit_runs(model, stats, ridge=ridge)

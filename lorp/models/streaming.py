@@ -213,6 +213,11 @@ class BlockStreamer:
         if id(module) in self.loaded:
             _place(module, attr, tensor)
 
+    def overridden(self, module: nn.Module, attr: str) -> torch.Tensor | None:
+        """The tensor `module` runs with as `attr` in place of the file's (a fold's), None
+        where it has none."""
+        return self.overrides.get(self._entry(module, attr).key)
+
     def attach(self) -> None:
         """Every unit to its placeholder, and the hooks that load and release it."""
         for u in self.units.values():

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lorp.models.architectures import decoder_blocks, decoder_stack
+from lorp.models.streaming import device_of
 from lorp.models.sublayers import sublayers_removed, unit_site
 from lorp.models.surgery import blocks_dropped
 from lorp.repair.fold import map_site
@@ -156,12 +157,12 @@ def _applied(model: nn.Module, maps: Sequence[_Map], cut: Cut) -> Iterator[None]
 def applied_maps(model: nn.Module, fits: Sequence[RunFit], cut: Cut) -> Iterator[None]:
     """`model` without what `cut` removes and `fits` applied at their sites by hooks, as
     they are (the domain gate's held-out losses of a sub-layer variant)."""
-    with _applied(model, [_Map(f).to(next(model.parameters()).device) for f in fits], cut):
+    with _applied(model, [_Map(f).to(device_of(model)) for f in fits], cut):
         yield
 
 
 def _autocast(model: nn.Module, enabled: bool) -> Any:
-    device = next(model.parameters()).device.type
+    device = device_of(model).type
     if not enabled or device not in ("cpu", "cuda"):
         return nullcontext()
     return torch.autocast(device, dtype=torch.bfloat16)
@@ -191,7 +192,7 @@ def _chunk_kl(model: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tenso
 def _dense(model: nn.Module, w: torch.Tensor, amp: bool) -> torch.Tensor:
     """The dense model's final states of windows `w` (on the model's device)."""
     with torch.no_grad(), _autocast(model, amp):
-        return _final(model, w.to(next(model.parameters()).device))
+        return _final(model, w.to(device_of(model)))
 
 
 def _kl(model, maps, layers, w: torch.Tensor, amp: bool, t: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
@@ -199,7 +200,7 @@ def _kl(model, maps, layers, w: torch.Tensor, amp: bool, t: torch.Tensor | None 
     states, when already known). The vocabulary-wide arrays exist for `CHUNK` positions
     at a time, in the forward and (recomputed) in the backward: a step's memory does not
     grow with the windows' tokens times the vocabulary."""
-    w = w.to(next(model.parameters()).device)  # windows stay where the caller keeps them
+    w = w.to(device_of(model))  # windows stay where the caller keeps them
     t = _dense(model, w, amp) if t is None else t
     with _applied(model, maps, layers), _autocast(model, amp):
         h = _final(model, w)
@@ -258,7 +259,7 @@ def distill_fits(
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
-    device = next(model.parameters()).device
+    device = device_of(model)
     maps = [_Map(f).to(device) for f in fits]
     cut = layers if isinstance(layers, Cut) else block_cut(model, layers)
     try:

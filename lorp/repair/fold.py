@@ -51,14 +51,14 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
         else:
             down.weight.copy_(folded_down_weight(down.weight, fit))
         if down.bias is not None:
-            down.bias.copy_(folded_down_bias(_as_stored(streamer, down, "bias"), fit))
+            down.bias.copy_(folded_down_bias(as_stored(streamer, down, "bias"), fit))
         if fit.form == "normed":
             norm = getattr(blocks[s - 1], arch.post_mlp_norm)
-            weight = _as_stored(streamer, norm, "weight")
+            weight = as_stored(streamer, norm, "weight")
             norm.weight.copy_(folded_norm_weight(weight, fit, arch.norm_offset))
 
 
-def _as_stored(streamer: Any, module: nn.Module, attr: str) -> torch.Tensor:
+def as_stored(streamer: Any, module: nn.Module, attr: str) -> torch.Tensor:
     """A resident vector as the fold starts from it: a streamed model's at the dtype its
     file stores it in (the resident copy holds the file's values exactly), so the fold
     rounds where the variant's file will; a model held whole's as it is."""

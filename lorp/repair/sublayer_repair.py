@@ -21,8 +21,7 @@ parameter count: only the kept sub-layers' weights change.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from torch import nn
 from lorp.locality.capture import unpack_batch
 from lorp.locality.similarity import token_selection
 from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
-from lorp.models.streaming import device_of
+from lorp.models.streaming import device_of, streamer_of
 from lorp.models.sublayers import (
     ATTENTION,
     attention_site,
@@ -41,7 +40,7 @@ from lorp.models.sublayers import (
 )
 from lorp.repair.distill import distill_fits, sublayer_cut
 from lorp.repair.fit import fit_runs
-from lorp.repair.fold import folded_down_bias, folded_down_weight, folded_norm_weight
+from lorp.repair.fold import as_stored, folded_down_bias, folded_down_weight, folded_norm_weight
 from lorp.repair.maps import DEFAULT_RIDGE, RunFit
 from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs, mlp_site, rms_unit
 
@@ -200,43 +199,43 @@ def fit_unit_runs(
 @torch.no_grad()
 def fold_units(model: nn.Module, fits: Sequence[RunFit]) -> None:
     """Fold every unit fit into the dense `model`'s weights, in place: the site's output
-    projection (`o_proj` or `down_proj`) and, for a `normed` fit, its post-norm's weight."""
+    projection (`o_proj` or `down_proj`) and, for a `normed` fit, its post-norm's weight.
+    A streamed model's projection gets an override its streamer serves, folded from the
+    file's tensor in the file's dtype, as `lorp.repair.fold.fold` does for block runs: the
+    figures are those of the checkpoint written from the files with `folded_parameters`."""
     arch = architecture_of(model)
+    streamer = streamer_of(model)
     for fit in fits:
         proj, norm = _fold_sites(model, fit)
-        proj.weight.copy_(folded_down_weight(proj.weight, fit))
+        if streamer is not None:
+            weight = streamer.stored(proj, "weight")
+            streamer.override(proj, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
+        else:
+            proj.weight.copy_(folded_down_weight(proj.weight, fit))
         if proj.bias is not None:
-            proj.bias.copy_(folded_down_bias(proj.bias, fit))
+            proj.bias.copy_(folded_down_bias(as_stored(streamer, proj, "bias"), fit))
         if norm is not None:
-            norm.weight.copy_(folded_norm_weight(norm.weight, fit, arch.norm_offset))
-
-
-@contextmanager
-def units_folded(model: nn.Module, fits: Sequence[RunFit]) -> Iterator[None]:
-    """Inside the block, `fits` are folded into `model`'s weights (`fold_units`); on exit
-    the weights they rewrote are restored (a copy of those alone is held meanwhile)."""
-    saved = {n: p.detach().clone() for n, p in folded_parameters(model, fits).items()}
-    params = dict(model.named_parameters())
-    try:
-        fold_units(model, fits)
-        yield
-    finally:
-        with torch.no_grad():
-            for name, value in saved.items():
-                params[name].copy_(value)
+            weight = as_stored(streamer, norm, "weight")
+            norm.weight.copy_(folded_norm_weight(weight, fit, arch.norm_offset))
 
 
 def folded_parameters(model: nn.Module, fits: Sequence[RunFit]) -> dict[str, torch.Tensor]:
     """The parameters `fold_units` rewrites for `fits`, by their names in the model's
     state (the checkpoint's keys): what a sub-layer manifest stores
-    (`lorp.models.variant_manifest.write_unit_manifest`)."""
+    (`lorp.models.variant_manifest.write_unit_manifest`) and what a streamed model's
+    checkpoint takes in place of its files' tensors (its folded matrices are the
+    streamer's overrides, its vectors resident)."""
+    streamer = streamer_of(model)
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for fit in fits:
         proj, norm = _fold_sites(model, fit)
         for module in (proj, norm):
-            for p in module.parameters(recurse=False) if module is not None else ():
-                out[names[id(p)]] = p.detach()
+            for attr, p in module.named_parameters(recurse=False) if module is not None else ():
+                if p.is_meta and streamer is not None:
+                    out[names[id(p)]] = streamer.overridden(module, attr)
+                else:
+                    out[names[id(p)]] = p.detach()
     return out
 
 

@@ -305,7 +305,6 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
             raise SpecError(f"{exc}; {_room_hint(FIELDS[stage], exc.need_bytes)}") from None
         decisions.append((stage, replace(d, source=source)))
     _check_distill(spec.distills, plan, dict(decisions)["evaluate"])
-    _check_sublayers(spec.sublayers, plan, dict(decisions)["evaluate"])
     return replace(plan, memory=tuple(decisions), tensor_parallel=tp)
 
 
@@ -314,13 +313,6 @@ def _room_hint(field: str, need: int) -> str:
     `need` bytes within `HEADROOM`, rounded up to half a GiB."""
     value = math.ceil(need / HEADROOM / GIB * 2) / 2
     return f"set resources.{field}.memory_gib: {value:g} (or run on a node with that much)"
-
-
-def _check_sublayers(sublayers: bool, plan: ModelPlan, evaluate: Decision) -> None:
-    """A sub-layer point removes modules from the model it holds (`remove_sublayers`)."""
-    if sublayers:
-        why = "a sub-layer point holds its model whole"
-        _held_whole("granularity", plan, evaluate, why, "granularity: [block]")
 
 
 def _check_distill(distills: bool, plan: ModelPlan, evaluate: Decision) -> None:

@@ -37,11 +37,6 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
     from pipeline.evaluation.speed import count_params
     from pipeline.stages.point_evaluation import evaluate_point, zero_shot_info
 
-    if task.model.streamed:
-        raise ValueError(
-            f"granularity: sub-layer points hold the model whole; {task.model.label} is "
-            "streamed in its grid points (use granularity: [block] for it)"
-        )
     params_dense = count_params(lm.model)
     fits = _unit_repair(task, lm.model) if task.repair else []
     remove_sublayers(lm.model, task.units)
@@ -68,28 +63,35 @@ def _save(
     """The Nemotron-NAS checkpoint (`lorp.models.nemotron_nas`), or under `checkpoints:
     manifest` the units and the folded projections by reference to the base
     (`lorp.models.variant_manifest.write_unit_manifest`), written into the storage (or
-    scratch, then uploaded) as a block point's is; None where none is wanted."""
+    scratch, then uploaded) as a block point's is; None where none is wanted. A streamed
+    model's checkpoint is written from its files, tensor by tensor, the folded projections
+    in place of theirs: the model in this process has no weights to save."""
     if not task.checkpoint:
         return None
     from lorp.models.nemotron_nas import check_servable, save_sublayer_variant
+    from lorp.repair.sublayer_repair import folded_parameters
 
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
+    m, units = task.model, task.units
+    if task.checkpoint_format == "manifest" or m.streamed:
+        check_servable(lm.model.config.to_dict())  # as the whole checkpoint: before writing
+        changed = folded_parameters(lm.model, fits)
     if task.checkpoint_format == "manifest":
         from lorp.models.variant_manifest import BaseRef, write_unit_manifest
-        from lorp.repair.sublayer_repair import folded_parameters
         from pipeline.stored_bases import stored_base_uri
 
-        check_servable(lm.model.config.to_dict())  # as the whole checkpoint: before writing
-        m = task.model
         stored = stored_base_uri(task.storage, m.kind, m.fingerprint)  # the preparation's copy
+        base = BaseRef(m.ref, m.kind, m.fingerprint, m.revision, stored)
         write_unit_manifest(
-            local, BaseRef(m.ref, m.kind, m.fingerprint, m.revision, stored), task.units,
-            provenance, changed=folded_parameters(lm.model, fits), dtype=m.dtype,
-            overwrite=True,
-        )  # fmt: skip
+            local, base, units, provenance, changed=changed, dtype=m.dtype, overwrite=True
+        )
+    elif m.streamed:  # in the checkpoint's own dtype, as a streamed block point's
+        from lorp.models.nemotron_nas import write_sublayer_files
+
+        write_sublayer_files(lm.path, local, units, provenance, changed=changed, overwrite=True)
     else:
-        save_sublayer_variant(lm.model, lm.tokenizer, local, task.units, provenance, overwrite=True)
+        save_sublayer_variant(lm.model, lm.tokenizer, local, units, provenance, overwrite=True)
     if storage.remote:
         storage.put_dir(local, task.checkpoint)
     return local

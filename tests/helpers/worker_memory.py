@@ -16,12 +16,15 @@ from pipeline.cluster.decisions import HEADROOM
 EVAL = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
 
 
-def between(model: Path, stage: str, batch: int, seq_len: int, kept: int = 0) -> float:
+def between(
+    model: Path, stage: str, batch: int, seq_len: int, kept: int = 0, states: int | None = None
+) -> float:
     """A worker memory (GiB) under the whole model's need and over the streamed one's
-    (`kept`: what the stage holds besides, a repaired point's fit)."""
+    (`kept`: what the stage holds besides, a repaired point's fit; `states`: the states a
+    capture keeps, 2N + 1 for a job with sub-layers)."""
     size = weight_size(tensor_index(model), torch.float32)
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
-    acts = stage_activations(stage, shape, batch, seq_len, 4) + kept  # type: ignore[arg-type]
+    acts = stage_activations(stage, shape, batch, seq_len, 4, states) + kept  # type: ignore[arg-type]
     streamed = size.resident + 2 * size.largest_unit + acts
     whole = size.total + acts  # one copy (a CPU point holds two where they fit)
     assert streamed < whole

@@ -1,6 +1,7 @@
 """A job whose workers have less memory than the model: the plan streams its capture and
 evaluation a module at a time, on a real local Ray and sqlite MLflow, and the figures are the
-ones the same job computes with the model held whole."""
+ones the same job computes with the model held whole, for whole blocks and for attention
+sub-layers alike."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     model = save_tiny_ptb("llama", tmp_path / "llama", n_blocks=8)
     common = {
         "budgets": [2],
+        "granularity": ["block", "attention"],
         "methods": [{"name": "shortgpt"}],
         "repair": ["none", "linear"],
         "evaluation": EVAL,
@@ -48,7 +50,11 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
     resources = {
-        "capture": {"memory_gib": between(model, "capture", cal.batch_size, cal.seq_len + 1)},
+        "capture": {
+            "memory_gib": between(
+                model, "capture", cal.batch_size, cal.seq_len + 1, states=2 * shape.n_blocks + 1
+            )
+        },
         "grid": {"memory_gib": between(model, "evaluate", ev.batch_size, ev.seq_len + 1, fit)},
     }
     streamed = tiny_job(tmp_path, model, name="streamed", resources=resources, **common)
@@ -61,12 +67,14 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
         return {(r["method_label"], r["repair"]): r for r in rows}
 
     rows, held = by_variant("streamed"), by_variant("whole")
-    assert rows.keys() == held.keys() and len(rows) == 3  # dense, shortgpt, shortgpt+linear
+    # dense, and shortgpt without and with its repair, of 2 blocks and of 2 attentions
+    assert rows.keys() == held.keys() and len(rows) == 5, rows.keys()
     for key, row in rows.items():
         plan = json.loads(row["memory_plan"])
         assert plan["capture"]["mode"] == plan["evaluate"]["mode"] == "streamed", plan
         assert json.loads(held[key]["memory_plan"])["capture"]["mode"] == "memory"
         assert row["pruned_layers"] == held[key]["pruned_layers"]
+        assert row["sublayers"] == held[key]["sublayers"]
         assert row["ppl_ptb"] == pytest.approx(held[key]["ppl_ptb"], rel=1e-4), key
         assert row["speed_skipped"].startswith("not timed: the model is streamed")
         assert row.get("latency_ms") is None
@@ -88,13 +96,17 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     # 1e-6 of the largest sum (576, the diagonal): the streamed capture takes the whole
     # shard per forward, the held one the job's batch, so the fp32 sums round apart.
     assert torch.allclose(a._sum, b._sum, rtol=0, atol=1e-6 * float(b._sum.abs().max()))
-    # The repaired variant was written from the files with the fold applied: tensor for
-    # tensor what the in-memory surgery of the job held whole wrote.
-    repaired = next(k for k in rows if k[1] == "linear")
-    ours, theirs = Path(rows[repaired]["checkpoint"]), Path(held[repaired]["checkpoint"])
-    a_model = AutoModelForCausalLM.from_pretrained(str(ours), dtype=torch.float32)
-    b_model = AutoModelForCausalLM.from_pretrained(str(theirs), dtype=torch.float32)
-    for (name, p), (_, q) in zip(
-        a_model.state_dict().items(), b_model.state_dict().items(), strict=True
-    ):
-        assert torch.allclose(p, q, rtol=0, atol=1e-6), name
+    # The repaired variants were written from the files with the fold applied: tensor for
+    # tensor what the in-memory surgery of the job held whole wrote (blocks: the model's own
+    # form; attention sub-layers: Nemotron-NAS, its o_proj folds among the tensors).
+    repaired = [k for k in rows if k[1] == "linear"]
+    assert sorted(rows[k]["granularity"] for k in repaired) == ["attention", "block"]
+    for key in repaired:
+        ours, theirs = Path(rows[key]["checkpoint"]), Path(held[key]["checkpoint"])
+        kw = {"dtype": torch.float32, "trust_remote_code": True}
+        a_model = AutoModelForCausalLM.from_pretrained(str(ours), **kw)
+        b_model = AutoModelForCausalLM.from_pretrained(str(theirs), **kw)
+        a_state, b_state = a_model.state_dict(), b_model.state_dict()
+        assert a_state.keys() == b_state.keys()
+        for name, p in a_state.items():
+            assert torch.allclose(p, b_state[name], rtol=0, atol=1e-6), (key, name)
