@@ -317,6 +317,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         "rows": rows, "max_windows": args.max_windows, "loss_samples": args.loss_samples,
         "sequential": args.sequential, "distill_epochs": args.distill_epochs,
         "zero_shot_limit": args.zero_shot_limit, "select_dtype": args.select_dtype,
+        "methods": list(args.methods),
         "selection_losses": losses.evaluated,
     }  # fmt: skip
     if base:

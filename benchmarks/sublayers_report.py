@@ -118,6 +118,10 @@ def model_table(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
 def comparison_lines(result: dict[str, Any]) -> list[str]:
     dense_zs = result["dense"].get("zero_shot") or {}
     out = [
@@ -131,7 +135,7 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
         both = c["sub_block_worst"] < c["block_worst"] and (zb is None or zs is None or zs > zb)
         fmt = lambda z: "n/a" if z is None else f"{100 * z:.1f}%"  # noqa: E731
         out.append(
-            f"| {c['blocks']} blocks | {c['block'][1]} {c['block'][2]} blocks "
+            f"| {blocks(c['blocks'])} | {c['block'][1]} {blocks(c['block'][2])} "
             f"(decode {c['block_decode']:.3f}) | {c['block_worst']:.3f}x | {fmt(zb)} | "
             f"{c['sub_block'][0]} {c['sub_block'][1]} {c['sub_block'][2]} (decode "
             f"{c['sub_block_decode']:.3f}) | {c['sub_block_worst']:.3f}x | {fmt(zs)} | "
@@ -164,7 +168,9 @@ def page(results: list[dict[str, Any]], args: Any) -> str:
             f"`python benchmarks/sublayers.py --models {r['model']} --max-windows "
             f"{r['max_windows']} --block-budgets {' '.join(map(str, budgets))} "
             f"--zero-shot-limit {r.get('zero_shot_limit', args.zero_shot_limit)} "
-            f"--loss-samples {r['loss_samples']}`"
+            f"--loss-samples {r['loss_samples']}"
+            + (f" --methods {' '.join(r['methods'])}" if r.get("methods") else "")
+            + "`"
             for budgets in r.get("parts") or [block_budgets(r)]
         ]
         runs = " and ".join(commands) + (

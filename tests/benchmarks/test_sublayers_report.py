@@ -48,8 +48,10 @@ def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_bl
     c["block_zero_shot"] = {"acc_arc_easy": 40.0, "acc_copa": 60.0, "acc_avg": 50.0}  # 90%
     c["sub_block_zero_shot"] = {"acc_arc_easy": 50.0, "acc_copa": 54.0, "acc_avg": 52.0}  # 95%
     result |= {"model": "m", "n_blocks": 6, "dtype": "float32", "seconds": 1,
-               "max_windows": 16, "loss_samples": 8, "comparison": out}  # fmt: skip
+               "max_windows": 16, "loss_samples": 8, "comparison": out,
+               "methods": ["shortgpt", "lorp"]}  # fmt: skip
     text = page([result], SimpleNamespace(zero_shot=["arc_easy", "copa"], zero_shot_limit=200))
+    assert "--zero-shot-limit 200 --loss-samples 8 --methods shortgpt lorp`" in text
     line = next(x for x in text.splitlines() if x.startswith("| 4 blocks"))
     assert "| 3.000x | 90.0% |" in line and "| 1.400x | 95.0% | yes |" in line
     assert (
