@@ -126,9 +126,13 @@ def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The rows of a catalog: a table (`catalog/`), or a parquet file with its parts
     applied (a file `lorp catalog merge` wrote, or the format before Delta: asked for
     `catalog/`, a run directory of an older lorp is read from `catalog.parquet`); [] when
-    there is none."""
+    there is none, or its directory is there and its first commit not yet (`lorp status`
+    reads a run's table while the run creates it)."""
     path = Path(path)
-    if (path / DELTA_LOG).is_dir():
+    log = path / DELTA_LOG
+    if path.is_dir() and not (log.is_dir() and any(log.glob("*.json"))):
+        return []
+    if log.is_dir():
         return rows_of(DeltaTable(str(path)).read())
     if path.name == NAME and not path.exists():
         path = path.with_name(OLD_NAME)

@@ -197,3 +197,13 @@ def test_a_value_of_another_type_is_one_line_naming_the_column(
     assert str(err.value) == message.format(table=cat.path)
     assert [r["grid_key"] for r in read_catalog(cat.path)] == ["k00000"]  # nothing lost
     assert [r["grid_key"] for r in cat.rows] == ["k00000"]  # nor held without the table
+
+
+def test_a_table_being_created_reads_as_no_rows(tmp_path: Path) -> None:
+    """`lorp status` polls a run's catalog while the run creates it: the directory comes
+    first, then the log's directory, then the first commit."""
+    table = tmp_path / "catalog"
+    table.mkdir()
+    assert read_catalog(table) == []
+    (table / "_delta_log").mkdir()
+    assert read_catalog(table) == []
