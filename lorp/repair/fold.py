@@ -44,21 +44,31 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
             else:
                 embedding.weight.copy_(folded_embeddings(embedding.weight, fit))
             continue
-        down = blocks[s - 1].mlp.down_proj
-        if streamer is not None:  # folded as the variant's file will hold it
-            weight = streamer.stored(down, "weight")
-            streamer.override(down, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
-        else:
-            down.weight.copy_(folded_down_weight(down.weight, fit))
-        if down.bias is not None:
-            down.bias.copy_(folded_down_bias(as_stored(streamer, down, "bias"), fit))
-        if fit.form == "normed":
-            norm = getattr(blocks[s - 1], arch.post_mlp_norm)
-            weight = as_stored(streamer, norm, "weight")
-            norm.weight.copy_(folded_norm_weight(weight, fit, arch.norm_offset))
+        norm = getattr(blocks[s - 1], arch.post_mlp_norm) if fit.form == "normed" else None
+        fold_into(streamer, blocks[s - 1].mlp.down_proj, norm, fit, arch.norm_offset)
 
 
-def as_stored(streamer: Any, module: nn.Module, attr: str) -> torch.Tensor:
+@torch.no_grad()
+def fold_into(
+    streamer: Any, proj: nn.Module, norm: nn.Module | None, fit: RunFit, norm_offset: float
+) -> None:
+    """One fit folded into the output projection `proj` before its site (a block's
+    `down_proj`, or a sub-layer's `o_proj`) and, for a `normed` fit, the post-norm `norm`.
+    A streamed model's matrix gets an override its streamer serves, folded from the
+    file's tensor in the file's dtype, as the variant's file will hold it."""
+    if streamer is not None:
+        weight = streamer.stored(proj, "weight")
+        streamer.override(proj, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
+    else:
+        proj.weight.copy_(folded_down_weight(proj.weight, fit))
+    if proj.bias is not None:
+        proj.bias.copy_(folded_down_bias(_as_stored(streamer, proj, "bias"), fit))
+    if norm is not None:
+        weight = _as_stored(streamer, norm, "weight")
+        norm.weight.copy_(folded_norm_weight(weight, fit, norm_offset))
+
+
+def _as_stored(streamer: Any, module: nn.Module, attr: str) -> torch.Tensor:
     """A resident vector as the fold starts from it: a streamed model's at the dtype its
     file stores it in (the resident copy holds the file's values exactly), so the fold
     rounds where the variant's file will; a model held whole's as it is."""

@@ -40,7 +40,7 @@ from lorp.models.sublayers import (
 )
 from lorp.repair.distill import distill_fits, sublayer_cut
 from lorp.repair.fit import fit_runs
-from lorp.repair.fold import as_stored, folded_down_bias, folded_down_weight, folded_norm_weight
+from lorp.repair.fold import fold_into
 from lorp.repair.maps import DEFAULT_RIDGE, RunFit
 from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs, mlp_site, rms_unit
 
@@ -203,20 +203,10 @@ def fold_units(model: nn.Module, fits: Sequence[RunFit]) -> None:
     A streamed model's projection gets an override its streamer serves, folded from the
     file's tensor in the file's dtype, as `lorp.repair.fold.fold` does for block runs: the
     figures are those of the checkpoint written from the files with `folded_parameters`."""
-    arch = architecture_of(model)
+    offset = architecture_of(model).norm_offset
     streamer = streamer_of(model)
     for fit in fits:
-        proj, norm = _fold_sites(model, fit)
-        if streamer is not None:
-            weight = streamer.stored(proj, "weight")
-            streamer.override(proj, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
-        else:
-            proj.weight.copy_(folded_down_weight(proj.weight, fit))
-        if proj.bias is not None:
-            proj.bias.copy_(folded_down_bias(as_stored(streamer, proj, "bias"), fit))
-        if norm is not None:
-            weight = as_stored(streamer, norm, "weight")
-            norm.weight.copy_(folded_norm_weight(weight, fit, arch.norm_offset))
+        fold_into(streamer, *_fold_sites(model, fit), fit, offset)
 
 
 def folded_parameters(model: nn.Module, fits: Sequence[RunFit]) -> dict[str, torch.Tensor]:

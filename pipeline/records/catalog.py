@@ -129,11 +129,9 @@ def read_catalog(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     there is none, or its directory is there and its first commit not yet (`lorp status`
     reads a run's table while the run creates it)."""
     path = Path(path)
-    log = path / DELTA_LOG
-    if path.is_dir() and not (log.is_dir() and any(log.glob("*.json"))):
-        return []
-    if log.is_dir():
-        return rows_of(DeltaTable(str(path)).read())
+    if path.is_dir():  # a table; before its first commit, none yet
+        committed = any((path / DELTA_LOG).glob("*.json"))
+        return rows_of(DeltaTable(str(path)).read()) if committed else []
     if path.name == NAME and not path.exists():
         path = path.with_name(OLD_NAME)
     return read_parquet_catalog(path)
