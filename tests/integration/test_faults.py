@@ -110,13 +110,13 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
 
 
 def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Path) -> None:
-    """2 models x 2 budgets x 4 methods, 4 points in flight at once; the driver is
+    """2 models x 2 budgets x 2 methods, 4 points in flight at once; the driver is
     SIGKILLed mid-grid and rerun: every point lands once in the catalog and once FINISHED
     in MLflow, row for row the same point, and no checkpoint is left half-written."""
     root = tmp_path / "models"
     a = save_tiny_ptb("llama", root / "a", n_blocks=8)
     b = save_tiny_ptb("qwen3", root / "b", n_blocks=8)
-    methods = [{"name": m} for m in ("lorp", "shortgpt", "streamline", "angular")]
+    methods = [{"name": m} for m in ("lorp", "shortgpt")]
     job = perplexity_job(
         tmp_path, a, "killed",
         models=[{"ref": str(a), "name": "a"}, {"ref": str(b), "name": "b"}],
@@ -124,7 +124,7 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
         methods=methods,
         resources={"max_concurrent_points": 4, "grid": {"num_cpus": 0.5}},
     )  # fmt: skip
-    points = 2 * (1 + 2 * 4)  # per model: the dense model, then budgets x methods
+    points = 2 * (1 + 2 * 2)  # per model: the dense model, then budgets x methods
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(
         [LORP, "run", str(job)],
@@ -135,7 +135,7 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
     deadline = time.time() + 600
     while time.time() < deadline:  # kill once some, not all, points are done
         events = run_dir / "events.jsonl"
-        done = events.is_file() and events.read_text().count('"event": "point"') >= 6
+        done = events.is_file() and events.read_text().count('"event": "point"') >= 4
         if done or proc.poll() is not None:
             break
         time.sleep(0.2)
@@ -145,7 +145,7 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
     kill_started_by(proc.pid)
     proc.wait()
     before = read_catalog(run_dir / "catalog")
-    assert 6 <= len(before) < points
+    assert 4 <= len(before) < points
 
     out = subprocess.run([LORP, "run", str(job)], capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
