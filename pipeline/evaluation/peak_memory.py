@@ -88,12 +88,11 @@ def peak_memory_fresh(
 ) -> dict[str, float]:
     """`peak_mem_gib` of a variant, measured in a fresh process.
 
-    The process is forked from a server that imported torch and transformers' Auto classes
-    once (multiprocessing's forkserver), so each variant costs a fork, not an interpreter
-    start and those imports: 0.65 s for a tiny model on 2 cores, against 3.4 s when the
-    Auto classes were imported in every child. It starts as a fresh interpreter with the
-    same imports would: no model, no CUDA context, no allocator history, and it ends after
-    one measurement. `units`: sub-layers removed instead."""
+    The process is forked from a server that imported torch and transformers once
+    (multiprocessing's forkserver), so each variant costs a fork, not an interpreter start
+    and those imports (seconds per variant on a small machine). It starts as a fresh
+    interpreter with the same imports would: no model, no CUDA context, no allocator
+    history, and it ends after one measurement. `units`: sub-layers removed instead."""
     ctx = _fresh_processes()
     with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
         job = pool.submit(
@@ -110,16 +109,8 @@ def peak_memory_fresh(
 @functools.cache
 def _fresh_processes() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    # `transformers` alone is lazy: its Auto classes (2-3 s of imports on a small machine,
-    # most of a tiny model's measurement) would be imported again in every child.
     ctx.set_forkserver_preload(
-        [
-            "torch",
-            "transformers",
-            "transformers.models.auto.modeling_auto",
-            "lorp.models.loading",
-            "pipeline.evaluation.peak_memory",
-        ]
+        ["torch", "transformers", "lorp.models.loading", "pipeline.evaluation.peak_memory"]
     )
     return ctx
 

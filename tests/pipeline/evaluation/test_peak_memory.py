@@ -38,23 +38,3 @@ def test_peak_memory_is_per_variant_in_a_fresh_process() -> None:
     dense = peak_memory_fresh(path, [], "bfloat16", "cpu", 128)["peak_mem_gib"]
     pruned = peak_memory_fresh(path, [5, 6, 17, 26, 27, 28], "bfloat16", "cpu", 128)
     assert 0.025 < dense - pruned["peak_mem_gib"] < 0.1, (dense, pruned)
-
-
-def _imported_before_loading() -> list[str]:
-    import sys
-
-    wanted = ("torch", "transformers.models.auto.modeling_auto", "lorp.models.loading")
-    return [name for name in wanted if name in sys.modules]
-
-
-def test_the_fresh_process_starts_with_the_loading_imports_done() -> None:
-    """Each variant's process is forked from a server that imported what loading a model
-    needs, transformers' Auto classes included (they are most of a small model's figure
-    when every child imports them again); the child itself is fresh, one task each."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    from pipeline.evaluation.peak_memory import _fresh_processes
-
-    with ProcessPoolExecutor(1, mp_context=_fresh_processes(), max_tasks_per_child=1) as pool:
-        seen = pool.submit(_imported_before_loading).result(timeout=300)
-    assert seen == ["torch", "transformers.models.auto.modeling_auto", "lorp.models.loading"]
