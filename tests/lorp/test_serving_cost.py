@@ -69,6 +69,11 @@ def test_a_sliding_window_caps_the_keys_a_query_sees() -> None:
     # block 0 slides (13.5 keys), block 3 does not (24.5): 256 x 11 fewer FLOPs
     got = cost_columns(shape, [0, 3], PARAMS, PARAMS_DENSE, "float32", 48)
     assert got["prefill_flops_per_token"] == FLOPS - 256 * 11
+    # a decoded token reads block 0's last 16 keys and block 3's 48: 32 x 256 bytes fewer
+    assert got["decode_bytes_per_token"] == DECODE - 32 * 256
+    assert got["kv_bytes_per_token"] == KV  # what a token stores is per block
+    dense = (PARAMS_DENSE - 32_704) * 4 + (16 + 48 + 16 + 48) * 256
+    assert got["predicted_decode_speedup"] == dense / (DECODE - 32 * 256)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
