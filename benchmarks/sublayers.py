@@ -49,6 +49,7 @@ from benchmarks.sublayers_report import (  # noqa: E402
     find_row,
     merged,
     page,
+    recosted,
     write_page,
 )
 
@@ -472,11 +473,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.from_runs:
                 continue
             path.write_text(json.dumps(measure_model(alias, args), indent=1))
-        result = json.loads(path.read_text())
+        result = recosted(json.loads(path.read_text()))
         for more in args.also:
             other = more / path.name
             if other.exists():
-                result = merged(result, json.loads(other.read_text()), str(other))
+                result = merged(result, recosted(json.loads(other.read_text())), str(other))
         results.append(result)
     if not results:
         raise SystemExit(f"no results under {args.runs}")

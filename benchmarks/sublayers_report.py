@@ -84,6 +84,44 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def recosted(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with every row's decode bytes at 4k (and dense's) counted again from its
+    units by today's `lorp.serving_cost`, on the model's config alone (meta tensors), and
+    its comparison redone; the measured figures are kept. A run stores the counts of the
+    code that measured it: Gemma 3's runs before the sliding-window fix (af1e967) counted
+    every KV cache over the whole 4k context."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lorp.models.loading import DTYPES, materialize
+    from lorp.models.shape import ModelShape
+    from lorp.models.sublayers import kept_attention_blocks, parse_unit_label
+    from lorp.models.sublayers import sublayer_parameters as removed_params
+    from lorp.serving_cost import decode_bytes_per_token
+
+    config = AutoConfig.from_pretrained(materialize(result["model"]))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config.to_dict())
+    dense, size = sum(p.numel() for p in model.parameters()), DTYPES[result["dtype"]].itemsize
+
+    def decode(units: list[int]) -> float:
+        kept = kept_attention_blocks(shape.n_blocks, units)
+        params = dense - removed_params(model, units)
+        return float(decode_bytes_per_token(shape, kept, params, size, 4096))
+
+    rows = []
+    for r in result["rows"]:
+        units = [parse_unit_label(x) for x in r["sublayers"]]
+        rows.append(r | {"decode_bytes_4k": decode(units), "decode_bytes_4k_dense": decode([])})
+    out = result | {"rows": rows}
+    out["comparison"] = compare(out)
+    for c in out["comparison"]:  # the zero-shot the compared rows were measured with
+        for side in ("block", "sub_block"):
+            c[f"{side}_zero_shot"] = find_row(rows, c[side]).get("zero_shot")
+    return out
+
+
 def mean_zero_shot(scores: dict[str, float], dense: dict[str, float]) -> float | None:
     """Retention: the variant's accuracy over dense's, averaged over the tasks (the
     `acc_<task>` entries; not their average `acc_avg` nor the item counts `n_<task>`)."""
@@ -173,8 +211,10 @@ def page(results: list[dict[str, Any]], args: Any) -> str:
             + "`"
             for budgets in r.get("parts") or [block_budgets(r)]
         ]
-        runs = " and ".join(commands) + (
-            ", two runs merged with --also" if len(commands) > 1 else ""
+        runs = (
+            " and ".join(commands)
+            + (", two runs merged with --also" if len(commands) > 1 else "")
+            + "".join(f", extending {x}" for x in r.get("extends", []))
         )
         out += [
             f"**{r['model']}** (N = {r['n_blocks']}, {r['dtype']}; {r['max_windows']} windows "

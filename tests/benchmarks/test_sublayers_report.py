@@ -96,3 +96,43 @@ def test_each_section_of_the_page_is_rewritten_alone(tmp_path) -> None:  # type:
     write_page(fresh, "tables")
     text = fresh.read_text()
     assert text.startswith("# Sub-layers, measured\n") and f"{BEGIN}\ntables\n{END}" in text
+
+
+def test_a_rendered_run_is_recosted_by_today_s_decode_count(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A run keeps the decode bytes of the code that measured it; the page counts them
+    again from each row's units. Tiny Gemma 3: window 16 on blocks 0, 1, 3, 4, 5, full
+    attention on block 2. At 4k a sliding attention reads 16 keys, not 4096: two of them
+    save less than a block, where the whole-context count said eight times more."""
+    from lorp.models.shape import ModelShape
+    from lorp.models.sublayers import block_units, parse_unit_label, sublayer_parameters
+    from lorp.serving_cost import decode_bytes_per_token
+    from tests.helpers.tiny_models import save_tiny, tiny_model
+
+    from benchmarks.sublayers_report import recosted  # noqa: E402
+
+    path = save_tiny("gemma3_text", tmp_path / "gemma")
+    model = tiny_model("gemma3_text")
+    shape = ModelShape.from_config(model.config.to_dict())
+    dense = sum(p.numel() for p in model.parameters())
+
+    def decode(units: list[int]) -> float:
+        kept = [b for b in range(6) if 2 * b not in units]
+        params = dense - sublayer_parameters(model, units)
+        return float(decode_bytes_per_token(shape, kept, params, 4, 4096))
+
+    stale = row("attention", "shortgpt", 2, 12.0, 4.4, 70.0)  # the best sub-block, once
+    stale["sublayers"] = ["attn.1", "attn.3"]
+    rows = [row("block", "shortgpt", 1, 15.0, 5.0, 80.0), stale,
+            row("mlp", "shortgpt", 2, 20.0, 6.0, 79.0)]  # fmt: skip
+    rows[0]["zero_shot"] = {"acc_arc_easy": 45.0, "acc_copa": 60.0}
+    got = recosted({"model": str(path), "dtype": "float32", "rows": rows, "dense": DENSE})
+    for r in got["rows"]:
+        assert r["decode_bytes_4k"] == decode([parse_unit_label(x) for x in r["sublayers"]])
+        assert r["decode_bytes_4k_dense"] == decode([])
+        assert r["ppl"] == next(x for x in rows if x["method"] == r["method"]
+                                and x["granularity"] == r["granularity"])["ppl"]  # fmt: skip
+    block = decode(block_units([1]))
+    assert decode([2, 6]) > block  # two sliding attentions save less than a block
+    c = got["comparison"][0]
+    assert c["sub_block"] == ["mlp", "shortgpt", 2] and c["sub_block_worst"] == 2.0
+    assert c["block_zero_shot"] == rows[0]["zero_shot"] and c["sub_block_zero_shot"] is None
