@@ -12,7 +12,15 @@ from tests.helpers.paths import REPO
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sublayers_report import BEGIN, END, compare, merged, page, write_page  # noqa: E402
+from benchmarks.sublayers_report import (  # noqa: E402
+    BEGIN,
+    END,
+    compare,
+    merged,
+    page,
+    recosted,
+    write_page,
+)
 
 DENSE = {
     "ppl": {"prose": 10.0, "code": 4.0},
@@ -107,8 +115,6 @@ def test_a_rendered_run_is_recosted_by_today_s_decode_count(tmp_path) -> None:  
     from lorp.models.sublayers import block_units, parse_unit_label, sublayer_parameters
     from lorp.serving_cost import decode_bytes_per_token
     from tests.helpers.tiny_models import save_tiny, tiny_model
-
-    from benchmarks.sublayers_report import recosted  # noqa: E402
 
     path = save_tiny("gemma3_text", tmp_path / "gemma")
     model = tiny_model("gemma3_text")
