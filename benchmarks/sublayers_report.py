@@ -55,18 +55,32 @@ def worst(row: dict[str, Any], dense: dict[str, Any]) -> float:
     return max(row["ppl"][d] / dense["ppl"][d] for d in DOMAINS)
 
 
+def whole_blocks(row: dict[str, Any]) -> bool:
+    """Whether a row removes whole blocks only: a block row, or a mixed one whose every unit
+    goes with its block's other (`window` and SLEB over units may choose just that). Such a
+    variant is a block variant, whatever granularity it was asked at."""
+    units = {str(x) for x in row["sublayers"]}
+    twin = lambda x: ("mlp." if x.startswith("attn.") else "attn.") + x.partition(".")[2]  # noqa: E731
+    return row["granularity"] == "block" or all(twin(x) in units for x in units)
+
+
 def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     """At each block budget: the best block variant and the best sub-block variant whose
-    decode bytes at 4k are at most its, by worst-domain perplexity ratio."""
+    decode bytes at 4k are at most its, by worst-domain perplexity ratio. A sub-block
+    variant removes at least one sub-layer without the rest of its block (`whole_blocks`);
+    a mixed row that removes whole blocks competes on the block side."""
     rows, dense = result["rows"], result["dense"]
     out = []
     for b in sorted({r["budget"] for r in rows if r["granularity"] == "block"}):
-        blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
+        blocks = [r for r in rows if r["budget"] == b if r["granularity"] == "block"] + [
+            r for r in rows if r["granularity"] != "block" and whole_blocks(r)
+            and len(r["sublayers"]) == 2 * b
+        ]  # fmt: skip
         if not blocks:
             continue
         best_block = min(blocks, key=lambda r: worst(r, dense))
         cap = max(r["decode_bytes_4k"] for r in blocks)
-        subs = [r for r in rows if r["granularity"] != "block" and r["decode_bytes_4k"] <= cap]
+        subs = [r for r in rows if not whole_blocks(r) and r["decode_bytes_4k"] <= cap]
         if not subs:
             continue
         best_sub = min(subs, key=lambda r: worst(r, dense))
@@ -160,6 +174,13 @@ def blocks(n: int) -> str:
     return f"{n} block" if n == 1 else f"{n} blocks"
 
 
+def block_label(key: list[Any], n: int) -> str:
+    """`sleb 2 blocks`, or for whole blocks a mixed search chose, `window, mixed 4 units`."""
+    if key[0] == "block":
+        return f"{key[1]} {blocks(n)}"
+    return f"{key[1]}, {key[0]} {key[2]} units"
+
+
 def comparison_lines(result: dict[str, Any]) -> list[str]:
     dense_zs = result["dense"].get("zero_shot") or {}
     out = [
@@ -173,7 +194,7 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
         both = c["sub_block_worst"] < c["block_worst"] and (zb is None or zs is None or zs > zb)
         fmt = lambda z: "n/a" if z is None else f"{100 * z:.1f}%"  # noqa: E731
         out.append(
-            f"| {blocks(c['blocks'])} | {c['block'][1]} {blocks(c['block'][2])} "
+            f"| {blocks(c['blocks'])} | {block_label(c['block'], c['blocks'])} "
             f"(decode {c['block_decode']:.3f}) | {c['block_worst']:.3f}x | {fmt(zb)} | "
             f"{c['sub_block'][0]} {c['sub_block'][1]} {c['sub_block'][2]} (decode "
             f"{c['sub_block_decode']:.3f}) | {c['sub_block_worst']:.3f}x | {fmt(zs)} | "

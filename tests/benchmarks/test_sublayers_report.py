@@ -67,6 +67,24 @@ def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_bl
     )
 
 
+def test_a_mixed_variant_of_whole_blocks_competes_as_a_block_variant() -> None:
+    """`window` or SLEB over units may remove both halves of blocks: that variant is a
+    block variant, never the sub-block side's; it wins the block side where it is best."""
+    whole = row("mixed", "window", 4, 10.5, 4.1, 80.0)  # worst 1.05
+    whole["sublayers"] = ["attn.2", "mlp.2", "attn.3", "mlp.3"]
+    halves = row("mixed", "sleb", 4, 12.0, 4.4, 80.0)  # worst 1.2: mlp.2 without attn.2
+    halves["sublayers"] = ["mlp.2", "attn.3", "mlp.3", "attn.4"]
+    rows = [row("block", "sleb", 2, 13.0, 4.0, 80.0), whole, halves]
+    (c,) = compare({"rows": rows, "dense": DENSE})
+    assert c["block"] == ["mixed", "window", 4] and c["block_worst"] == 1.05
+    assert c["sub_block"] == ["mixed", "sleb", 4] and c["sub_block_worst"] == 1.2
+    result = {"model": "m", "n_blocks": 6, "dtype": "float32", "max_windows": 16,
+              "loss_samples": 8, "rows": rows, "dense": DENSE, "comparison": [c]}  # fmt: skip
+    text = page([result], SimpleNamespace(zero_shot=["arc_easy", "copa"], zero_shot_limit=200))
+    line = next(x for x in text.splitlines() if x.startswith("| 2 blocks"))
+    assert "| window, mixed 4 units (decode 0.800) | 1.050x |" in line and "| no |" in line
+
+
 def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
     settings = {"model": "m", "dtype": "float32", "max_windows": 8, "loss_samples": 8,
                 "sequential": False, "distill_epochs": 0, "zero_shot_limit": 50,
