@@ -1,0 +1,218 @@
+"""One block's decode cost spent on one MLP and one attention of two other blocks, against
+the best single blocks: both sides chosen by the same held-out loss, repaired the same way.
+
+    python benchmarks/sublayer_pairs.py --model qwen2.5-coder-0.5b [--top 5] [--repair 4]
+        [--max-windows 16] [--zero-shot-limit 500] [--out runs/sublayer-pairs]
+
+Why. The grid's mixed search (`benchmarks/sublayers.py`, SLEB over units) counts every
+unit alike, so at one block's cost it removes attentions, the cheapest units, until
+their savings add up: six on Qwen2.5-Coder. An MLP and an attention cost exactly one
+block (its MLP weights, its attention weights and KV cache) where the attention's layer
+attends as far as the block's does, so a pair is the sub-block variant that matches one
+block's decode cost with the fewest units, and the one a cost-aware search would find.
+
+How. Every eligible block, MLP and attention is scored alone by the held-out calibration
+loss of the model without it (SLEB's measure, on a bfloat16 copy, `loss_samples` x 256
+tokens drawn apart from the fit's); every pair of the `--top` best MLPs and `--top` + 2
+best attentions of other blocks whose decode bytes at 4k are at most the cheapest-saving
+block's is scored the same way; the `--repair` best blocks and pairs are repaired by
+one-pass least squares (maps validated on held-out windows, `lorp.repair.sublayer_repair`)
+and their perplexity measured on the held-out news and code (`--max-windows` x 512
+tokens each). The best of each side, by its worst domain, is scored on zero-shot. The
+result is written to `--out/<model>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.sublayers import CONTEXT, SelectionLosses, batches_of, decode_bytes  # noqa: E402
+from benchmarks.sublayers_report import DOMAINS  # noqa: E402
+
+
+def unit_cost(model: Any, shape: Any, dtype: str) -> Any:
+    """units -> predicted decode bytes per token at 4k of the model without them."""
+    from lorp.models.sublayers import sublayer_parameters
+
+    dense = sum(p.numel() for p in model.parameters())
+    return lambda units: decode_bytes(
+        shape, list(units), dense - sublayer_parameters(model, units), dtype, CONTEXT
+    )
+
+
+def candidates(model: Any, shape: Any, score: Any, top: int, dtype: str) -> dict[str, Any]:
+    """Every eligible block and single unit scored by `score` (unit sets -> losses), then
+    the pairs of the `top` best MLPs and `top` + 2 best attentions of two blocks that cost
+    no more at 4k than the block that saves least: blocks and pairs, best first."""
+    from lorp.models.sublayers import block_units, eligible_units
+
+    n, cost = shape.n_blocks, unit_cost(model, shape, dtype)
+    blocks = [tuple(block_units([b])) for b in range(1, n - 1)]
+    singles = [(u,) for u in eligible_units("mixed", n)]
+    loss = dict(zip(blocks + singles, score(blocks + singles), strict=True))
+    cap = max(cost(b) for b in blocks)
+    ranked = sorted(singles, key=loss.__getitem__)
+    mlps = [u for (u,) in ranked if u % 2][:top]
+    attns = [u for (u,) in ranked if u % 2 == 0][: top + 2]
+    pairs = [tuple(sorted((m, a))) for m in mlps for a in attns if m // 2 != a // 2]
+    pairs = [p for p in pairs if cost(p) <= cap]
+    loss |= dict(zip(pairs, score(pairs), strict=True))
+    return {
+        "blocks": sorted(blocks, key=loss.__getitem__),
+        "pairs": sorted(pairs, key=loss.__getitem__),
+        "loss": loss,
+        "cap": cap,
+    }
+
+
+def measured(model: Any, units: tuple[int, ...], repair: Any, ppl: Any, cost: Any) -> dict:
+    """A repaired copy of `model` without `units`: its perplexity per domain and cost."""
+    from lorp.models.sublayers import unit_label
+
+    variant = copy.deepcopy(model)
+    fits = repair(variant, list(units))
+    return {
+        "sublayers": [unit_label(u) for u in units],
+        "ppl": ppl(variant),
+        "decode_bytes_4k": cost(units),
+        "maps_kept": sum(f.kept == "fit" for f in fits),
+    }
+
+
+def worst(row: dict[str, Any], dense: dict[str, float]) -> float:
+    return max(row["ppl"][d] / dense[d] for d in dense)
+
+
+def measure(alias: str, args: Any) -> dict[str, Any]:
+    from lorp.data.windows import resolve_bos
+    from lorp.models.loading import load_model
+    from lorp.models.perplexity import perplexity
+    from lorp.models.shape import ModelShape
+    from lorp.models.sublayers import parse_unit_label
+    from lorp.repair.sublayer_repair import repair_sublayers
+    from pipeline.evaluation.metrics import corpus_windows
+    from pipeline.evaluation.zero_shot import hf_zero_shot
+    from pipeline.spec.parse import load_spec
+    from pipeline.stages.calibration import _windows, heldout_windows
+
+    start = time.perf_counter()
+    spec = load_spec(ROOT / "jobs" / "quality.yaml")
+    cal = dataclasses.replace(spec.calibration, loss_samples=args.loss_samples)
+    ev = dataclasses.replace(spec.evaluation, max_windows=args.max_windows)
+    loaded = load_model(alias, dtype=args.dtype)
+    model, tok = loaded.model, loaded.tokenizer
+    shape = ModelShape.from_config(model.config.to_dict())
+    bos = resolve_bos(tok, cal.bos)
+    skip = 1 if bos is not None else 0
+    cut, _ = _windows(tok, cal, cal.samples, cal.seed, bos)
+    fit = batches_of(cut(), cal.batch_size * 2)
+    held_out = heldout_windows(tok, cal)
+    held = {d: batches_of(w) for d, w in held_out.by_domain().items()}
+    evals = {d: corpus_windows(tok, c, ev) for d, c in DOMAINS.items()}
+
+    def ppl(m: Any) -> dict[str, float]:
+        return {d: perplexity(m, w, batch_size=4) for d, w in evals.items()}
+
+    def repair(m: Any, units: list[int]) -> Any:
+        return repair_sublayers(m, units, fit, held=held, skip_prefix=skip)
+
+    def zero_shot(m: Any) -> dict[str, float]:
+        return hf_zero_shot(m, tok, list(args.zero_shot), limit=args.zero_shot_limit)
+
+    dense = ppl(model)
+    losses = SelectionLosses(model, held_out.windows, args.select_dtype)
+    found = candidates(model, shape, losses.by("nll"), args.top, args.dtype)
+    print(f"{alias}: {losses.evaluated} losses ({time.perf_counter() - start:.0f} s)", flush=True)
+    cost = unit_cost(model, shape, args.dtype)
+    sides: dict[str, list[dict[str, Any]]] = {}
+    for side in ("blocks", "pairs"):
+        sides[side] = [measured(model, u, repair, ppl, cost) for u in found[side][: args.repair]]
+        for u, row in zip(found[side], sides[side], strict=False):
+            row["loss"] = found["loss"][u]
+            print(f"  {row['sublayers']}: {worst(row, dense):.4f}x", flush=True)
+    best = {"blocks": min(sides["blocks"], key=lambda r: worst(r, dense))}
+    cap = best["blocks"]["decode_bytes_4k"]  # a pair may cost no more than the block it beats
+    fair = [r for r in sides["pairs"] if r["decode_bytes_4k"] <= cap]
+    if fair:
+        best["pairs"] = min(fair, key=lambda r: worst(r, dense))
+    result: dict[str, Any] = {
+        "model": alias, "dtype": args.dtype, "max_windows": args.max_windows,
+        "loss_samples": args.loss_samples, "top": args.top, "repair": args.repair,
+        "dense": {"ppl": dense, "decode_bytes_4k": cost(())}, **sides,
+        "cap_decode_bytes_4k": found["cap"], "selection_losses": losses.evaluated,
+        "base_loss": losses.by("nll")([()])[0],
+    }  # fmt: skip
+    if args.zero_shot_limit:
+        result["dense"]["zero_shot"] = zero_shot(model)
+        for row in best.values():
+            variant = copy.deepcopy(model)
+            repair(variant, [parse_unit_label(x) for x in row["sublayers"]])
+            row["zero_shot"] = zero_shot(variant)
+    result["best"] = {s: best[s]["sublayers"] for s in best}
+    result["seconds"] = round(time.perf_counter() - start)
+    return result
+
+
+def retention(scores: dict[str, float], dense: dict[str, float]) -> float:
+    tasks = [t for t in dense if t.startswith("acc_") and t != "acc_avg"]
+    return sum(scores[t] / dense[t] for t in tasks) / len(tasks)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """One line per side: the best variant, its worst-domain ratio, decode at 4k and
+    zero-shot retained."""
+    dense = result["dense"]
+    out = []
+    for side in ("blocks", "pairs"):
+        if side not in result["best"]:
+            out.append(f"{result['model']}: no pair costs at most the best block")
+            continue
+        row = next(r for r in result[side] if r["sublayers"] == result["best"][side])
+        zs = row.get("zero_shot")
+        z = f", {100 * retention(zs, dense['zero_shot']):.1f}% zero-shot" if zs else ""
+        dec = row["decode_bytes_4k"] / dense["decode_bytes_4k"]
+        out.append(
+            f"{result['model']} best of {side}: {', '.join(row['sublayers'])}: "
+            f"{worst(row, dense['ppl']):.3f}x (decode at 4k {dec:.3f}{z})"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--repair", type=int, default=4)
+    p.add_argument("--max-windows", type=int, default=16)
+    p.add_argument("--loss-samples", type=int, default=8)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--select-dtype", default="bfloat16")
+    p.add_argument("--zero-shot", nargs="*", default=["arc_easy", "copa"])
+    p.add_argument("--zero-shot-limit", type=int, default=500, help="0: no zero-shot")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "sublayer-pairs")
+    args = p.parse_args(argv)
+    for name in ("top", "repair", "max_windows"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{Path(args.model).name}.json"
+    if not path.exists():
+        path.write_text(json.dumps(measure(args.model, args), indent=1))
+    print(summary(json.loads(path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
