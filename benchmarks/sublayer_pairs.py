@@ -3,6 +3,8 @@ the best single blocks: both sides chosen by the same held-out loss, repaired th
 
     python benchmarks/sublayer_pairs.py --model qwen2.5-coder-0.5b [--top 5] [--repair 4]
         [--max-windows 16] [--zero-shot-limit 500] [--out runs/sublayer-pairs]
+    python benchmarks/sublayer_pairs.py --model qwen2.5-coder-0.5b
+        --only attn.11,mlp.11 mlp.10,attn.11 [--distill-epochs 2] --out runs/pairs-distilled
 
 Why. The grid's mixed search (`benchmarks/sublayers.py`, SLEB over units) counts every
 unit alike, so at one block's cost it removes attentions, the cheapest units, until
@@ -19,7 +21,9 @@ block's is scored the same way; the `--repair` best blocks and pairs are repaire
 one-pass least squares (maps validated on held-out windows, `lorp.repair.sublayer_repair`)
 and their perplexity measured on the held-out news and code (`--max-windows` x 512
 tokens each). The best of each side, by its worst domain, is scored on zero-shot. The
-result is written to `--out/<model>.json`.
+result is written to `--out/<model>.json`. `--only` measures the named unit sets instead
+of searching (each scored on zero-shot); `--distill-epochs` distills every repair's maps
+after the fit (`lorp.repair.distill`), on both sides alike.
 """
 
 from __future__ import annotations
@@ -75,18 +79,39 @@ def candidates(model: Any, shape: Any, score: Any, top: int, dtype: str) -> dict
     }
 
 
-def measured(model: Any, units: tuple[int, ...], repair: Any, ppl: Any, cost: Any) -> dict:
-    """A repaired copy of `model` without `units`: its perplexity per domain and cost."""
+def named(only: list[str]) -> dict[str, Any]:
+    """`--only`'s unit sets ("attn.11,mlp.11") as `candidates` gives them, unscored: sets of
+    whole blocks on the block side, the rest on the pair side."""
+    from benchmarks.sublayers_report import whole_blocks
+    from lorp.models.sublayers import parse_unit_label
+
+    sets = [tuple(sorted(parse_unit_label(x) for x in s.split(","))) for s in only]
+    block = [whole_blocks({"granularity": "mixed", "sublayers": s.split(",")}) for s in only]
+    return {
+        "blocks": [u for u, b in zip(sets, block, strict=True) if b],
+        "pairs": [u for u, b in zip(sets, block, strict=True) if not b],
+        "loss": {},
+    }
+
+
+def measured(
+    model: Any, units: tuple[int, ...], repair: Any, ppl: Any, cost: Any, zero_shot: Any = None
+) -> dict:
+    """A repaired copy of `model` without `units`: its perplexity per domain and cost (and
+    its zero-shot, given `zero_shot`)."""
     from lorp.models.sublayers import unit_label
 
     variant = copy.deepcopy(model)
     fits = repair(variant, list(units))
-    return {
+    row = {
         "sublayers": [unit_label(u) for u in units],
         "ppl": ppl(variant),
         "decode_bytes_4k": cost(units),
-        "maps_kept": sum(f.kept == "fit" for f in fits),
+        "maps": {k: sum(f.kept == k for f in fits) for k in ("fit", "unrepaired", "distilled")},
     }
+    if zero_shot is not None:
+        row["zero_shot"] = zero_shot(variant)
+    return row
 
 
 def worst(row: dict[str, Any], dense: dict[str, float]) -> float:
@@ -124,21 +149,27 @@ def measure(alias: str, args: Any) -> dict[str, Any]:
         return {d: perplexity(m, w, batch_size=4) for d, w in evals.items()}
 
     def repair(m: Any, units: list[int]) -> Any:
-        return repair_sublayers(m, units, fit, held=held, skip_prefix=skip)
+        return repair_sublayers(
+            m, units, fit, held=held, skip_prefix=skip, distill_epochs=args.distill_epochs
+        )
 
     def zero_shot(m: Any) -> dict[str, float]:
         return hf_zero_shot(m, tok, list(args.zero_shot), limit=args.zero_shot_limit)
 
     dense = ppl(model)
     losses = SelectionLosses(model, held_out.windows, args.select_dtype)
-    found = candidates(model, shape, losses.by("nll"), args.top, args.dtype)
+    if args.only:  # the named sets, each scored on zero-shot as it is measured
+        found, each = named(args.only), zero_shot if args.zero_shot_limit else None
+    else:
+        found, each = candidates(model, shape, losses.by("nll"), args.top, args.dtype), None
     print(f"{alias}: {losses.evaluated} losses ({time.perf_counter() - start:.0f} s)", flush=True)
     cost = unit_cost(model, shape, args.dtype)
     sides: dict[str, list[dict[str, Any]]] = {}
     for side in ("blocks", "pairs"):
-        sides[side] = [measured(model, u, repair, ppl, cost) for u in found[side][: args.repair]]
-        for u, row in zip(found[side], sides[side], strict=False):
-            row["loss"] = found["loss"][u]
+        todo = found[side][: args.repair]
+        sides[side] = [measured(model, u, repair, ppl, cost, each) for u in todo]
+        for u, row in zip(todo, sides[side], strict=True):
+            row["loss"] = found["loss"].get(u)
             print(f"  {row['sublayers']}: {worst(row, dense):.4f}x", flush=True)
     best = {"blocks": min(sides["blocks"], key=lambda r: worst(r, dense))}
     cap = best["blocks"]["decode_bytes_4k"]  # a pair may cost no more than the block it beats
@@ -149,12 +180,12 @@ def measure(alias: str, args: Any) -> dict[str, Any]:
         "model": alias, "dtype": args.dtype, "max_windows": args.max_windows,
         "loss_samples": args.loss_samples, "top": args.top, "repair": args.repair,
         "dense": {"ppl": dense, "decode_bytes_4k": cost(())}, **sides,
-        "cap_decode_bytes_4k": found["cap"], "selection_losses": losses.evaluated,
-        "base_loss": losses.by("nll")([()])[0],
+        "selection_losses": losses.evaluated, "only": args.only,
+        "distill_epochs": args.distill_epochs,
     }  # fmt: skip
     if args.zero_shot_limit:
         result["dense"]["zero_shot"] = zero_shot(model)
-        for row in best.values():
+        for row in [r for r in best.values() if "zero_shot" not in r]:
             variant = copy.deepcopy(model)
             repair(variant, [parse_unit_label(x) for x in row["sublayers"]])
             row["zero_shot"] = zero_shot(variant)
@@ -201,11 +232,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--select-dtype", default="bfloat16")
     p.add_argument("--zero-shot", nargs="*", default=["arc_easy", "copa"])
     p.add_argument("--zero-shot-limit", type=int, default=500, help="0: no zero-shot")
+    p.add_argument("--distill-epochs", type=int, default=0, help="repair: then distilled")
+    p.add_argument(
+        "--only", nargs="*", metavar="UNITS",
+        help='measure these unit sets instead of searching ("attn.11,mlp.11 mlp.10,attn.11")',
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "sublayer-pairs")
     args = p.parse_args(argv)
     for name in ("top", "repair", "max_windows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    if args.only is not None:
+        try:
+            found = named(args.only)
+        except ValueError as exc:
+            p.error(f"--only: {exc}")
+        if not (found["blocks"] and found["pairs"]):
+            p.error(f"--only: needs whole blocks and a pair to compare, got {args.only}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{Path(args.model).name}.json"
     if not path.exists():

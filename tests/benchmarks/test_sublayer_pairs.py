@@ -17,7 +17,7 @@ from tests.helpers.windows import token_windows
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sublayer_pairs import candidates, main, summary, unit_cost  # noqa: E402
+from benchmarks.sublayer_pairs import candidates, main, named, summary, unit_cost  # noqa: E402
 from benchmarks.sublayers import SelectionLosses  # noqa: E402
 
 
@@ -71,3 +71,13 @@ def test_a_count_below_one_is_refused_in_one_line(capsys) -> None:  # type: igno
     with pytest.raises(SystemExit):
         main(["--model", "m", "--top", "0"])
     assert "--top: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_named_sets_go_to_their_side_and_bad_ones_are_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+    found = named(["attn.11,mlp.11", "mlp.10,attn.11", "mlp.3,attn.4,attn.3,mlp.4"])
+    assert found["blocks"] == [(22, 23), (6, 7, 8, 9)] and found["pairs"] == [(21, 22)]
+    for only, says in ((["attn.11,mlp.11"], "needs whole blocks and a pair"),
+                       (["attn.11,mlp.11", "mlp.x"], "--only: sub-layer 'mlp.x'")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(["--model", "m", "--only", *only])
+        assert says in capsys.readouterr().err
