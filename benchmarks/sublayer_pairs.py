@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import sys
 import time
@@ -40,8 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sublayers import CONTEXT, SelectionLosses, batches_of, decode_bytes  # noqa: E402
-from benchmarks.sublayers_report import DOMAINS  # noqa: E402
+from benchmarks.sublayer_data import prepared  # noqa: E402
+from benchmarks.sublayers import CONTEXT, SelectionLosses, decode_bytes  # noqa: E402
 
 
 def unit_cost(model: Any, shape: Any, dtype: str) -> Any:
@@ -119,31 +118,15 @@ def worst(row: dict[str, Any], dense: dict[str, float]) -> float:
 
 
 def measure(alias: str, args: Any) -> dict[str, Any]:
-    from lorp.data.windows import resolve_bos
-    from lorp.models.loading import load_model
     from lorp.models.perplexity import perplexity
-    from lorp.models.shape import ModelShape
     from lorp.models.sublayers import parse_unit_label
     from lorp.repair.sublayer_repair import repair_sublayers
-    from pipeline.evaluation.metrics import corpus_windows
     from pipeline.evaluation.zero_shot import hf_zero_shot
-    from pipeline.spec.parse import load_spec
-    from pipeline.stages.calibration import _windows, heldout_windows
 
     start = time.perf_counter()
-    spec = load_spec(ROOT / "jobs" / "quality.yaml")
-    cal = dataclasses.replace(spec.calibration, loss_samples=args.loss_samples)
-    ev = dataclasses.replace(spec.evaluation, max_windows=args.max_windows)
-    loaded = load_model(alias, dtype=args.dtype)
-    model, tok = loaded.model, loaded.tokenizer
-    shape = ModelShape.from_config(model.config.to_dict())
-    bos = resolve_bos(tok, cal.bos)
-    skip = 1 if bos is not None else 0
-    cut, _ = _windows(tok, cal, cal.samples, cal.seed, bos)
-    fit = batches_of(cut(), cal.batch_size * 2)
-    held_out = heldout_windows(tok, cal)
-    held = {d: batches_of(w) for d, w in held_out.by_domain().items()}
-    evals = {d: corpus_windows(tok, c, ev) for d, c in DOMAINS.items()}
+    setup = prepared(alias, args)
+    model, tok, shape, evals = setup.model, setup.tok, setup.shape, setup.evals
+    fit, held, skip = setup.fit, setup.held, setup.skip
 
     def ppl(m: Any) -> dict[str, float]:
         return {d: perplexity(m, w, batch_size=4) for d, w in evals.items()}
@@ -157,7 +140,7 @@ def measure(alias: str, args: Any) -> dict[str, Any]:
         return hf_zero_shot(m, tok, list(args.zero_shot), limit=args.zero_shot_limit)
 
     dense = ppl(model)
-    losses = SelectionLosses(model, held_out.windows, args.select_dtype)
+    losses = SelectionLosses(model, setup.held_windows, args.select_dtype)
     if args.only:  # the named sets, each scored on zero-shot as it is measured
         found, each = named(args.only), zero_shot if args.zero_shot_limit else None
     else:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import functools
 import json
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sublayer_data import prepared  # noqa: E402
 from benchmarks.sublayers_report import (  # noqa: E402
     DOMAINS,
     SECTIONS,
@@ -189,20 +189,9 @@ def grid(
     return points
 
 
-def batches_of(windows: Any, size: int = 8) -> list[Any]:
-    import torch
-
-    w = torch.as_tensor(windows)
-    return [w[i : i + size] for i in range(0, len(w), size)]
-
-
 def measure_model(alias: str, args: Any) -> dict[str, Any]:
-
-    from lorp.data.windows import resolve_bos
     from lorp.locality.capture import capture_stats
-    from lorp.models.loading import load_model
     from lorp.models.perplexity import perplexity
-    from lorp.models.shape import ModelShape
     from lorp.models.sublayers import (
         parse_unit_label,
         sublayer_parameters,
@@ -215,23 +204,11 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
         unit_runs,
         unit_stats,
     )
-    from pipeline.evaluation.metrics import corpus_windows
-    from pipeline.spec.parse import load_spec
-    from pipeline.stages.calibration import _windows, heldout_windows
 
     start = time.perf_counter()
-    spec = load_spec(ROOT / "jobs" / "quality.yaml")
-    cal = dataclasses.replace(spec.calibration, loss_samples=args.loss_samples)
-    ev = dataclasses.replace(spec.evaluation, max_windows=args.max_windows)
-    loaded = load_model(alias, dtype=args.dtype)
-    model, tok = loaded.model, loaded.tokenizer
-    shape = ModelShape.from_config(model.config.to_dict())
-    bos = resolve_bos(tok, cal.bos)
-    skip = 1 if bos is not None else 0
-    cut, _ = _windows(tok, cal, cal.samples, cal.seed, bos)
-    fit = batches_of(cut(), cal.batch_size * 2)
-    held = {d: batches_of(w) for d, w in heldout_windows(tok, cal).by_domain().items()}
-    evals = {d: corpus_windows(tok, c, ev) for d, c in DOMAINS.items()}
+    m = prepared(alias, args)
+    model, tok, shape, skip, fit, held = m.model, m.tok, m.shape, m.skip, m.fit, m.held
+    evals = m.evals
 
     def ppl(m: Any) -> dict[str, float]:
         return {d: perplexity(m, w, batch_size=4) for d, w in evals.items()}
@@ -252,7 +229,7 @@ def measure_model(alias: str, args: Any) -> dict[str, Any]:
     if base and not close_enough(base["dense"], dense):
         raise SystemExit(f"--extend: {alias}'s dense figures differ from {args.extend}'s")
     print(f"{alias}: dense {dense} ({time.perf_counter() - start:.0f} s)", flush=True)
-    losses = SelectionLosses(model, heldout_windows(tok, cal).windows, args.select_dtype)
+    losses = SelectionLosses(model, m.held_windows, args.select_dtype)
     losses.repair_scores = WindowLosses(model, fit, held, losses.windows, skip)
     points = grid(
         model, shape, args.dtype, args.block_budgets, similarity, tuple(args.methods), losses
