@@ -59,9 +59,10 @@ def whole_blocks(row: dict[str, Any]) -> bool:
     """Whether a row removes whole blocks only: a block row, or a mixed one whose every unit
     goes with its block's other (`window` and SLEB over units may choose just that). Such a
     variant is a block variant, whatever granularity it was asked at."""
-    units = {str(x) for x in row["sublayers"]}
-    twin = lambda x: ("mlp." if x.startswith("attn.") else "attn.") + x.partition(".")[2]  # noqa: E731
-    return row["granularity"] == "block" or all(twin(x) in units for x in units)
+    from lorp.models.sublayers import parse_unit_label
+
+    units = {parse_unit_label(x) for x in row["sublayers"]}
+    return row["granularity"] == "block" or all(u ^ 1 in units for u in units)  # attn.i <-> mlp.i
 
 
 def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -72,10 +73,9 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows, dense = result["rows"], result["dense"]
     out = []
     for b in sorted({r["budget"] for r in rows if r["granularity"] == "block"}):
-        blocks = [r for r in rows if r["budget"] == b if r["granularity"] == "block"] + [
-            r for r in rows if r["granularity"] != "block" and whole_blocks(r)
-            and len(r["sublayers"]) == 2 * b
-        ]  # fmt: skip
+        blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
+        blocks += [r for r in rows if whole_blocks(r) and r["granularity"] != "block"
+                   and len(r["sublayers"]) == 2 * b]  # fmt: skip
         if not blocks:
             continue
         best_block = min(blocks, key=lambda r: worst(r, dense))
@@ -107,27 +107,27 @@ def recosted(result: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lorp.models.loading import DTYPES, materialize
+    from benchmarks.sublayers import CONTEXT, decode_bytes
+    from lorp.models.loading import materialize
     from lorp.models.shape import ModelShape
-    from lorp.models.sublayers import kept_attention_blocks, parse_unit_label
-    from lorp.models.sublayers import sublayer_parameters as removed_params
-    from lorp.serving_cost import decode_bytes_per_token
+    from lorp.models.sublayers import parse_unit_label, sublayer_parameters
 
     config = AutoConfig.from_pretrained(materialize(result["model"]))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shape = ModelShape.from_config(config.to_dict())
-    dense, size = sum(p.numel() for p in model.parameters()), DTYPES[result["dtype"]].itemsize
+    params = sum(p.numel() for p in model.parameters())
 
     def decode(units: list[int]) -> float:
-        kept = kept_attention_blocks(shape.n_blocks, units)
-        params = dense - removed_params(model, units)
-        return float(decode_bytes_per_token(shape, kept, params, size, 4096))
+        left = params - sublayer_parameters(model, units)
+        return decode_bytes(shape, units, left, result["dtype"], CONTEXT)
 
-    rows = []
-    for r in result["rows"]:
-        units = [parse_unit_label(x) for x in r["sublayers"]]
-        rows.append(r | {"decode_bytes_4k": decode(units), "decode_bytes_4k_dense": decode([])})
+    dense = decode([])
+    rows = [
+        r | {"decode_bytes_4k": decode([parse_unit_label(x) for x in r["sublayers"]]),
+             "decode_bytes_4k_dense": dense}
+        for r in result["rows"]
+    ]  # fmt: skip
     out = result | {"rows": rows}
     out["comparison"] = compare(out)
     for c in out["comparison"]:  # the zero-shot the compared rows were measured with
