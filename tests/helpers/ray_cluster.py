@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import ray
 
 CPUS = 2
@@ -32,14 +33,20 @@ def local_ray(num_cpus: int = CPUS, **options: Any) -> Iterator[Any]:
     node = local_node(num_cpus)
     options = {"object_store_memory": int(node["object_store_memory"]),
                "_memory": int(node["memory"])} | options  # fmt: skip
-    context = ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        logging_level="WARNING",
-        **options,
-    )
-    try:
-        yield context
-    finally:
-        ray.shutdown()
+    # Auth off for this cluster as for every `ray start` here (AUTH_OFF): the GCS it starts
+    # and this driver then agree, whatever an earlier cluster in this test process set
+    # (after test_two_nodes' cluster, a GCS with token auth refused this driver's client).
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in AUTH_OFF.items():
+            mp.setenv(key, value)
+        context = ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            logging_level="WARNING",
+            **options,
+        )
+        try:
+            yield context
+        finally:
+            ray.shutdown()
