@@ -16,8 +16,8 @@ import ray
 CPUS = 2
 AUTH_OFF = {"RAY_AUTH_MODE": "disabled"}
 """Ray 2.60 turns token auth on when ~/.ray/auth_token exists (and writes one for a new
-local Ray): off for the `ray start` processes the tests run, so they neither depend on
-nor touch the home directory."""
+local Ray): off for the `ray start` processes the tests run and for `local_ray`, so they
+neither depend on nor touch the home directory."""
 RAY_CLI = Path(sys.executable).with_name("ray")
 """The `ray` command of this environment, for tests that start nodes as processes."""
 """Enough for a capture worker beside a grid point; the fleet tests ask for more."""
