@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import torch
 
-from lorp.models.safetensors_index import TensorEntry, block_of
+from lorp.models.perplexity import NLL_CHUNK
+from lorp.models.safetensors_index import DTYPE_NAMES, FLOATS, TensorEntry, block_of
 from lorp.models.shape import ModelShape
 
 GIB = 1024**3
@@ -43,6 +44,10 @@ class WeightSize:
     largest_unit: int
     """The most matrix bytes one module owns (a projection, the embeddings, the head):
     what a streamed model reads at once (`lorp.models.streaming`)."""
+    converted: int = 0
+    """File bytes of the floating tensors stored in another dtype than the load's (a
+    float32 file loaded as bfloat16): a whole load holds them, read from the file, beside
+    the converted weights until it ends (`load_peak`)."""
 
     @property
     def total(self) -> int:
@@ -51,6 +56,13 @@ class WeightSize:
     @property
     def largest_block(self) -> int:
         return max(self.blocks, default=0)
+
+    @property
+    def load_peak(self) -> int:
+        """What loading the model whole holds at its end: the weights at the load dtype
+        and the file's copy of every tensor it converted (measured: SmolLM2-135M's float32
+        file loaded as bfloat16 peaks at 0.77 GiB for 0.25 GiB of weights)."""
+        return self.total + self.converted
 
     @property
     def resident(self) -> int:
@@ -63,9 +75,12 @@ def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightS
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_block: dict[int, int] = {}
     per_module: dict[str, int] = {}
-    embeddings = head = other = vectors = 0
+    embeddings = head = other = vectors = converted = 0
+    load_name = DTYPE_NAMES.get(dtype)
     for key, entry in index.items():
         nbytes = entry.nbytes_as(itemsize)
+        if entry.dtype in FLOATS and entry.dtype != load_name:
+            converted += entry.end - entry.start
         if len(entry.shape) < 2:
             vectors += nbytes
         else:
@@ -86,7 +101,7 @@ def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightS
         raise ValueError(f"checkpoint has no tensors for blocks {missing}")
     largest = max(per_module.values(), default=0)
     blocks = tuple(per_block[i] for i in range(n))
-    return WeightSize(blocks, embeddings, head, other, vectors, largest)
+    return WeightSize(blocks, embeddings, head, other, vectors, largest, converted)
 
 
 def block_activations(shape: ModelShape, batch: int, seq_len: int, itemsize: int) -> int:
@@ -113,15 +128,19 @@ def stage_activations(
     """Activation bytes of a stage's batch on top of the weights: one block's forward,
     plus what the stage keeps across blocks. Capture keeps every block's normalised
     input (fp32 [N + 1, tokens, d], Eq. 3; `states`: 2N + 1 for the sub-layer S);
-    evaluation keeps the logits (fp32, and the model dtype's copy); the repair's capture
-    keeps two states per run, bounded apart (`repair_memory_gib`)."""
+    evaluation keeps the logits in the model's dtype and scores them a chunk of rows at a
+    time (`lorp.models.perplexity.nll_rows`: logsumexp's shifted copy of at most
+    `NLL_CHUNK` logits, and their float32 copy where the model's are not); the repair's capture keeps two states per run, bounded
+    apart (`repair_memory_gib`)."""
     work = block_activations(shape, batch, seq_len, itemsize)
     tokens = batch * seq_len
     if stage == "capture":
         kept = shape.n_blocks + 1 if states is None else states
         return work + 4 * kept * tokens * shape.hidden
     if stage == "evaluate":
-        return work + (4 + itemsize) * tokens * shape.vocab
+        rows = min(tokens, max(1, NLL_CHUNK // max(shape.vocab, 1)))
+        copies = 1 if itemsize == 4 else 2  # float32 logits are scored in place
+        return work + itemsize * tokens * shape.vocab + copies * 4 * rows * shape.vocab
     return work + 2 * 4 * tokens * shape.hidden
 
 

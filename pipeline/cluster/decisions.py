@@ -37,26 +37,30 @@ def decide(
     kept_bytes: tuple[int, int] = (0, 0),
     copies: int = 1,
     states: int | None = None,
+    loads_here: bool = True,
 ) -> Decision:
     """In memory when the whole model and the stage's activations fit `HEADROOM` of the
-    worker; else streamed, when the resident vectors, the largest module twice and the
-    activations fit, with as many windows per forward as fit (up to `max_batch`); else
-    `TooLargeError` naming the model, the need and the worker. `kept_bytes` (most, least):
-    what the stage holds besides, as much as it may and at least what it must (a capture
-    worker's repair sums: more runs per pass, or more passes); the decision's `kept_bytes`
-    is what it gets. `copies`: how many copies of the whole model the in-memory path would
-    like to hold (a CPU grid worker keeps the model it loaded and works on a copy); held
-    whole with fewer where only those fit (the decision's `copies`); `states`, those a
-    capture keeps."""
+    worker, and so does loading it (`WeightSize.load_peak`); else streamed, when the
+    resident vectors, the largest module twice and the activations fit, with as many
+    windows per forward as fit (up to `max_batch`); else `TooLargeError` naming the
+    model, the need and the worker. `kept_bytes` (most, least): what the stage holds
+    besides, as much as it may and at least what it must (a capture worker's repair sums:
+    more runs per pass, or more passes); the decision's `kept_bytes` is what it gets.
+    `copies`: how many copies of the whole model the in-memory path would like to hold (a
+    CPU grid worker keeps the model it loaded and works on a copy); held whole with fewer
+    where only those fit (the decision's `copies`); `states`, those a capture keeps.
+    `loads_here`: the worker's memory is where the model is loaded (a CPU worker's; a GPU
+    worker loads in host memory, then moves the weights over), so the load's peak counts."""
     most, least = kept_bytes
+    load = size.load_peak if loads_here else 0
     acts = stage_activations(stage, shape, batch, seq_len, itemsize, states)
     budget = int(worker_bytes * HEADROOM)
     for n in range(copies, 0, -1):  # the copies asked for, else fewer, else streamed
-        whole = n * size.total + acts
-        if whole + most <= budget:
-            return Decision(
-                stage, "memory", whole + most, whole + most, worker_bytes, batch, most, n
-            )
+        # Loading holds the file's copy of what it converts; the copies and the batch
+        # come after, so the need is the larger of the two moments.
+        whole = max(n * size.total + acts + most, load)
+        if whole <= budget:
+            return Decision(stage, "memory", whole, whole, worker_bytes, batch, most, n)
     # The largest module's matrices twice: the ones in use and, while they are read, the
     # file's copy before its conversion to the load dtype (or a fold's override).
     weights = size.resident + 2 * size.largest_unit
@@ -66,7 +70,7 @@ def decide(
         args = (stage, shape, bounds, seq_len, itemsize, room, kept_bytes, states)
         batch, acts, kept = _streamed(*args)
         need = weights + acts + kept
-        return Decision(stage, "streamed", need, whole + most, worker_bytes, batch, kept)
+        return Decision(stage, "streamed", need, whole, worker_bytes, batch, kept)
     raise TooLargeError(
         f"model {label!r} cannot run its {stage} even streamed a module at a time: it needs "
         f"{gib(weights + acts + least)} (resident {gib(size.resident)}, largest module's "

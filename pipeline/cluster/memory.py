@@ -300,6 +300,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
                 # A CPU grid worker keeps the model it loaded and works on a copy.
                 copies=2 if stage == "evaluate" and resources.num_gpus == 0 else 1,
                 states=2 * shape.n_blocks + 1 if spec.sublayers else None,  # sub-layer S
+                loads_here=resources.num_gpus == 0,  # a GPU worker loads in host memory
             )
         except TooLargeError as exc:
             raise SpecError(f"{exc}; {_room_hint(FIELDS[stage], exc.need_bytes)}") from None

@@ -26,6 +26,11 @@ def test_sizes_from_headers_are_the_loaded_bytes(checkpoints: dict[str, Path]) -
             distinct = {p.data_ptr(): p.numel() for p in model.parameters()}
             assert size.total == sum(distinct.values()) * itemsize, family
             assert (size.head == 0) == (family == "gemma3_text"), family
+            # The files are float32: a bfloat16 load converts every tensor and holds the
+            # file's copy at its end; a float32 load converts none.
+            stored = weight_size(tensor_index(path), torch.float32).total
+            assert size.converted == (stored if dtype == torch.bfloat16 else 0), family
+            assert size.load_peak == size.total + size.converted, family
 
 
 def test_a_sub_layer_capture_plans_for_its_2n_plus_1_states() -> None:

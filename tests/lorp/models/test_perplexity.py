@@ -54,12 +54,19 @@ def test_bos_windows_score_exactly_their_text_tokens() -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "dtype"), [("gemma3_text", torch.float32), ("llama", torch.bfloat16)]
-)
-def test_window_nll_is_the_float64_log_softmax_nll(family: str, dtype: torch.dtype) -> None:
+    ("family", "dtype", "rows"),
+    [("gemma3_text", torch.float32, None), ("llama", torch.bfloat16, None),
+     ("llama", torch.bfloat16, 2)],
+)  # fmt: skip
+def test_window_nll_is_the_float64_log_softmax_nll(
+    family: str, dtype: torch.dtype, rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NLL = logsumexp(logits) - the target's logit, summed: within 1e-6 of log_softmax
     in float64 over the model's own logits (float32 or bfloat16), every position but the
-    first a target."""
+    first a target; scored whole or two rows at a time (39 rows a window: the last chunk
+    holds one)."""
+    if rows is not None:
+        monkeypatch.setattr("lorp.models.perplexity.NLL_CHUNK", rows * VOCAB + VOCAB - 1)
     model = tiny_model(family, dtype=dtype)
     windows = torch.randint(3, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -45,3 +45,24 @@ def test_decide_memory_streamed_refused(tmp_path: Path) -> None:
     assert (d.mode, d.copies, d.memory_bytes) == ("memory", 1, size.total + acts)
     with pytest.raises(TooLargeError, match=r"model 'tiny' cannot run its capture even streamed"):
         decide("capture", size, shape, worker_bytes=tight - 8, **kw)
+
+
+def test_loading_a_converted_model_is_planned_for(tmp_path: Path) -> None:
+    """A float32 file loaded as bfloat16 holds the file's copy beside the converted weights
+    at the end of the load: a worker with room for two bfloat16 copies and the batch, but
+    not for that moment, streams the model (its loader converts one module at a time); a
+    GPU worker, whose load is in host memory, holds it whole."""
+    path = save_tiny("llama", tmp_path / "llama")
+    size = weight_size(tensor_index(path), torch.bfloat16)
+    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()))
+    kw = {"batch": 1, "seq_len": 8, "itemsize": 2, "label": "tiny", "copies": 2}
+    acts = stage_activations("evaluate", shape, 1, 8, 2)
+    assert 2 * size.total + acts < size.load_peak == 3 * size.total  # float32 file
+    roomy = decide("evaluate", size, shape, worker_bytes=GIB, **kw)
+    assert (roomy.mode, roomy.copies, roomy.need_bytes) == ("memory", 2, size.load_peak)
+    between = int((2 * size.total + acts + size.load_peak) / 2 / 0.8)
+    d = decide("evaluate", size, shape, worker_bytes=between, **kw)
+    assert (d.mode, d.memory_bytes) == ("streamed", size.load_peak)
+    # A GPU worker loads in host memory: its own holds the two copies and the batch.
+    gpu = decide("evaluate", size, shape, worker_bytes=between, loads_here=False, **kw)
+    assert (gpu.mode, gpu.copies, gpu.need_bytes) == ("memory", 2, 2 * size.total + acts)

@@ -44,10 +44,11 @@ def _peak_in_this_process(task) -> float | None:  # type: ignore[no-untyped-def]
     return execute_point(task).peak_gib
 
 
-def dense_point(root: Path, model: Path, memory_gib: float | None):  # type: ignore[no-untyped-def]
-    """The model's dense point as its task (perplexity on 4 PTB windows), and the
-    plan's decision for it."""
+def dense_point(root: Path, model: Path, memory_gib: float | None, dtype: str = "float32"):  # type: ignore[no-untyped-def]
+    """The model's dense point as its task (perplexity on 4 PTB windows), loaded as
+    `dtype`, and the plan's decision for it."""
     spec = tiny_job(root, model, "memory", budgets=[1])
+    spec["models"][0]["dtype"] = dtype
     spec["evaluation"] = {
         "perplexity": ["ptb"], "seq_len": 128, "max_windows": 4, "batch_size": 2,
         "zero_shot": [], "speed": False,
@@ -63,13 +64,19 @@ def dense_point(root: Path, model: Path, memory_gib: float | None):  # type: ign
 
 
 @pytest.mark.parametrize(
-    ("memory_gib", "mode"),
-    [(None, "memory"), (0.6, "streamed")],  # 0.6 GiB: not even one 0.65 GiB copy fits
+    ("memory_gib", "mode", "dtype"),
+    [
+        (None, "memory", "float32"),
+        # The float32 file loaded as bfloat16: the load's end (the file's copy beside the
+        # converted weights, 0.68 GiB) is the point's peak, not its two copies (0.45 GiB).
+        (None, "memory", "bfloat16"),
+        (0.6, "streamed", "float32"),  # 0.6 GiB: not even one 0.65 GiB copy fits
+    ],
 )
 def test_a_point_s_peak_memory_is_what_its_plan_said(
-    models: dict[str, Path], tmp_path: Path, memory_gib: float | None, mode: str
+    models: dict[str, Path], tmp_path: Path, memory_gib: float | None, mode: str, dtype: str
 ) -> None:
-    task, decision = dense_point(tmp_path, models[mode], memory_gib)
+    task, decision = dense_point(tmp_path, models[mode], memory_gib, dtype)
     assert decision is not None and decision.mode == mode
     assert task.model.streamed == (mode == "streamed")
     # A fresh process per point: a worker's high-water mark only grows.
