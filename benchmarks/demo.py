@@ -1,7 +1,8 @@
 """What `make demo` measured, as the results page `docs/results/demo.md`: per model, every
 variant's held-out and PTB perplexity against dense, pruned and repaired, its prefill
 speed-up with its 95% interval beside the bound N/(N-k), its peak memory and what it
-takes on disk; then the run's wall time, busy slots and footprint.
+takes on disk; then the run's wall time, busy slots and footprint, and every point's
+worker memory against what the plan said it would need.
 
     rm -rf runs/demo && time make demo
     python benchmarks/demo.py --run runs/demo --page docs/results/demo.md --wall "9 min 12 s"
@@ -156,6 +157,25 @@ def _judged(row: Mapping[str, Any], dense: Mapping[str, Any]) -> float:
     return float(worst) if worst is not None else ratio(row, dense, GATE)
 
 
+def memory_lines(events: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per model, the points' worker peaks against the plan's `evaluate` need (their
+    `point` events' `peak_gib` and `planned_gib`): the plan is an upper bound or it is
+    wrong, so the page says which."""
+    lines = []
+    points = [e for e in events if e.get("event") == "point" and e.get("planned_gib")]
+    for model in sorted({e["model"] for e in points}):
+        mine = [e for e in points if e["model"] == model]
+        ratios = [e["peak_gib"] / e["planned_gib"] for e in mine]
+        over = sum(r > 1 for r in ratios)
+        lines.append(
+            f"- {model}: points' peak memory {min(e['peak_gib'] for e in mine):.2f}-"
+            f"{max(e['peak_gib'] for e in mine):.2f} GiB against {mine[0]['planned_gib']:.2f} "
+            f"planned ({min(ratios):.0%}-{max(ratios):.0%} of the plan; "
+            + (f"{over} of {len(mine)} over it)" if over else f"none of {len(mine)} over it)")
+        )
+    return lines
+
+
 def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None) -> str:
     from pipeline.records.events import read_events
     from pipeline.records.timeline import summarise
@@ -183,6 +203,7 @@ def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None
                 f"{util.slots:g} {util.kind} slots busy over {util.makespan:.0f} s"
             )
         parts += [line + f"; `runs/demo` takes {gib(variant_bytes(run))} on disk.", ""]
+        parts += memory_lines(read_events(run / "events.jsonl"))
     parts += summary(rows) + [""]
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
