@@ -8,7 +8,9 @@ each stage's need; the pipeline's policy (`pipeline.cluster.decisions`) then hol
 model whole, streams it a module at a time (`lorp.models.streaming`) or refuses it.
 
 The activation figures are upper bounds of the eager code path (attention scores
-materialised, fp32 logits), not measurements: a stage that fits under them fits.
+materialised, the logits and one chunk's float32 scoring), not measurements: a stage that
+fits under them fits. Loading a file stored in another dtype than the load's holds the
+file's copy too, measured (`WeightSize.load_peak`).
 """
 
 from __future__ import annotations
@@ -128,17 +130,17 @@ def stage_activations(
     """Activation bytes of a stage's batch on top of the weights: one block's forward,
     plus what the stage keeps across blocks. Capture keeps every block's normalised
     input (fp32 [N + 1, tokens, d], Eq. 3; `states`: 2N + 1 for the sub-layer S);
-    evaluation keeps the logits in the model's dtype and scores them a chunk of rows at a
-    time (`lorp.models.perplexity.nll_rows`: logsumexp's shifted copy of at most
-    `NLL_CHUNK` logits, and their float32 copy where the model's are not); the repair's capture keeps two states per run, bounded
-    apart (`repair_memory_gib`)."""
+    evaluation keeps the logits in the model's dtype and scores them a window's chunk of
+    rows at a time (`lorp.models.perplexity.nll_rows`: logsumexp's shifted copy of at
+    most `NLL_CHUNK` logits, and their float32 copy where the model's are not); the
+    repair's capture keeps two states per run, bounded apart (`repair_memory_gib`)."""
     work = block_activations(shape, batch, seq_len, itemsize)
     tokens = batch * seq_len
     if stage == "capture":
         kept = shape.n_blocks + 1 if states is None else states
         return work + 4 * kept * tokens * shape.hidden
     if stage == "evaluate":
-        rows = min(tokens, max(1, NLL_CHUNK // max(shape.vocab, 1)))
+        rows = min(seq_len, max(1, NLL_CHUNK // max(shape.vocab, 1)))  # one window's
         copies = 1 if itemsize == 4 else 2  # float32 logits are scored in place
         return work + itemsize * tokens * shape.vocab + copies * 4 * rows * shape.vocab
     return work + 2 * 4 * tokens * shape.hidden
@@ -159,9 +161,11 @@ class Decision:
     stage: Stage
     mode: Mode
     need_bytes: int
-    """Peak the chosen mode plans for (weights held plus activations)."""
+    """Peak the chosen mode plans for (weights held plus activations and what is kept, or
+    the load's peak where that is more)."""
     memory_bytes: int
-    """Weights whole plus activations: what the in-memory path would need."""
+    """What the in-memory path would need: its copies, activations and what is kept, or
+    the load's peak where that is more."""
     worker_bytes: int
     batch: int = 1
     """Windows per forward: the job's batch held whole; streamed, as many as fit (every

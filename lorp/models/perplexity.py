@@ -41,13 +41,13 @@ def nll_rows(logits: torch.Tensor, targets: torch.Tensor) -> float:
     log_softmax would write a vocabulary-wide copy of the logits only to read one entry per
     row back, and a whole batch's float32 copy can outweigh the model."""
     rows = max(1, NLL_CHUNK // max(logits.shape[-1], 1))
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
     for start in range(0, logits.shape[0], rows):
         chunk = logits[start : start + rows].float()
         want = targets[start : start + rows, None]
         nll = torch.logsumexp(chunk, dim=-1) - chunk.gather(-1, want).squeeze(-1)
-        total += float(nll.double().sum())
-    return total
+        total += nll.double().sum()
+    return float(total)  # one device sync per window
 
 
 def perplexity(

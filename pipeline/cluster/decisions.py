@@ -92,7 +92,9 @@ def _streamed(
     """(windows per forward, their activations, what is kept) of a streamed stage with
     `room` bytes beside the weights. Activations grow linearly with the batch: the largest
     that fits beside the least kept, up to the most (a worker's shard; more would only be
-    padding), since every batch reads the files once; then as much kept as is left."""
+    padding), since every batch reads the files once; then as much kept as is left.
+    (Evaluation's logits are scored a chunk at a time, the same for any batch: counted
+    per window they only make the batch smaller than it could be.)"""
     (batch, max_batch), (most, least) = batches, kept_bytes
     per_window = stage_activations(stage, shape, 1, seq_len, itemsize, states)
     larger = int(max(batch, min(max_batch, (room - least) // max(per_window, 1))))
