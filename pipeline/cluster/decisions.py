@@ -39,25 +39,21 @@ def decide(
     states: int | None = None,
     loads_here: bool = True,
 ) -> Decision:
-    """In memory when the whole model and the stage's activations fit `HEADROOM` of the
-    worker, and so does loading it (`WeightSize.load_peak`); else streamed, when the
-    resident vectors, the largest module twice and the activations fit, with as many
-    windows per forward as fit (up to `max_batch`); else `TooLargeError` naming the
-    model, the need and the worker. `kept_bytes` (most, least): what the stage holds
-    besides, as much as it may and at least what it must (a capture worker's repair sums:
-    more runs per pass, or more passes); the decision's `kept_bytes` is what it gets.
-    `copies`: how many copies of the whole model the in-memory path would like to hold (a
-    CPU grid worker keeps the model it loaded and works on a copy); held whole with fewer
-    where only those fit (the decision's `copies`); `states`, those a capture keeps.
-    `loads_here`: the worker's memory is where the model is loaded (a CPU worker's; a GPU
-    worker loads in host memory, then moves the weights over), so the load's peak counts."""
+    """In memory when loading the model (`WeightSize.load_peak`) and then holding it with
+    the stage's activations fit `HEADROOM` of the worker; else streamed, when the resident
+    vectors, the largest module twice and the activations fit, with as many windows per
+    forward as fit (up to `max_batch`); else `TooLargeError` naming the model, the need and
+    the worker. `kept_bytes` (most, least): what the stage holds besides, as much as it may
+    and at least what it must (a capture worker's repair sums); the decision's `kept_bytes`
+    is what it gets. `copies`: the whole copies the in-memory path would like (a CPU grid
+    worker keeps the model it loaded and works on a copy), fewer where only those fit;
+    `states`, those a capture keeps; `loads_here`: the model loads in this memory (a CPU
+    worker's; a GPU worker loads in host memory, then moves the weights over)."""
     most, least = kept_bytes
     load = size.load_peak if loads_here else 0
     acts = stage_activations(stage, shape, batch, seq_len, itemsize, states)
     budget = int(worker_bytes * HEADROOM)
-    for n in range(copies, 0, -1):  # the copies asked for, else fewer, else streamed
-        # Loading holds the file's copy of what it converts; the copies and the batch
-        # come after, so the need is the larger of the two moments.
+    for n in range(copies, 0, -1):  # the copies asked for, else fewer; loading comes first
         whole = max(n * size.total + acts + most, load)
         if whole <= budget:
             return Decision(stage, "memory", whole, whole, worker_bytes, batch, most, n)
