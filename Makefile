@@ -8,7 +8,7 @@ STAMP_TEST   := $(VENV)/.stamp-test
 STAMP_VLLM   := $(VENV)/.stamp-vllm
 STAMP_MODELS := $(VENV)/.stamp-models
 
-.PHONY: test demo docs chromium lint format clean venv
+.PHONY: test check demo docs chromium lint format clean venv
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lorp needs Python >= 3.11"'
@@ -65,6 +65,12 @@ chromium:
 TEST_WORKERS ?= 3
 test: lint docs chromium $(STAMP_VLLM) $(STAMP_MODELS)
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The inner loop: ruff, the strict docs build and the unit tests (every test not marked
+# integration, vllm or slow: no real job, vLLM engine, second node or browser), in at most
+# 3 minutes on 2 cores. `make test` runs everything, and CI runs `make test`.
+check: lint docs
+	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not integration and not vllm and not slow"
 
 # The main job end to end on an embedded local Ray; a second run resumes, not repeats.
 demo: $(STAMP_TEST) $(STAMP_MODELS)

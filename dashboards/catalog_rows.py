@@ -11,8 +11,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from dashboards.shapes import Row
-from pipeline.records.protocol import rank_column, row_protocol
-from pipeline.records.ranking import finite
+from pipeline.catalog.protocol import rank_column, row_protocol
+from pipeline.catalog.ranking import finite
 
 
 def slug(name: str) -> str:
@@ -28,7 +28,7 @@ def group_by_model(rows: Iterable[Row]) -> dict[str, list[Row]]:
 
 
 def protocol_of(row: Row) -> str:
-    """The row's evaluation protocol (`pipeline.records.protocol`): what its figures may
+    """The row's evaluation protocol (`pipeline.catalog.protocol`): what its figures may
     be compared with."""
     return row_protocol(row)
 
@@ -76,7 +76,7 @@ def judged_metric(rows: Iterable[Row]) -> str | None:
     """The perplexity column of the held-out corpus the gate judged the rows on (the first
     of `judged_on`'s corpora); rows judged on calibration text, or from before the
     judgement: the first perplexity column by name."""
-    from pipeline.evaluation.metrics import metric_name  # imports torch: only here
+    from pipeline.evaluation.corpora import metric_name  # imports torch: only here
 
     rows = list(rows)
     held = [str(r["judged_on"]) for r in rows if r.get("judged_on")]
@@ -89,7 +89,7 @@ def judged_metric(rows: Iterable[Row]) -> str | None:
 
 def rank_metric(rows: Sequence[Row]) -> str | None:
     """The column "best" ranks by, as the registry's aliases do: the protocol's first
-    perplexity (`pipeline.records.protocol.rank_column`); catalogs without an
+    perplexity (`pipeline.catalog.protocol.rank_column`); catalogs without an
     `evaluation` column: the first perplexity column by name."""
     column = rank_column(rows[0]) if rows else None
     if column and any(finite(r.get(column)) is not None for r in rows):

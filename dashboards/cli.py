@@ -27,7 +27,7 @@ def add_dashboard(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.storage import is_remote
+    from pipeline.storage.store import is_remote
 
     if is_remote(args.run_dir) or (args.out and is_remote(args.out)):
         return run_remote(args)
@@ -43,8 +43,8 @@ def write(
     args: argparse.Namespace, run_dir: Path, out: Path, rows: list[dict[str, Any]] | None = None
 ) -> Path:
     from dashboards.site import build_site, legacy_tracking
-    from pipeline.records.catalog import merge_catalogs, newest_per_key
-    from pipeline.records.shared_catalog import SharedCatalog, open_catalog
+    from pipeline.catalog.shared import SharedCatalog, open_catalog
+    from pipeline.catalog.table import merge_catalogs, newest_per_key
 
     shared = not args.catalog and run_dir.is_dir() and SharedCatalog(str(run_dir)).is_shared()
     if rows is not None:  # read from a remote run directory
@@ -68,12 +68,12 @@ def run_remote(args: argparse.Namespace) -> int:
     built locally, then uploaded with its completion marker."""
     import tempfile
 
-    from pipeline.storage import Storage, is_remote
+    from pipeline.storage.store import Storage, is_remote
 
     with tempfile.TemporaryDirectory(prefix="lorp-dashboard-") as tmp:
         run_dir = Path(args.run_dir)
         if is_remote(args.run_dir):
-            from pipeline.records.shared_catalog import open_catalog
+            from pipeline.catalog.shared import open_catalog
 
             run_dir, store = Path(tmp) / "run", Storage(args.run_dir)
             rows = open_catalog(args.run_dir)  # a job's catalog, or a shared one

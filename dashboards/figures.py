@@ -63,8 +63,14 @@ def distance_svg(profiles: Mapping[str, np.ndarray], highlight: str | None = Non
     for i, (name, S) in enumerate(profiles.items()):
         x, y = distance_profile(S)
         bold = highlight is None or name == highlight
-        ax.plot(x, y, color=PALETTE[i % len(PALETTE)], lw=2.2 if bold else 1.0,
-                alpha=1.0 if bold else 0.45, label=name)  # fmt: skip
+        ax.plot(
+            x,
+            y,
+            color=PALETTE[i % len(PALETTE)],
+            lw=2.2 if bold else 1.0,
+            alpha=1.0 if bold else 0.45,
+            label=name,
+        )
     ax.set_xlabel("normalised layer distance |i - j| / (N - 1)")
     ax.set_ylabel("mean cosine similarity")
     ax.set_ylim(top=1.0)
@@ -89,8 +95,9 @@ def _tradeoff_line(ax: Any, pts: Sequence[TradeoffPoint], color: str, label: str
         ax.plot(x, y, marker="o", color=color, label=label)
     bad = [p for p in pts if p[3]]
     if bad:  # degraded variants: crossed out, so a figure never hides the quality gate
-        ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="black",
-                   zorder=3)  # fmt: skip
+        ax.scatter(
+            [p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="black", zorder=3
+        )
 
 
 def tradeoff_svg(

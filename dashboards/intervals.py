@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dashboards.shapes import Row, View
-from pipeline.records.ranking import finite
+from pipeline.catalog.ranking import finite
 
 Z95 = 1.96
 MIN_COMPARABLE_ITEMS = 100

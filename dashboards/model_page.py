@@ -346,7 +346,7 @@ def tradeoff_figures(mv: View) -> Markup | None:
                 f"Pareto front ({f['quality']} vs {f['cost']}): {front or 'none'}",
                 class_="front",
                 data_front=f"{f['quality']}:{f['cost']}",
-            )  # fmt: skip
+            )
         )
     return frag(el("h2", "Trade-off"), figs) if figs else None
 

@@ -25,7 +25,7 @@ from dashboards.intervals import accuracy_interval, accuracy_tasks, average_inte
 from dashboards.links import NO_TRACKING, model_version_url, run_url, tracking_view
 from dashboards.shapes import Row, View
 from dashboards.speed import speed_resolved, speed_view
-from pipeline.records.ranking import finite
+from pipeline.catalog.ranking import finite
 
 # -- clusters ----------------------------------------------------------------------------
 
@@ -256,8 +256,14 @@ def domain_view(points: Sequence[Row]) -> View | None:
     """Quality per domain (`ratio_domain_<domain>` columns: each domain's perplexity over
     dense's) for every variant, its repaired twin's beside it, the worst domain and what
     the repair gate kept. None for rows from before domains."""
-    domains = sorted({c.removeprefix(DOMAIN_PREFIX) for r in points for c in r
-                      if c.startswith(DOMAIN_PREFIX) and r.get(c) is not None})  # fmt: skip
+    domains = sorted(
+        {
+            c.removeprefix(DOMAIN_PREFIX)
+            for r in points
+            for c in r
+            if c.startswith(DOMAIN_PREFIX) and r.get(c) is not None
+        }
+    )
     if not domains:
         return None
     repaired = {

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dashboards.catalog_rows import is_degraded, page_names, ppl_metric, rank_metric, split_dense
 from dashboards.links import run_url, tracking_view
 from dashboards.shapes import Row, View
-from pipeline.records.ranking import finite, order_key
+from pipeline.catalog.ranking import finite, order_key
 
 
 def best_per_budget(rows: Sequence[Row], metric: str | None, budget: int) -> View:

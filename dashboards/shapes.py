@@ -5,5 +5,5 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-Row = Mapping[str, Any]  # one catalog row, as `pipeline.records.catalog.read_catalog` returns it
+Row = Mapping[str, Any]  # one catalog row, as `pipeline.catalog.table.read_catalog` returns it
 View = dict[str, Any]  # what the `*_view` modules hand to the pages: plain values, lists and dicts

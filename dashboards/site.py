@@ -46,7 +46,7 @@ def load_S(row: Row) -> np.ndarray | None:
     import tempfile
 
     from lorp import SimilarityStats
-    from pipeline.storage import is_remote, split_location
+    from pipeline.storage.store import is_remote, split_location
 
     path = row.get("stats_file")
     if not path or not (is_remote(path) or Path(path).is_file()):
@@ -106,7 +106,7 @@ def build_site(
 def write_timeline(events_file: str | os.PathLike[str] | None, path: Path) -> bool:
     """The timeline page from the run's events (or the line saying there is none; no page
     when no run directory was named); whether the file had any event."""
-    from pipeline.records.events import read_events
+    from pipeline.events.log import read_events
 
     if events_file is None:
         return False

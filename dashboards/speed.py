@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from dashboards.shapes import Row, View
-from pipeline.records.ranking import finite
+from pipeline.catalog.ranking import finite
 
 BOUND_TOLERANCE = 0.05
 

@@ -41,7 +41,7 @@ def headline_rows(h: View) -> list[tuple[str, str, Any]]:
     ]
 
 
-def headline(h: View) -> Markup:
+def headline_table(h: View) -> Markup:
     rows = [
         el("tr", td(label, left=True, cls="muted"), td(text, left=True, data_figure=key))
         for key, label, text in headline_rows(h)
@@ -118,7 +118,7 @@ def timeline_page(tv: View | None, why: str = "no span recorded in events.jsonl"
         f"lorp {title.lower()}",
         back,
         el("h1", title),
-        headline(tv["headline"]),
+        headline_table(tv["headline"]),
         running(tv["running"]),
         el("h2", f"Workers ({len(tv['rows'])} rows, {len(tv['bars'])} spans)"),
         legend(tv["stages"], failed),

@@ -1,8 +1,8 @@
 """The job's timeline page, as data: rows of worker slots, one bar per span, headline
-figures and a per-model table, from the run's `events.jsonl` (`pipeline.records.timeline`).
+figures and a per-model table, from the run's `events.jsonl` (`pipeline.events.timeline`).
 
 Pure functions, no HTML and no file IO (`site.py` reads the events, `timeline_page.py`
-renders). The figures are `pipeline.records.timeline.summarise`'s, over the latest attempt, so the
+renders). The figures are `pipeline.events.timeline.summarise`'s, over the latest attempt, so the
 page says what `lorp status` says; times on the page are seconds since that attempt's
 first span.
 """
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dashboards.shapes import View
-from pipeline.records.ranking import finite
-from pipeline.records.timeline import Utilisation, attempt, spans_of, summarise
+from pipeline.catalog.ranking import finite
+from pipeline.events.timeline import Utilisation, attempt, spans_of, summarise
 
 DRIVER = "driver"
 STAGES = ("load", "capture", "repair_sums", "losses", "point", "speed", "prepare", "gate")
@@ -105,7 +105,7 @@ def _models(spans: Sequence[Mapping[str, Any]], kind: str, t0: float) -> list[Vi
     return out
 
 
-def headline(util: Utilisation) -> View:
+def headline_figures(util: Utilisation) -> View:
     """The figures above the chart, as numbers (None when undefined: no slots counted)."""
     return {
         "kind": util.kind,
@@ -155,7 +155,7 @@ def timeline_view(events: Sequence[Mapping[str, Any]]) -> View | None:
     job = next((e.get("job") for e in events if e.get("event") == "start"), None)
     return {
         "job": job,
-        "headline": headline(util),
+        "headline": headline_figures(util),
         "t0": t0,
         "makespan": util.makespan,
         "rows": rows,

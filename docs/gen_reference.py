@@ -3,9 +3,9 @@
 
 - `reference/job-spec.md`: every section and field of `JobSpec`, its type, its default and
   the docstring the dataclass gives it;
-- `reference/catalog-schema.md`: the catalog's typed core columns from `CORE_SCHEMA`, each
-  with its meaning from `fragments/catalog-columns.md`. A core column without a meaning,
-  or a meaning for a column the schema does not have, stops the build.
+- `reference/catalog-schema.md`: the catalog's typed core columns, `CatalogRow`'s fields
+  in their order, each with its type (`CORE_SCHEMA`) and its docstring, then the figures
+  and what each means (`FIGURES`). A core column without a docstring stops the build.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FRAGMENTS = Path(__file__).resolve().parent / "fragments"
 """Hand-written parts of the generated pages (excluded from the site as pages)."""
 sys.path.insert(0, str(ROOT))
 
-from pipeline.records.catalog import CORE_SCHEMA  # noqa: E402
+from pipeline.catalog.row import CORE_SCHEMA, FIGURES, CatalogRow  # noqa: E402
 from pipeline.spec.job import JobSpec  # noqa: E402
 
 
@@ -90,55 +90,35 @@ def job_spec_page() -> str:
     return "\n".join(out) + "\n"
 
 
-def column_meanings() -> tuple[str, dict[str, str], str]:
-    """(text before the table, column -> meaning, text after) of catalog-columns.md; a row
-    may name several columns (`params`, `params_dense`)."""
-    text = (FRAGMENTS / "catalog-columns.md").read_text()
-    lines = text.splitlines()
-    rows = [i for i, line in enumerate(lines) if line.startswith("| `")]
-    meanings = {}
-    for i in rows:
-        cells = [c.strip() for c in lines[i].strip("|").split("|")]
-        for name in re.findall(r"`([^`]+)`", cells[0]):
-            meanings[name] = cells[-1]
-    before = "\n".join(lines[: rows[0] - 2])
-    after = "\n".join(lines[rows[-1] + 1 :])
-    return before, meanings, after
+def fragment() -> tuple[str, str]:
+    """(text before the tables, text after them) of catalog-columns.md, split at its
+    `<!-- tables -->` line."""
+    before, _, after = (FRAGMENTS / "catalog-columns.md").read_text().partition("<!-- tables -->")
+    return before, after
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|")
 
 
 def catalog_page() -> str:
-    before, meanings, after = column_meanings()
+    before, after = fragment()
+    meanings = field_docs(CatalogRow)
     core = {f.name: str(f.type) for f in CORE_SCHEMA}
     missing = sorted(set(core) - set(meanings))
-    unknown = sorted(n for n in meanings if n not in core and "<" not in n and n not in METRICS)
-    if missing or unknown:
+    if missing:
         raise SystemExit(
-            f"docs/fragments/catalog-columns.md: core columns without a meaning {missing}, "
-            f"meanings of no column {unknown}"
+            f"pipeline/catalog/row.py: core columns without a meaning {missing} "
+            "(each CatalogRow field needs its docstring)"
         )
     out = ["# Catalog schema", "", before.strip(), "", "## Core columns", ""]
-    out += ["Typed in `pipeline.records.catalog.CORE_SCHEMA`, in its order.", ""]
+    out += ["`pipeline.catalog.row.CatalogRow`'s fields, in their order.", ""]
     out += ["| column | type | meaning |", "| --- | --- | --- |"]
-    out += [f"| `{name}` | `{tp}` | {meanings[name]} |" for name, tp in core.items()]
-    metric_rows = [f"| `{n}` | {m} |" for n, m in meanings.items() if n not in core]
+    out += [f"| `{name}` | `{tp}` | {cell(meanings[name])} |" for name, tp in core.items()]
+    figures = [f"| `{n}` | {cell(m)} |" for n, m in FIGURES.items()]
     out += ["", "## Figures", "", "Float columns added as a job measures them.", ""]
-    out += ["| column | meaning |", "| --- | --- |", *metric_rows, "", after.strip()]
+    out += ["| column | meaning |", "| --- | --- |", *figures, "", after.strip()]
     return "\n".join(out) + "\n"
-
-
-METRICS = {
-    "ppl_ratio", "acc_avg", "latency_ms", "latency_dense_ms", "speedup", "speedup_std",
-    "speedup_low", "speedup_high", "speedup_measured", "speed_runs", "speed_resolved",
-    "serve_output_tps", "serve_ttft_ms", "serve_tpot_ms", "serve_speedup",
-    "serve_speedup_measured", "serve_speedup_low", "serve_speedup_high", "serve_resolved",
-    "peak_mem_gib", "weight_bytes", "kv_bytes_per_token", "prefill_flops_per_token",
-    "decode_bytes_per_token", "predicted_prefill_speedup", "predicted_decode_speedup",
-    "n_evals", "select_s", "repair_residual", "repair_held_residual",
-    "prefill_flops_per_token_4k", "decode_bytes_per_token_4k", "predicted_decode_speedup_4k",
-    "prefill_flops_per_token_32k", "decode_bytes_per_token_32k",
-    "predicted_decode_speedup_32k",
-}  # fmt: skip
-"""Figures (float columns outside the core schema) the meanings table may name."""
 
 
 with mkdocs_gen_files.open("reference/job-spec.md", "w") as fh:

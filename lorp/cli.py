@@ -258,9 +258,10 @@ def add_prune(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--layers", type=parse_layers, help="blocks to drop, e.g. 3,7-9")
     how.add_argument("--stats", metavar="STATS_FILE", help="select with a method from these stats")
     how.add_argument(
-        "--units", type=parse_units, help="sub-layers to remove, e.g. attn.3,mlp.5 (vLLM-servable "
-        "Nemotron-NAS checkpoint)",
-    )  # fmt: skip
+        "--units",
+        type=parse_units,
+        help="sub-layers to remove, e.g. attn.3,mlp.5 (vLLM-servable Nemotron-NAS checkpoint)",
+    )
     p.add_argument("--budget", type=parse_budget)
     p.add_argument("--method", default="lorp")
     add_granularity(p)
@@ -320,8 +321,10 @@ def _prune_sublayers(args: argparse.Namespace, record: dict[str, Any]) -> int:
     remove_sublayers(lm.model, units)
     save_sublayer_variant(lm.model, lm.tokenizer, args.out, units, record, overwrite=args.overwrite)
     names = ", ".join(record["details"]["sublayers"])
-    print(f"removed sub-layers {names} -> {args.out} (Nemotron-NAS form: vLLM serves it; "
-          "transformers loads it with trust_remote_code)")  # fmt: skip
+    print(
+        f"removed sub-layers {names} -> {args.out} (Nemotron-NAS form: vLLM serves it; "
+        "transformers loads it with trust_remote_code)"
+    )
     return 0
 
 
@@ -363,10 +366,14 @@ def _prune_provenance(
     if args.units is not None:
         units = check_units(args.units, n_blocks)
         return provenance(
-            **source, method="manual", options={}, budget=len(units), n_blocks=2 * n_blocks,
-            pruned=units, details={"granularity": args.granularity,
-                                   "sublayers": [unit_label(u) for u in units]},
-        )  # fmt: skip
+            **source,
+            method="manual",
+            options={},
+            budget=len(units),
+            n_blocks=2 * n_blocks,
+            pruned=units,
+            details={"granularity": args.granularity, "sublayers": [unit_label(u) for u in units]},
+        )
     if stats is None:
         layers = sorted(set(args.layers))
         return provenance(

@@ -63,3 +63,12 @@ def provenance(
             "repair": dict(repair) if repair is not None else None,
         }
     )
+
+
+def with_repair_runs(
+    record: Mapping[str, Any], runs: Iterable[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """`record` with each repaired run's fit (`lorp.repair.maps.RunFit.record()`) under
+    `repair.runs`: what only the worker that fitted the maps knows."""
+    repair = dict(record.get("repair") or {})
+    return {**record, "repair": {**repair, "runs": [dict(r) for r in runs]}}

@@ -40,7 +40,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     """`lorp plan JOB.yaml`: 0 when the job can run, 2 when it is refused."""
-    from pipeline.job_plan import plan_job, plan_json, plan_lines
+    from pipeline.plan.report import plan_job, plan_json, plan_lines
     from pipeline.spec.parse import load_spec
 
     spec = load_spec(args.spec)
@@ -65,12 +65,12 @@ def talk(quiet: bool) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`lorp run JOB.yaml`: the job through `pipeline.run.run_job`, its summary printed."""
-    from pipeline.job_plan import plan_job, plan_lines
-    from pipeline.records.progress import Progress
-    from pipeline.records.tracking import redact
-    from pipeline.run import Stopped, run_job
+    """`lorp run JOB.yaml`: the job through `pipeline.driver.run.run_job`, its summary printed."""
+    from pipeline.driver.run import Stopped, run_job
+    from pipeline.events.progress import Progress
+    from pipeline.plan.report import plan_job, plan_lines
     from pipeline.spec.parse import load_spec
+    from pipeline.tracking.runs import redact
 
     spec = load_spec(args.spec)
     outline = plan_job(spec)  # the plan first, and nothing runs when it is refused
@@ -143,7 +143,7 @@ def add_status(sub: argparse._SubParsersAction) -> None:
 def status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.records.status import format_status, run_status
+    from pipeline.events.status import format_status, run_status
 
     for line in format_status(run_status(Path(args.run_dir))):
         print(line)
@@ -189,9 +189,11 @@ def _add_catalog_reads(csub: argparse._SubParsersAction) -> None:
     )
     ls.add_argument("--json", action="store_true", help="one JSON object per row")
     ls.add_argument(
-        "--as-of", default=None, metavar="VERSION|TIME",
+        "--as-of",
+        default=None,
+        metavar="VERSION|TIME",
         help="a shared catalog as it was: a table version (a number) or a time (ISO 8601)",
-    )  # fmt: skip
+    )
     ls.set_defaults(func=catalog_ls)
     b = csub.add_parser(
         "best",
@@ -204,20 +206,24 @@ def _add_catalog_reads(csub: argparse._SubParsersAction) -> None:
     b.add_argument("--budget", type=int, required=True)
     b.add_argument("--protocol", default=None, help="default: the model's reference protocol")
     b.add_argument(
-        "--granularity", default="block", choices=("block", "attention", "mlp", "mixed"),
+        "--granularity",
+        default="block",
+        choices=("block", "attention", "mlp", "mixed"),
         help="what the budget counts (default: whole blocks)",
-    )  # fmt: skip
+    )
     b.add_argument("--json", action="store_true", help="the row as one JSON object")
     b.add_argument(
-        "--as-of", default=None, metavar="VERSION|TIME",
+        "--as-of",
+        default=None,
+        metavar="VERSION|TIME",
         help="a shared catalog as it was: a table version (a number) or a time (ISO 8601)",
-    )  # fmt: skip
+    )
     b.set_defaults(func=catalog_best)
 
 
 def merge(args: argparse.Namespace) -> int:
-    from pipeline.records.catalog import merge_catalogs, newest_per_key, write_catalog
-    from pipeline.records.shared_catalog import open_catalog
+    from pipeline.catalog.shared import open_catalog
+    from pipeline.catalog.table import merge_catalogs, newest_per_key, write_catalog
 
     rows = []
     for location in args.catalogs:  # a file as before (its checks), anything else by location
@@ -231,7 +237,7 @@ def merge(args: argparse.Namespace) -> int:
 
 def catalog_migrate(args: argparse.Namespace) -> int:
     """`lorp catalog migrate CATALOG`."""
-    from pipeline.records.shared_catalog import SharedCatalog
+    from pipeline.catalog.shared import SharedCatalog
 
     shared = SharedCatalog(args.catalog)
     n = shared.migrate()
@@ -265,7 +271,7 @@ def _json_line(row: dict) -> str:
 
 def catalog_ls(args: argparse.Namespace) -> int:
     """`lorp catalog ls CATALOG`: rows, filtered; a table, or JSON lines with --json."""
-    from pipeline.records.shared_catalog import matches, open_catalog
+    from pipeline.catalog.shared import matches, open_catalog
 
     rows = open_catalog(args.catalog, args.as_of)
     degraded = None if args.degraded is None else args.degraded == "yes"
@@ -287,8 +293,8 @@ def catalog_ls(args: argparse.Namespace) -> int:
 
 def catalog_best(args: argparse.Namespace) -> int:
     """`lorp catalog best CATALOG --model M --budget B [--protocol P]`."""
-    from pipeline.records import ranking
-    from pipeline.records.shared_catalog import open_catalog
+    from pipeline.catalog import ranking
+    from pipeline.catalog.shared import open_catalog
 
     rows = [r for r in open_catalog(args.catalog, args.as_of) if r["model"] == args.model]
     if not rows:
@@ -335,7 +341,7 @@ def add_pull(sub: argparse._SubParsersAction) -> None:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from pipeline.records.registry_loading import pull as pull_version
+    from pipeline.tracking.registry_loading import pull as pull_version
 
     out, mv = pull_version(
         args.uri, args.out, tracking_uri=args.tracking_uri, overwrite=args.overwrite
@@ -354,16 +360,24 @@ def add_gc(sub: argparse._SubParsersAction) -> None:
         "rows are gone, copies a killed writer left. A dry run unless --delete; nothing of a "
         "job that may be running is touched.",
     )
-    p.add_argument("location", metavar="JOB.yaml|STORAGE",
-                   help="a job spec (its storage and shared catalog) or a storage")  # fmt: skip
-    p.add_argument("--catalog", action="append", default=[], metavar="CATALOG",
-                   help="a shared catalog whose rows count too (repeatable)")  # fmt: skip
+    p.add_argument(
+        "location",
+        metavar="JOB.yaml|STORAGE",
+        help="a job spec (its storage and shared catalog) or a storage",
+    )
+    p.add_argument(
+        "--catalog",
+        action="append",
+        default=[],
+        metavar="CATALOG",
+        help="a shared catalog whose rows count too (repeatable)",
+    )
     p.add_argument("--delete", action="store_true", help="remove what is found")
     p.set_defaults(func=gc)
 
 
 def gc(args: argparse.Namespace) -> int:
-    from pipeline.cleanup import find_garbage, remove
+    from pipeline.driver.cleanup import find_garbage, remove
     from pipeline.spec.parse import load_spec
 
     location, catalogs = args.location, list(args.catalog)

@@ -1,5 +1,5 @@
 """Every task and result that crosses to a Ray worker, defined once where both ends import
-them: the driver's stages build the tasks (`pipeline.stages.tasks`, `.statistics`,
+them: the driver's stages build the tasks (`pipeline.driver.tasks`, `.statistics`,
 `.loss_evaluators`), the workers run them (`pipeline.stages.capture`, `.points`,
 `.speed_pass`), and the recorder reads the results.
 

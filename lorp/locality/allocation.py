@@ -168,9 +168,12 @@ def allocate_detailed(
 
 
 def _validate(
-    S: np.ndarray, labels: Sequence[int] | np.ndarray, budget: int, variant: str,
+    S: np.ndarray,
+    labels: Sequence[int] | np.ndarray,
+    budget: int,
+    variant: str,
     pool: Sequence[int],
-) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray]:
     S = np.asarray(S, dtype=np.float64)
     check_similarity_matrix(S)
     n = S.shape[0]

@@ -31,17 +31,18 @@ from tqdm.auto import tqdm
 
 from lorp.locality.similarity import normalize_states, token_selection
 from lorp.locality.similarity_stats import SimilarityStats
-from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.models.architectures import (
+    StopForward,
+    architecture_of,
+    decoder_blocks,
+    forward_until_stopped,
+)
 from lorp.models.streaming import device_of
 from lorp.models.sublayers import attention_site
 
 log = logging.getLogger(__name__)
 
 Batch = torch.Tensor | Mapping[str, torch.Tensor]
-
-
-class _StopForward(Exception):
-    """Raised by the last block's hook: nothing after it is needed."""
 
 
 def unpack_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -109,7 +110,7 @@ def _hook_states(
     def last_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         block_input.clear()
         rec.store(step * n, output[0] if isinstance(output, tuple | list) else output)
-        raise _StopForward
+        raise StopForward  # the last block's output: nothing after it is needed
 
     handles = [
         block.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
@@ -146,7 +147,6 @@ def capture_stats(
     boundaries instead of the N + 1 block boundaries (module docstring).
     """
     blocks = decoder_blocks(model)
-    stack = decoder_stack(model)
     n = len(blocks)
     device = device_of(model)
     step = 2 if sublayers else 1  # the state index of block i's input: step * i
@@ -170,11 +170,7 @@ def capture_stats(
                 if attention_mask is not None:
                     attention_mask = attention_mask.to(device)
                 rec.start(input_ids, attention_mask)
-                try:
-                    stack(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                except _StopForward:
-                    pass
-                else:
+                if not forward_until_stopped(model, input_ids, attention_mask):
                     raise RuntimeError("the last block never ran: cannot capture its output")
                 stats.add_normalized(rec.buf, last=rec.last_buf)
                 rec.buf = rec.last_buf = None

@@ -1,21 +1,20 @@
-"""Mergeable inter-layer similarity statistics: the S of the paper's Eq. 3-4.
+"""The matrix S of the paper's Eq. 3-4 and the arithmetic its sums are built from.
 
 S_ij is the mean, over every calibration token, of the cosine similarity between the
 residual-stream states entering blocks i and j (Eq. 4), each state first normalised as
 h / (||h|| + eps) (Eq. 3). Because it is a mean of per-token dot products, it is a sum of
 Gram matrices divided by a token count, so shards of the calibration set can be processed
-anywhere (a Ray task, another GPU, another day) and merged by adding the sums.
+anywhere (a Ray task, another GPU, another day) and merged by adding the sums: those sums
+are `lorp.locality.similarity_stats.SimilarityStats` (L = N + 1 states for an N-block
+model: the inputs of blocks 0..N-1 and the output of block N-1 before the final norm; the
+paper's S is the leading N x N block).
 
-`SimilarityStats` holds L = N + 1 states for an N-block model: the inputs of blocks 0..N-1
-(index 0 is the embedding output) and the output of block N-1 before the final norm. The
-paper's S is the leading N x N block; the extra row is what ShortGPT and the window
-methods need to score the last block.
-
-Beside the all-token Gram it keeps two L x L sums over sequences, taken at each
-sequence's last real token only: the cosine matrix and the angular distance
-arccos(cos) / pi between every pair of states. The angular-distance method (Gromov et al.,
-2024) measures there, and averages the angle (not the cosine) over sequences, so the
-angle is summed per sequence; both sums merge across shards like the Gram.
+Here: `LayerSimilarity`, S as a matrix when only block inputs are known (a bare matrix
+loaded from .npy); Eq. 3's normalisation (`normalize_states`); which tokens count
+(`token_selection`: padding and a BOS prefix left out); and the per-sequence sums at each
+sequence's last real token (`last_token_sums`): the cosine and the angular distance
+arccos(cos) / pi between every pair of states, which the angular-distance method
+(Gromov et al., 2024) averages over sequences.
 """
 
 from __future__ import annotations

@@ -242,9 +242,11 @@ class SimilarityStats:
             raise ValueError("block_stats reads sub-layer statistics (capture sublayers=True)")
         extra = {k: v for k, v in self.extra.items() if k != "sublayers"}
         out = SimilarityStats(
-            self.n_blocks // 2, model_fingerprint=self.model_fingerprint,
-            calibration_fingerprint=self.calibration_fingerprint, extra=extra,
-        )  # fmt: skip
+            self.n_blocks // 2,
+            model_fingerprint=self.model_fingerprint,
+            calibration_fingerprint=self.calibration_fingerprint,
+            extra=extra,
+        )
         out.tokens, out.sequences = self.tokens, self.sequences
         out._sum = self._sum[::2, ::2].clone()
         out._last_sum = self._last_sum[::2, ::2].clone()

@@ -7,7 +7,7 @@ far, moves its next-token distributions from the dense model's on the calibratio
 windows; the candidate that moves them least goes (ties, to 12 decimals: lower index). The
 distance is the Jensen-Shannon divergence, averaged over positions: `losses` is registered
 with ``measure="js"``, so the caller scores candidates by it
-(`lorp.methods.removal_loss.LossEvaluator(measure="js")`, or the pipeline's actors). The
+(`lorp.scoring.removal_loss.LossEvaluator(measure="js")`, or the pipeline's actors). The
 search is SLEB's (`lorp.methods.sleb.greedy_selection`); only the measure differs.
 
 FinerCut's candidates are the attention and FFN layers of every block, ranked together:

@@ -15,14 +15,14 @@ beyond the block-input matrix:
   `RepairScores` callable: ``repair_scores(runs, score) -> values``, each run an
   inclusive (s, e) pair of blocks, lower is better. `score` says which number:
   ``"residual"``, ||Y + X T - H_e||^2 / ||H_e||^2 of the run's fitted map on calibration
-  tokens (`lorp.methods.window_scores.window_scores`), or ``"loss"``, the held-out calibration loss
+  tokens (`lorp.scoring.window_scores.window_scores`), or ``"loss"``, the held-out calibration loss
   of the model with the run removed and its map applied
-  (`lorp.methods.window_scores.window_losses`). One call is one batch: the caller sums every run's
+  (`lorp.scoring.window_scores.window_losses`). One call is one batch: the caller sums every run's
   statistics in one calibration pass.
 - ``needs_evaluator``: the method scores candidate pruned models itself (SLEB,
   Shortened-LLaMA's perplexity criterion, loss-guided LoRP). It then receives
   ``losses=``, a `Losses` callable supplied by whoever can build and run models (the
-  pipeline, or `lorp.methods.removal_loss.LossEvaluator` in one process); methods without the flag
+  pipeline, or `lorp.scoring.removal_loss.LossEvaluator` in one process); methods without the flag
   never see it. The method stays pure: it only hands candidate sets to the callable and reads
   back numbers. ``measure`` says which number (`MEASURES`):
   ``"nll"``, the calibration loss (SLEB, PPL, loss-guided LoRP), or ``"js"``, the
@@ -57,6 +57,7 @@ from lorp.locality.rls import is_int, is_real
 from lorp.locality.similarity import LayerSimilarity
 from lorp.locality.similarity_stats import SimilarityStats
 from lorp.models.surgery import kept_layers
+from lorp.scoring.removal_loss import MEASURES
 
 # losses(candidates) -> one mean calibration NLL per candidate set of blocks to drop.
 Losses = Callable[[list[tuple[int, ...]]], list[float]]
@@ -67,8 +68,6 @@ RepairScores = Callable[[list[tuple[int, int]], str], list[float]]
 # holds every option (defaults filled in); n_blocks is None when not known yet.
 OptionCheck = Callable[[Mapping[str, Any], int | None], None]
 NOT_OPTIONS = ("losses", "profile", "repair_scores")
-MEASURES = ("nll", "js")
-"""What a `Losses` value is: the calibration NLL, or the JS divergence from dense outputs."""
 
 
 @dataclass(frozen=True)
@@ -334,7 +333,7 @@ def select_layers(
             raise ValueError(
                 f"method {method!r} ranks runs by their linear repair: pass repair_scores=, "
                 "a callable from (s, e) runs and a score name to their values "
-                "(lorp.methods.window_scores.window_scores)"
+                "(lorp.scoring.window_scores.window_scores)"
             )
         kwargs["repair_scores"] = repair_scores
     if spec.takes_profile and profile is not None:

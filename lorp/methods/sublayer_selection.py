@@ -14,7 +14,7 @@ first and last block's units are never candidates, as for whole blocks.
 - ``sleb``: SLEB's greedy elimination with sub-layers for blocks: at each step the unit
   whose removal, with those gone so far, gives the lowest calibration loss goes. It reads no S; its
   `losses=` callable scores candidate unit sets
-  (`lorp.methods.removal_loss.LossEvaluator(units=True)`, or the pipeline's actors).
+  (`lorp.scoring.removal_loss.LossEvaluator(units=True)`, or the pipeline's actors).
 - ``finercut``: FinerCut's greedy removal by the change in output
   (`lorp.methods.finercut`): SLEB's search, each candidate scored by the JS divergence of
   its next-token distributions from the dense model's, so its `losses=` must measure that
@@ -27,7 +27,7 @@ first and last block's units are never candidates, as for whole blocks.
   them). Every window of `budget` consecutive eligible units gets its map fitted from
   one pass of unit repair sums, and the one whose repaired variant does best by
   `score` goes; its `repair_scores=` callable scores unit runs
-  (`lorp.methods.window_scores.window_scores` of `lorp.repair.sublayer_repair.unit_stats`,
+  (`lorp.scoring.window_scores.window_scores` of `lorp.repair.sublayer_repair.unit_stats`,
   or `window_losses(units=True)`).
 - ``ppl``: Shortened LLaMA's one-shot criterion with sub-layers for blocks: each eligible
   unit is scored by the calibration loss of the model without it alone, and the
@@ -180,9 +180,13 @@ def select_units(
         units, details = _lorp(similarity, budget, granularity, **options)
     details = {"granularity": granularity, "sublayers": [unit_label(u) for u in units], **details}
     return Selection(
-        layers=tuple(units), method=method, budget=int(budget), n_blocks=similarity.n_blocks,
-        options=dict(options), details=details,
-    )  # fmt: skip
+        layers=tuple(units),
+        method=method,
+        budget=int(budget),
+        n_blocks=similarity.n_blocks,
+        options=dict(options),
+        details=details,
+    )
 
 
 def block_similarity(units: LayerSimilarity) -> LayerSimilarity:
@@ -192,9 +196,11 @@ def block_similarity(units: LayerSimilarity) -> LayerSimilarity:
         raise ValueError(f"a sub-layer S has an even number of units, got {units.n_blocks}")
     pick = lambda m: None if m is None else np.ascontiguousarray(m[::2, ::2])  # noqa: E731
     return LayerSimilarity(
-        pick(units.matrix), units.n_blocks // 2, pick(units.last_token),
+        pick(units.matrix),
+        units.n_blocks // 2,
+        pick(units.last_token),
         pick(units.last_token_angular),
-    )  # fmt: skip
+    )
 
 
 def sublayer_influence(similarity: LayerSimilarity) -> np.ndarray:
@@ -232,9 +238,12 @@ def _lorp(
     pool = eligible_units(granularity, similarity.n_blocks // 2)
     alloc = allocate_detailed(S, labels, budget, variant=variant, eligible=pool)  # type: ignore[arg-type]
     return alloc.layers, {
-        "rls": score, "k": chosen_k, "labels": [int(x) for x in alloc.labels],
-        "order": list(alloc.order), "stages": {str(u): s for u, s in alloc.stages.items()},
-    }  # fmt: skip
+        "rls": score,
+        "k": chosen_k,
+        "labels": [int(x) for x in alloc.labels],
+        "order": list(alloc.order),
+        "stages": {str(u): s for u, s in alloc.stages.items()},
+    }
 
 
 def _as_blocks(losses: Losses) -> Losses:
@@ -312,6 +321,7 @@ def _unit_pool(n_blocks: int, granularity: str, keep_first: int, keep_last: int)
     """The granularity's eligible units of blocks keep_first..N-1-keep_last."""
     check_keep({"keep_first": keep_first, "keep_last": keep_last}, n_blocks)
     return [
-        u for u in eligible_units(granularity, n_blocks)
+        u
+        for u in eligible_units(granularity, n_blocks)
         if keep_first <= u // 2 < n_blocks - keep_last
-    ]  # fmt: skip
+    ]

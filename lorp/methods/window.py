@@ -9,10 +9,10 @@ of repair statistics (`lorp.repair.stats`), and the window kept is the one whose
 variant does best by `score`:
 
 - `residual` (default): the error the map leaves at the window's end, relative to the
-  dense state there, ||Y + X T - H_e||^2 / ||H_e||^2 (`lorp.methods.window_scores.window_scores`).
+  dense state there, ||Y + X T - H_e||^2 / ||H_e||^2 (`lorp.scoring.window_scores.window_scores`).
   No model is run: the statistics decide.
 - `loss`: the calibration loss of each repaired variant on the held-out calibration
-  windows (`lorp.methods.window_scores.window_losses`): one forward pass per candidate. Measured
+  windows (`lorp.scoring.window_scores.window_losses`): one forward pass per candidate. Measured
   here (docs: Linear repair), the residual is dominated by a few outlier tokens (the first
   position carries ~97% of the state's energy in SmolLM2-135M) and chose windows 6-7%
   worse on held-out news than the loss did.

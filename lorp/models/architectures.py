@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -96,3 +97,20 @@ def decoder_stack(model: nn.Module) -> nn.Module:
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     return getattr(decoder_stack(model), architecture_of(model).blocks_attr)
+
+
+class StopForward(Exception):
+    """Raised by a hook once it has every state the forward owes it: the blocks after it
+    need not run (`forward_until_stopped`)."""
+
+
+def forward_until_stopped(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> bool:
+    """One forward of the decoder stack (no LM head, no cache) until a hook raises
+    `StopForward`; whether one did."""
+    try:
+        decoder_stack(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except StopForward:
+        return True
+    return False

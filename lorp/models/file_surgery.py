@@ -50,9 +50,16 @@ tensor to rewrite, by source key, with the function that gives it from the sourc
 COPY_CHUNK = 64 * 1024**2
 # What a tokenizer is made of: copied as they are, like `tokenizer.save_pretrained` would.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def renamed(key: str, new_index: Mapping[int, int]) -> str:

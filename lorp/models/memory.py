@@ -4,7 +4,7 @@ A safetensors file starts with an 8-byte length and a JSON header naming every t
 dtype, shape and byte range (`lorp.models.safetensors_index`), so the exact bytes of each
 block, of the embeddings and of the LM head at the dtype a stage loads them in are known
 from a few kilobytes of each shard. With the job's batch and sequence length that gives
-each stage's need; the pipeline's policy (`pipeline.cluster.decisions`) then holds the
+each stage's need; the pipeline's policy (`pipeline.plan.decisions`) then holds the
 model whole, streams it a module at a time (`lorp.models.streaming`) or refuses it.
 
 The activation figures are upper bounds of the eager code path (attention scores

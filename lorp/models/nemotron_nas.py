@@ -45,11 +45,23 @@ SERVED_FAMILIES = ("llama", "qwen2")
 """Source model_types whose sub-layer variants are written in Nemotron-NAS form."""
 PROVENANCE_FILE = "lorp_pruning.json"
 CONFIG_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+)
 
 
 class NotServable(ValueError):
@@ -83,13 +95,19 @@ def nemotron_nas_config(config: Mapping[str, Any], units: Iterable[int]) -> dict
     out = {k: config[k] for k in CONFIG_KEYS if config.get(k) is not None}
     blocks = [
         {
-            "attention": {"no_op": 2 * i in gone, "n_heads_in_group": heads // kv,
-                          "replace_with_linear": False},
-            "ffn": {"no_op": 2 * i + 1 in gone, "intermediate_size":
-                    int(config["intermediate_size"]), "replace_with_linear": False},
+            "attention": {
+                "no_op": 2 * i in gone,
+                "n_heads_in_group": heads // kv,
+                "replace_with_linear": False,
+            },
+            "ffn": {
+                "no_op": 2 * i + 1 in gone,
+                "intermediate_size": int(config["intermediate_size"]),
+                "replace_with_linear": False,
+            },
         }
         for i in range(n)
-    ]  # fmt: skip
+    ]
     return out | {
         "architectures": ["DeciLMForCausalLM"],
         "model_type": "nemotron-nas",
@@ -187,9 +205,10 @@ def write_sublayer_files(
     gone = _unit_prefixes(wanted)
     tied = bool(config.get("tie_word_embeddings"))
     index = {
-        k: e for k, e in tensor_index(src).items()
+        k: e
+        for k, e in tensor_index(src).items()
         if not k.startswith(gone) and not (tied and k == "lm_head.weight")
-    }  # fmt: skip
+    }
     folds = {k: (lambda t, v=v: v.to(t.dtype)) for k, v in (changed or {}).items()}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         n = int(config["num_hidden_layers"])

@@ -308,8 +308,9 @@ def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: 
         f"{name}.{attr}".lstrip(".")
         for name, m in model.named_modules()
         for attr, p in m._parameters.items()
-        if p is not None and (id(m), attr) not in covered
+        if p is not None
+        and (id(m), attr) not in covered
         and (head or not name.startswith("lm_head"))
-    ]  # fmt: skip
+    ]
     if missing:
         raise ValueError(f"checkpoint has no tensor for {missing[0]!r} ({len(missing)} missing)")

@@ -8,7 +8,7 @@ complete; its leftovers are named `.<name>.<random>.partial`.
 
 `blocks_dropped` makes the same model in memory and only for the duration of a `with`
 block, so a loss-guided method can score many candidate sets on one loaded model
-(`lorp.methods.removal_loss.LossEvaluator`) without copying weights.
+(`lorp.scoring.removal_loss.LossEvaluator`) without copying weights.
 """
 
 from __future__ import annotations

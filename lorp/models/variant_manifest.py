@@ -51,7 +51,7 @@ class BaseRef:
     revision: str | None = None
     stored: str | None = None
     """Where the job stored a copy of the base that every node that pulls reaches (a
-    storage URI, `pipeline.stored_bases`); None for a hub id pinned to `revision`."""
+    storage URI, `pipeline.storage.bases`); None for a hub id pinned to `revision`."""
 
 
 def is_manifest(path: str | os.PathLike[str]) -> bool:
@@ -108,9 +108,13 @@ def write_unit_manifest(
     cast = parse_dtype(dtype)
     tensors = {k: v.detach().to(cast).contiguous().cpu() for k, v in (changed or {}).items()}
     doc = {
-        "format": UNIT_FORMAT, "base": asdict(base), "units": wanted,
-        "sublayers": [unit_label(u) for u in wanted], "dtype": dtype, "changed": sorted(tensors),
-    }  # fmt: skip
+        "format": UNIT_FORMAT,
+        "base": asdict(base),
+        "units": wanted,
+        "sublayers": [unit_label(u) for u in wanted],
+        "dtype": dtype,
+        "changed": sorted(tensors),
+    }
     return _write_variant_dir(out_dir, doc, tensors, provenance, overwrite)
 
 
@@ -234,9 +238,14 @@ def materialize_variant(
         from lorp.models.nemotron_nas import write_sublayer_files
 
         return write_sublayer_files(
-            base, out_dir, doc["units"], provenance, changed=stored,
-            dtype=parse_dtype(doc["dtype"]), overwrite=overwrite,
-        )  # fmt: skip
+            base,
+            out_dir,
+            doc["units"],
+            provenance,
+            changed=stored,
+            dtype=parse_dtype(doc["dtype"]),
+            overwrite=overwrite,
+        )
     return write_pruned_files(
         base,
         out_dir,

@@ -16,15 +16,16 @@ from tqdm.auto import tqdm
 
 from lorp.locality.capture import unpack_batch
 from lorp.locality.similarity import token_selection
-from lorp.models.architectures import Architecture, architecture_of, decoder_blocks, decoder_stack
+from lorp.models.architectures import (
+    Architecture,
+    StopForward,
+    architecture_of,
+    decoder_blocks,
+    forward_until_stopped,
+)
 from lorp.models.streaming import device_of
 from lorp.models.surgery import blocks_dropped
 from lorp.repair.stats import RepairStats, Run, mlp_site, rms_unit, run_form
-
-
-class _StopForward(Exception):
-    """Raised once the deepest state any run needs has been seen."""
-
 
 _StateKey = tuple[str, int]
 """A state a hook saw: ("X" | "M" | "out", start s) from the source model, or ("H", j),
@@ -54,7 +55,7 @@ class _StateRecorder:
         """Store `x` under `key`; the rest of the forward is wasted once `owed` is in."""
         self.seen[key] = self.flat(x)
         if owed <= self.seen.keys():
-            raise _StopForward
+            raise StopForward
 
     def missing(self) -> set[_StateKey]:
         """What the batch's forwards owed and never produced (a hook that never fired)."""
@@ -207,9 +208,9 @@ def _batch_inputs(
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """One forward of the decoder stack, until a hook has everything it owes."""
-    with contextlib.suppress(_StopForward):
-        decoder_stack(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+    """One forward of the decoder stack, until a hook has everything it owes (the
+    deepest state any run needs)."""
+    forward_until_stopped(model, ids, mask)
 
 
 def _states(
@@ -263,13 +264,23 @@ def capture_follower_stats(
         for batch in tqdm(batches, total=total, disable=None if progress else True, desc="follow"):
             ids, mask, keep = _batch_inputs(batch, device, skip_prefix)
             seen = _states(
-                model, ids, mask, keep, _StateRecorder(set(), target), contextlib.nullcontext(),
+                model,
+                ids,
+                mask,
+                keep,
+                _StateRecorder(set(), target),
+                contextlib.nullcontext(),
                 lambda rec, handles: _hook_targets(model, stats, rec, handles),
-            )  # fmt: skip
+            )
             seen |= _states(
-                model, ids, mask, keep, _StateRecorder(source, set()), repaired(),
+                model,
+                ids,
+                mask,
+                keep,
+                _StateRecorder(source, set()),
+                repaired(),
                 lambda rec, handles: _hook_sources(blocks, arch, stats, rec, handles),
-            )  # fmt: skip
+            )
             stats.add(*_batch_sums(stats, seen))
     return stats
 

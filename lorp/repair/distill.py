@@ -271,10 +271,15 @@ def distill_fits(
         for p in frozen:
             p.requires_grad_(True)
     record = {
-        "epochs": epochs, "lr": lr, "batch_windows": batch_size, "windows": len(windows),
-        "held_kl": [round(k, 6) for k in heldkl], "train_kl": [round(k, 6) for k in train],
-        "best_epoch": best, "seconds": round(time.perf_counter() - start, 1),
-    }  # fmt: skip
+        "epochs": epochs,
+        "lr": lr,
+        "batch_windows": batch_size,
+        "windows": len(windows),
+        "held_kl": [round(k, 6) for k in heldkl],
+        "train_kl": [round(k, 6) for k in train],
+        "best_epoch": best,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     if len(per_domain) > 1:
         record["held_kl_by_domain"] = {d: [round(k, 6) for k in v] for d, v in per_domain.items()}
     if best == 0:

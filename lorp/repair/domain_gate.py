@@ -122,6 +122,11 @@ def as_unrepaired(
     matrix, scale = unrepaired_matrices(T0, fit.form)
     held = fit.held_unrepaired if fit.held_residual is not None else None
     return replace(
-        fit, matrix=matrix, scale=scale, kept=UNREPAIRED, distilled=None,
-        residual=fit.unrepaired, held_residual=held,
-    )  # fmt: skip
+        fit,
+        matrix=matrix,
+        scale=scale,
+        kept=UNREPAIRED,
+        distilled=None,
+        residual=fit.unrepaired,
+        held_residual=held,
+    )

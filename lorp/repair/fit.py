@@ -108,9 +108,16 @@ def fit_runs(
             continue
         held = {d: held_sums(h, run, A.device) for d, h in stats.held_domains.items()}
         fits.append(
-            validated(form, (A, B, stats.energy[run]), held, T0,
-                      [ridge] if ridge is not None else list(ridges), run, rounds)
-        )  # fmt: skip
+            validated(
+                form,
+                (A, B, stats.energy[run]),
+                held,
+                T0,
+                [ridge] if ridge is not None else list(ridges),
+                run,
+                rounds,
+            )
+        )
     return fits
 
 
@@ -121,9 +128,15 @@ def held_sums(held: RepairStats, run: Run, device: torch.device):  # type: ignor
 
 
 def fit_form(
-    form: Form, A: torch.Tensor, B: torch.Tensor, energy: float, T0: torch.Tensor,
-    ridge: float, run: Run, rounds: int,
-) -> RunFit:  # fmt: skip
+    form: Form,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    energy: float,
+    T0: torch.Tensor,
+    ridge: float,
+    run: Run,
+    rounds: int,
+) -> RunFit:
     if form == "full":
         return fit_full(A, B, energy, T0, ridge=ridge, run=run)
     return fit_normed(A, B, energy, T0, ridge=ridge, run=run, rounds=rounds)

@@ -1,4 +1,4 @@
-"""Mergeable sufficient statistics of the linear repair, and their capture from a model.
+"""Mergeable sufficient statistics of the linear repair (captured by `lorp.repair.capture`).
 
 Removing blocks s..e (a run) leaves block s-1's output at Y + M, where M is what its MLP
 adds to the residual stream and Y the stream it is added to; the dense model had H_e, the
@@ -23,9 +23,9 @@ and the map folds into the embedding matrix (`lorp.repair`).
 
 A follower is a run of no blocks, (k + 1, k): block k is kept, and its map takes the
 state it leaves from where the repaired model puts it to the dense model's H_(k+1)
-(`lorp.repair.followers.fit_followers`). Its sums come from `capture_follower_stats`: X and Y
-from the model pruned and repaired so far, H from the same model dense, two forwards of
-one model per batch.
+(`lorp.repair.followers.fit_followers`). Its sums come from
+`lorp.repair.capture.capture_follower_stats`: X and Y from the model pruned and repaired
+so far, H from the same model dense, two forwards of one model per batch.
 
 `held_domains` carries the same sums over calibration windows held out from the fit (the
 job's loss windows: same split, drawn apart from every fit window), one set per domain of

@@ -172,10 +172,11 @@ def capture_unit_stats(
                     decoder_stack(target)(input_ids=ids, attention_mask=mask, use_cache=False)
                 features = {s: source.seen[("X", s - 1)] for s in stats.starts}
                 targets = {
-                    (s, e): aim.boundary(e + 1) - source.boundary(s)
+                    (s, e): aim.boundary(e + 1)
+                    - source.boundary(s)
                     + source.seen[("M", s - 1)].float()
                     for s, e in stats.runs
-                }  # fmt: skip
+                }
                 ends = {(s, e): aim.boundary(e + 1) for s, e in stats.runs}
                 stats.add(features, targets, ends)
     finally:

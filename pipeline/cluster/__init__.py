@@ -1,2 +1,2 @@
-"""Ray plumbing: joining or starting Ray, point pools, a model as workers receive
+"""Ray plumbing: joining or starting Ray, what its nodes offer, a model as workers receive
 it, test-only fault hooks."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from pipeline.cluster.memory import local_node
+from pipeline.cluster.capacity import local_node
 from pipeline.spec.resources import RaySpec
 
 # Joining a named cluster may take this long (env LORP_RAY_CONNECT_TIMEOUT_S overrides):
@@ -41,7 +41,7 @@ def init_ray(ray_spec: RaySpec) -> None:
     # output (library warnings, progress bars) stays in Ray's session logs unless lorp
     # runs verbose: the driver's own lines are the job's voice, errors come back raised.
     # Its memory from the machine's total, not from what is free at this moment (Ray's
-    # default): the plan's decisions (`pipeline.cluster.memory`) must not depend on
+    # default): the plan's decisions (`pipeline.plan.memory`) must not depend on
     # whether another job just finished or the page cache is full.
     node = local_node(ray_spec.num_cpus)
     ray.init(

@@ -17,12 +17,9 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lorp.models.loading import Kind, ModelRef, hub_revision, materialize
-
-if TYPE_CHECKING:
-    from pipeline.plan import ModelPlan
+from lorp.models.loading import Kind, ModelRef, materialize
 
 
 @dataclass(frozen=True)
@@ -47,23 +44,6 @@ class ModelSource:
     pristine: bool = True
     """A CPU grid worker may keep the model it loaded and copy it per point; false where
     the plan found room for one copy only (then every point loads its own)."""
-
-
-def model_source(plan: ModelPlan, stage: str = "evaluate") -> ModelSource:
-    """The source of a planned model for one stage (capture, evaluate): its reference,
-    pinned where it is a hub id, streamed where the plan says so."""
-    return ModelSource(
-        ref=plan.ref,
-        kind=plan.kind,
-        revision=hub_revision(plan.path) if plan.kind == "hub" else None,
-        fingerprint=plan.fingerprint,
-        dtype=plan.spec.dtype,
-        trust_remote_code=plan.spec.trust_remote_code,
-        allow_pickle=plan.spec.allow_pickle,
-        label=plan.label,
-        streamed=plan.streamed(stage),
-        pristine=plan.copies(stage) >= 2,
-    )
 
 
 def node_name() -> str:

@@ -126,7 +126,7 @@ def open_backend(backend: Backend) -> Iterator[Backend]:
 def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str, Any]:
     """Perplexity on every configured corpus, then the zero-shot tasks, then (vLLM only)
     serving: its medians as metrics, its rounds under `serving`."""
-    from pipeline.evaluation.metrics import corpus_windows, metric_name
+    from pipeline.evaluation.corpora import corpus_windows, metric_name
 
     metrics = {}
     for corpus in spec.perplexity:

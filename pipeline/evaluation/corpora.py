@@ -7,18 +7,28 @@ the first `en` validation shard, through `datasets.load_dataset("allenai/c4",
 data_files={split: file}, split=split)`. WikiText-2 is the raw v1 config, perplexity on
 its test split. A split with no pinned file is refused rather than fetched whole.
 
-Perplexity reads each corpus's `eval_split` (`pipeline.evaluation.metrics.EVAL_SPLITS`);
-calibration reads the split its spec names.
+Perplexity reads each corpus's `eval_split` (`EVAL_SPLITS`); calibration reads the split
+its spec names. Perplexity follows the paper: non-overlapping `seq_len` windows of the
+test split (`corpus_windows`), exp(mean NLL) over all predicted tokens
+(`lorp.models.perplexity`). With a BOS policy that adds one (`evaluation.bos`, see
+`lorp.data`), every window is BOS + `seq_len` text tokens, so each text token is
+predicted exactly once. A corpus's figure is the catalog column `ppl_<corpus>`
+(`metric_name`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorp.data.corpora import CORPUS_ALIASES, Corpus, load_corpus
+import torch
+
+from lorp.data.corpora import CORPUS_ALIASES, Corpus, load_corpus, tokenize_documents
+from lorp.data.windows import eval_windows, prepend_bos, resolve_bos
+from pipeline.spec.evaluation import EvaluationSpec
 
 
 @dataclass(frozen=True)
@@ -91,3 +101,22 @@ def load_any_corpus(name: str, split: str, text_field: str = "text") -> Corpus:
     if not docs:
         raise ValueError(f"dataset {name!r} ({split}) is empty")
     return Corpus(name, split, docs)
+
+
+# The split perplexity reads, per corpus name; anything else (ptb, local files): "test".
+EVAL_SPLITS = {"ptb": "test"} | {name: c.eval_split for name, c in HUB_CORPORA.items()}
+
+
+def metric_name(corpus: str) -> str:
+    stem = re.sub(r"[^a-z0-9]+", "_", corpus.lower().rsplit("/", 1)[-1].rsplit(".", 1)[0])
+    return f"ppl_{stem.strip('_')}"
+
+
+def corpus_windows(tokenizer: Any, corpus: str, spec: EvaluationSpec) -> torch.Tensor:
+    """The corpus's evaluation windows [n, seq_len (+1 with BOS)]."""
+    docs = load_any_corpus(corpus, EVAL_SPLITS.get(corpus, "test"))
+    ids = tokenize_documents(tokenizer, docs)
+    joined = [t for d in ids for t in d.tolist()]
+    windows = eval_windows(joined, spec.seq_len, spec.max_windows)
+    bos = resolve_bos(tokenizer, spec.bos)
+    return prepend_bos(windows, bos) if bos is not None else windows

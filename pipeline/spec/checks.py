@@ -20,7 +20,7 @@ def positive(name: str, value: int, minimum: int = 1) -> None:
 
 def check_storage(location: str, field: str = "storage") -> None:
     """Opens the filesystem (pyarrow resolves the scheme and its options) before any work."""
-    from pipeline.storage import Storage
+    from pipeline.storage.store import Storage
 
     try:
         Storage(location)

@@ -92,7 +92,7 @@ class EvaluationSpec:
     the perplexity corpora's domains). Default: the worst domain of each variant."""
     tensor_parallel_size: int | str = "auto"
     """vLLM tensor parallelism per evaluation actor: auto (on GPUs, the fewest GPUs whose
-    memory holds the model, `pipeline.cluster.memory.tensor_parallel`; 1 on CPUs) or a
+    memory holds the model, `pipeline.plan.memory.tensor_parallel`; 1 on CPUs) or a
     number, checked against the model while planning."""
     serving: ServingSpec | None = None
     """Serving throughput of the dense model and every variant through vLLM (the vllm

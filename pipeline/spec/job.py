@@ -17,6 +17,7 @@ from pipeline.spec.domains import check_domains, domain_of, domains_of, uncovere
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
 from pipeline.spec.names import distinct_when_stored
+from pipeline.spec.repair import RepairSettings
 from pipeline.spec.resources import RaySpec, ResourcesSpec
 from pipeline.spec.tracking import TrackingSpec
 
@@ -175,10 +176,22 @@ class JobSpec:
             out += uncovered(calibrated, ev.perplexity, self.domains)
         return out
 
+    @property
+    def repair_settings(self) -> RepairSettings:
+        """The repair fields as one value (`pipeline.spec.repair`)."""
+        return RepairSettings(
+            self.repair,
+            self.repair_rounds,
+            self.repair_ridge,
+            self.repair_followers,
+            self.repair_distill,
+            float(self.repair_distill_lr),
+            self.repair_gate,
+        )
+
     def distill_epochs(self, method: MethodSpec | None) -> int:
         """Epochs of distillation of `method`'s repaired twins: its own, else the job's."""
-        own = method.repair_distill if method is not None else None
-        return self.repair_distill if own is None else own
+        return self.repair_settings.distill_epochs(method)
 
     @property
     def distills(self) -> bool:
@@ -188,7 +201,7 @@ class JobSpec:
     @property
     def ridge_value(self) -> float | None:
         """`repair_ridge` as `lorp.repair.fit.fit_runs` takes it (None: auto)."""
-        return None if self.repair_ridge == "auto" else float(self.repair_ridge)
+        return self.repair_settings.ridge_value
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -281,7 +294,7 @@ class JobSpec:
             )
 
     def _check_catalog_table(self) -> None:
-        from pipeline.storage import delta_location
+        from pipeline.storage.store import delta_location
 
         try:
             delta_location(str(self.catalog))
@@ -309,8 +322,10 @@ class JobSpec:
 
     def _read_older_checkpoint_fields(self) -> None:
         """`save_checkpoints` and `checkpoint_format` as `checkpoints` (once: cleared after)."""
-        fields = {"save_checkpoints": self.save_checkpoints,
-                  "checkpoint_format": self.checkpoint_format}  # fmt: skip
+        fields = {
+            "save_checkpoints": self.save_checkpoints,
+            "checkpoint_format": self.checkpoint_format,
+        }
         old = {k: v for k, v in fields.items() if v is not None}
         if not old:
             return
@@ -346,8 +361,11 @@ class JobSpec:
             "models", [m.label for m in self.models], "give one a distinct name", registered=True
         )
         twins = [r for r in self.repair if r != "none"]  # a repaired twin is `<label>+<repair>`
-        slots = [m.key if g == "block" else f"{m.key}-{g}"  # `GridPoint.label`
-                 for g in self.granularity for m in self.methods]  # fmt: skip
+        slots = [
+            m.key if g == "block" else f"{m.key}-{g}"  # `GridPoint.label`
+            for g in self.granularity
+            for m in self.methods
+        ]
         unique("methods", slots, hint="a sub-layer point's label is <label>-<granularity>")
         distinct_when_stored(
             "methods",

@@ -33,7 +33,7 @@ def distinct_when_stored(
     for label in labels:
         forms = [("a directory", safe_name(label))]
         # a label with nothing left is registered as `lorp-model`
-        # (`pipeline.records.model_registry.registered_name`): so is one named `model`
+        # (`pipeline.tracking.registry.registered_name`): so is one named `model`
         stem = registry_stem(label) or "model"
         forms += [("a registered model name", stem)] if registered else []
         for form in forms:

@@ -156,10 +156,13 @@ def heldout_windows(
         fit = window_offsets(d, fit_counts[i], spec.seq_len, spec.seed + i * mix, label)
         held = window_offsets(
             d, held_counts[i], spec.seq_len, spec.seed + 1 + i, f"{label}'s held-out part", fit
-        )  # fmt: skip
+        )
         blocks.append(cut(d, held, spec.seq_len))
-    windows, source = interleave(blocks, spec.seed + 1) if mix else (blocks[0], np.zeros(
-        len(blocks[0]), dtype=int))  # fmt: skip
+    windows, source = (
+        interleave(blocks, spec.seed + 1)
+        if mix
+        else (blocks[0], np.zeros(len(blocks[0]), dtype=int))
+    )
     windows = prepend_bos(windows, bos) if bos is not None else windows
     fps = [
         calibration_fingerprint(c, spec.loss_samples, spec.seq_len, spec.seed + 1, bos_id=bos)

@@ -26,9 +26,9 @@ from lorp.locality.similarity_stats import SimilarityStats
 from lorp.repair.stats import RepairStats
 from pipeline.cluster.faults import maybe_fail
 from pipeline.cluster.model_source import load_checked
+from pipeline.events import timeline
+from pipeline.events.timeline import span
 from pipeline.messages import CaptureTask, Shard
-from pipeline.records import timeline
-from pipeline.records.timeline import span
 from pipeline.stages.worker_setup import device_for, pin_threads
 
 

@@ -2,7 +2,7 @@
 `lorp-loss` and `finercut` consume, served by Ray actors, and a cache of their selections.
 
 Each `LossWorker` actor loads the dense model once and scores candidate block sets on the
-held-out calibration windows (`lorp.methods.removal_loss.LossEvaluator`: blocks dropped in memory,
+held-out calibration windows (`lorp.scoring.removal_loss.LossEvaluator`: blocks dropped in memory,
 no checkpoint written). `RayLosses` splits each batch of candidates over the actors, so the
 candidates of one greedy step run in parallel, and records every batch with the time span
 each actor spent on its share (`events.jsonl`, event `losses`). The held-out windows are
@@ -40,13 +40,13 @@ import ray
 
 from lorp import Selection
 from lorp.methods.registry import MEASURES, jsonable
-from pipeline.cluster.model_source import load_checked, model_source
+from pipeline.cluster.model_source import load_checked
+from pipeline.events import timeline
 from pipeline.messages import LossTask
-from pipeline.records import timeline
 from pipeline.spec.evaluation import EvaluationSpec
-from pipeline.spec.job import JobSpec
 from pipeline.spec.resources import Resources
-from pipeline.storage import Storage
+from pipeline.stages.settings import StageSettings
+from pipeline.storage.store import Storage
 
 
 def loss_task(
@@ -55,7 +55,7 @@ def loss_task(
     """What every loss worker of `plan`'s model receives: the grid's resources, batches of
     the evaluation's size (larger where the model is streamed)."""
     batch = plan.batch("evaluate", evaluation.batch_size)
-    return LossTask(model_source(plan), windows, batch, grid)
+    return LossTask(plan.source(), windows, batch, grid)
 
 
 @ray.remote
@@ -66,7 +66,7 @@ class LossWorker:
         start = timeline.actor_start(submitted)
         import torch
 
-        from lorp.methods.removal_loss import LossEvaluator
+        from lorp.scoring.removal_loss import LossEvaluator
 
         torch.set_num_threads(max(1, int(task.resources.num_cpus)))
         device = "cuda" if task.resources.num_gpus > 0 else "cpu"
@@ -165,7 +165,7 @@ class RayLosses:
     def score(
         self, candidates: list[tuple[int, ...]], memo: LossMemo, units: bool, measure: str = "nll"
     ) -> list[float]:
-        from pipeline.records.progress import duration
+        from pipeline.events.progress import duration
 
         todo = memo.missing(candidates)
         spans: list[dict[str, Any]] = []
@@ -262,8 +262,7 @@ class LossSelector:
 
     def __init__(
         self,
-        spec: JobSpec,
-        force: bool,
+        stage: StageSettings,
         plan: Any,
         stats: Any,
         stats_key: str,
@@ -273,14 +272,12 @@ class LossSelector:
         unit_stats: Any = None,
     ) -> None:
         """`record(candidates=, evaluated=, spans=)` records each scored batch; `note`
-        says a log line; `force` re-selects and re-scores what the caches hold;
-        `unit_stats`: the sub-layer S, where the job has sub-layer points."""
-        from pipeline.stages.statistics import stats_store
-
-        self.spec, self.force, self.plan, self.stats = spec, force, plan, stats
+        says a log line; `unit_stats`: the sub-layer S, where the job has sub-layer points.
+        `stage.force` re-selects and re-scores what the caches hold."""
+        self.stage, self.force, self.plan, self.stats = stage, stage.force, plan, stats
         self.profile, self.stats_key = profile, stats_key
         self.record, self.note = record, note
-        self.cache = SelectionCache(stats_store(spec.cache_dir, spec.storage).sub("selections"))
+        self.cache = SelectionCache(stage.cache.sub("selections"))
         self.unit_stats = unit_stats
         self.heldout: tuple[np.ndarray, str] | None = None
         self.losses: RayLosses | None = None
@@ -296,9 +293,13 @@ class LossSelector:
             memo = losses.memo if measure == "nll" else self._memo(False, measure)
             scored = losses.scorer(memo, False, measure)
             return select_layers(
-                self.stats, budget, method.name, profile=self.profile, losses=scored,
+                self.stats,
+                budget,
+                method.name,
+                profile=self.profile,
+                losses=scored,
                 **method.options,
-            )  # fmt: skip
+            )
 
         return self._cached(method, budget, "block", run)
 
@@ -325,8 +326,8 @@ class LossSelector:
     ) -> tuple[Selection, float]:
         """The selection `run` makes with the actors' losses, or the cache's."""
         from lorp.methods import validate_options
-        from pipeline.plan import content_key
-        from pipeline.records.progress import duration
+        from pipeline.events.progress import duration
+        from pipeline.plan.grid import content_key
 
         windows, fp = self._heldout()
         options = validate_options(method.name, method.options)
@@ -351,28 +352,25 @@ class LossSelector:
             from pipeline.stages.calibration import heldout_windows
             from pipeline.stages.statistics import plan_tokenizer
 
-            cal = self.spec.calibration_for(self.plan.spec)
-            held = heldout_windows(plan_tokenizer(self.plan), cal, self.spec.domains)
+            cal, domains = self.plan.calibration, dict(self.stage.domains)
+            held = heldout_windows(plan_tokenizer(self.plan), cal, domains)
             self.heldout = held.windows, held.fingerprint
         return self.heldout
 
     def _losses(self, windows: np.ndarray, heldout_fp: str) -> RayLosses:
         if self.losses is None:
-            from pipeline.plan import content_key
-            from pipeline.stages.statistics import stats_store
+            from pipeline.plan.grid import content_key
 
-            spec = self.spec
-            task = loss_task(spec.evaluation, spec.resources.grid, self.plan, windows)
+            stage = self.stage
+            task = loss_task(stage.evaluation, stage.resources.grid, self.plan, windows)
             res = task.resources
             device = "cuda" if res.num_gpus > 0 else "cpu"
             key = content_key(
                 self.plan.fingerprint, heldout_fp, self.plan.spec.dtype, task.batch_size, device
             )
             self.memo_key = key
-            memo = LossMemo(
-                stats_store(spec.cache_dir, spec.storage).sub("losses"), key, fresh=self.force
-            )
-            n = spec.resources.loss_workers or spec.resources.max_concurrent_points
+            memo = LossMemo(stage.cache.sub("losses"), key, fresh=self.force)
+            n = stage.resources.loss_workers or stage.resources.max_concurrent_points
             self.losses = RayLosses(task, n, self.record, memo, self.note)
         return self.losses
 
@@ -380,10 +378,9 @@ class LossSelector:
         """The values of sub-layer candidates, or of another measure, kept apart from the
         block candidates' losses (whose memo keeps the key it always had)."""
         if (units, measure) not in self.memos:
-            from pipeline.plan import content_key
-            from pipeline.stages.statistics import stats_store
+            from pipeline.plan.grid import content_key
 
-            store = stats_store(self.spec.cache_dir, self.spec.storage).sub("losses")
+            store = self.stage.cache.sub("losses")
             parts = [*(["units"] if units else []), *([measure] if measure != "nll" else [])]
             key = content_key(self.memo_key, *parts)
             self.memos[units, measure] = LossMemo(store, key, fresh=self.force)
@@ -399,12 +396,12 @@ class LossSelector:
 def _repaired_losses(
     task: LossTask, stats: Any, runs: list[tuple[int, int]], ridge: float | None, units: bool
 ) -> list[float]:
-    """`lorp.methods.window_scores.window_losses` (`units`: of sub-layer units) on one
+    """`lorp.scoring.window_scores.window_losses` (`units`: of sub-layer units) on one
     worker: the dense model loaded once, each run removed and its map applied in turn,
     scored on the held-out windows."""
     import torch
 
-    from lorp.methods.window_scores import window_losses
+    from lorp.scoring.window_scores import window_losses
 
     torch.set_num_threads(max(1, int(task.resources.num_cpus)))
     device = "cuda" if task.resources.num_gpus > 0 else "cpu"
@@ -417,12 +414,11 @@ def _repaired_losses(
 
 
 def repaired_window_losses(
-    spec: JobSpec,
+    stage: StageSettings,
     plan: Any,
     stats: Any,
     stats_key: str,
     runs: list[tuple[int, int]],
-    force: bool,
     units: bool = False,
 ) -> tuple[dict[tuple[int, int], float], int]:
     """Run -> the held-out calibration loss of `plan`'s model with that run removed and
@@ -430,23 +426,31 @@ def repaired_window_losses(
     sub-layer units), and how many were scored now: one task on the grid's resources
     scores the runs its memo does not hold (kept in storage by the repair sums' key, the
     held-out windows and the ridge)."""
-    from pipeline.plan import content_key
+    from pipeline.plan.grid import content_key
     from pipeline.stages.calibration import heldout_windows
-    from pipeline.stages.statistics import plan_tokenizer, stats_store
+    from pipeline.stages.statistics import plan_tokenizer
 
-    held = heldout_windows(plan_tokenizer(plan), spec.calibration_for(plan.spec), spec.domains)
+    held = heldout_windows(plan_tokenizer(plan), plan.calibration, dict(stage.domains))
     windows, fp = held.windows, held.fingerprint
-    task = loss_task(spec.evaluation, spec.resources.grid, plan, windows)
+    task = loss_task(stage.evaluation, stage.resources.grid, plan, windows)
     res = task.resources
     device = "cuda" if res.num_gpus > 0 else "cpu"
     key = content_key(
-        plan.fingerprint, fp, "repaired", stats_key, spec.repair_ridge, spec.repair_rounds,
-        plan.spec.dtype, task.batch_size, device, *(["units"] if units else []),
-    )  # fmt: skip
-    memo = LossMemo(stats_store(spec.cache_dir, spec.storage).sub("losses"), key, fresh=force)
+        plan.fingerprint,
+        fp,
+        "repaired",
+        stats_key,
+        stage.repair.ridge,
+        stage.repair.rounds,
+        plan.spec.dtype,
+        task.batch_size,
+        device,
+        *(["units"] if units else []),
+    )
+    memo = LossMemo(stage.cache.sub("losses"), key, fresh=stage.force)
     todo = memo.missing([(int(s), int(e)) for s, e in runs])
     if todo:  # only the runs to score travel: at large d each run's sums are d x d
         call = _repaired_losses.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=2)
-        scored = call.remote(task, stats.subset(todo), todo, spec.ridge_value, units)
+        scored = call.remote(task, stats.subset(todo), todo, stage.repair.ridge_value, units)
         memo.add(todo, ray.get(scored))
     return {(int(s), int(e)): memo.losses[(s, e)] for s, e in runs}, len(todo)

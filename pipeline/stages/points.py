@@ -17,14 +17,15 @@ from typing import Any
 
 import ray
 
+from lorp.provenance import with_repair_runs
 from pipeline.cluster.faults import maybe_fail
 from pipeline.cluster.model_source import load_checked
+from pipeline.events.timeline import span
 from pipeline.messages import FollowerWindows, PointResult, PointTask
-from pipeline.records.timeline import span
 from pipeline.stages.point_evaluation import evaluate_point, zero_shot_info
 from pipeline.stages.sublayer_points import held_windows
 from pipeline.stages.worker_setup import device_for, pin_threads
-from pipeline.storage import Storage, scratch_dir
+from pipeline.storage.store import Storage, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,7 @@ def _execute_point(task: PointTask) -> PointResult:
     kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
     params = count_params(lm.model)
     records = [f.record() for f in fits]
-    provenance = task.provenance
-    if task.repair:
-        provenance = {**provenance, "repair": {**(provenance.get("repair") or {}), "runs": records}}
+    provenance = with_repair_runs(task.provenance, records) if task.repair else task.provenance
     with scratch_dir() as scratch:
         saved = _save_checkpoint(task, lm, scratch, provenance, fits)
         metrics = evaluate_point(task, lm, saved or lm.path, scratch)
@@ -204,10 +203,17 @@ def _followers(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
     assert rt is not None and rt.windows is not None
     fw: FollowerWindows = ray.get(rt.windows)
     return fit_followers(
-        model, fits, task.layers, torch.from_numpy(fw.windows).long(),
-        held_windows(fw), rt.followers, ridge=rt.ridge, rounds=rt.rounds,
-        batch_size=fw.batch_size, skip_prefix=fw.skip_prefix,
-    )  # fmt: skip
+        model,
+        fits,
+        task.layers,
+        torch.from_numpy(fw.windows).long(),
+        held_windows(fw),
+        rt.followers,
+        ridge=rt.ridge,
+        rounds=rt.rounds,
+        batch_size=fw.batch_size,
+        skip_prefix=fw.skip_prefix,
+    )
 
 
 def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
@@ -221,11 +227,16 @@ def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
     assert rt is not None and rt.windows is not None
     fw: FollowerWindows = ray.get(rt.windows)
     return distill_fits(
-        model, fits, task.layers, torch.from_numpy(fw.windows).long(),
-        held_windows(fw), epochs=rt.distill, lr=rt.distill_lr,
+        model,
+        fits,
+        task.layers,
+        torch.from_numpy(fw.windows).long(),
+        held_windows(fw),
+        epochs=rt.distill,
+        lr=rt.distill_lr,
         batch_size=min(fw.batch_size, DEFAULT_BATCH),
         say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
-    )  # fmt: skip
+    )
 
 
 def _save_checkpoint(
@@ -243,15 +254,21 @@ def _save_checkpoint(
     if task.checkpoint_format == "manifest":  # the base by reference, the changed tensors
         from lorp.models.variant_manifest import BaseRef, write_manifest
         from lorp.repair.fold import file_folds
-        from pipeline.stored_bases import stored_base_uri
+        from pipeline.storage.bases import stored_base_uri
 
         m = task.model
         stored = stored_base_uri(task.storage, m.kind, m.fingerprint)  # the preparation's copy
         base = BaseRef(m.ref, m.kind, m.fingerprint, m.revision, stored)
         write_manifest(
-            lm.path, local, base, task.layers, provenance,
-            changes=file_folds(fits) if fits else None, dtype=m.dtype, overwrite=True,
-        )  # fmt: skip
+            lm.path,
+            local,
+            base,
+            task.layers,
+            provenance,
+            changes=file_folds(fits) if fits else None,
+            dtype=m.dtype,
+            overwrite=True,
+        )
     elif task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
         from lorp.models.file_surgery import write_pruned_files
         from lorp.repair.fold import file_folds

@@ -1,5 +1,5 @@
 """Where grid points run on Ray: as tasks (transformers, no evaluation) or on vLLM
-evaluator actors. The fleet (`pipeline.fleet`) decides when.
+evaluator actors. The fleet (`pipeline.driver.fleet`) decides when.
 
 Retries are Ray's: a point task is retried when its worker dies (`max_retries`), an
 evaluator actor is restarted and its call retried (`max_restarts`, `max_task_retries`); a

@@ -12,10 +12,10 @@ import ray
 
 from lorp.models.streaming import device_of
 from pipeline.cluster.model_source import load_checked
+from pipeline.events.timeline import span
 from pipeline.messages import SpeedTask
-from pipeline.records.timeline import span
 from pipeline.stages.worker_setup import device_for, pin_threads
-from pipeline.storage import Storage
+from pipeline.storage.store import Storage
 
 MAX_SPEED_ROUNDS = 120
 """Rounds at most per group of variants (the budget usually ends them first)."""

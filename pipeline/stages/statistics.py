@@ -23,14 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from lorp.cache import cache_root
 from lorp.locality.similarity_stats import SimilarityStats
 from lorp.repair.stats import RepairStats
-from pipeline.cluster.model_source import model_source
 from pipeline.messages import CaptureTask, FollowerWindows, Shard
-from pipeline.plan import ModelPlan, content_key
+from pipeline.plan.grid import ModelPlan, content_key
 from pipeline.spec.calibration import CalibrationSpec
-from pipeline.spec.job import JobSpec
 from pipeline.spec.resources import Resources
 from pipeline.stages.calibration import (
     CalibrationShards,
@@ -44,7 +41,7 @@ from pipeline.stages.capture import (
     start_capture_workers,
     stop_workers,
 )
-from pipeline.storage import Storage
+from pipeline.stages.settings import StageSettings
 
 
 @dataclass(frozen=True)
@@ -66,17 +63,7 @@ class ModelStats:
     then the file holds it and `stats` is its block S (`SimilarityStats.block_stats`)."""
 
 
-def stats_store(cache_dir: str | None, storage: str | None) -> Storage:
-    """Where S files (and loss-guided selections) are cached: the job's `cache_dir`, else
-    `stats/` in its `storage`, else lorp's cache."""
-    if cache_dir:
-        return Storage(cache_dir)
-    if storage:
-        return Storage(storage).sub("stats")
-    return Storage(cache_root() / "stats")
-
-
-def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool) -> ModelStats:
+def model_statistics(stage: StageSettings, plan: ModelPlan) -> ModelStats:
     """S of `plan`'s model on the job's calibration set: from the cache, else captured.
 
     Where the cache has no note of S for this model and calibration spec (its first
@@ -85,14 +72,14 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
     windows. The note sits beside S in the cache, so every job sharing it knows; should
     S turn out cached anyway (a note lost), the early workers go unused.
     """
-    store = stats_store(spec.cache_dir, spec.storage)
-    cal, workers = spec.calibration_for(plan.spec), spec.resources.capture_workers
-    units = spec.sublayers  # one capture of the 2N + 1 boundaries serves every granularity
+    store, force, run_dir = stage.cache, stage.force, stage.run_dir
+    cal, workers = plan.calibration, stage.resources.capture_workers
+    units = stage.sublayers  # one capture of the 2N + 1 boundaries serves every granularity
     pointer = f"{plan.stats_key(content_key(asdict(cal)), units)}.name"
     early: list[Any] = []
     noted = store.read_bytes(pointer) is not None
     if force or not noted:
-        early = start_capture_workers(_early_task(spec, plan), cal.shards, workers)
+        early = start_capture_workers(_early_task(stage, plan), cal.shards, workers)
     try:
         shards = calibration_shards(cal, plan, run_dir)
         name = f"{plan.stats_key(shards.fingerprint, units)}.npz"
@@ -105,7 +92,7 @@ def model_statistics(spec: JobSpec, plan: ModelPlan, run_dir: Path, force: bool)
             uri = store.uri(name)
             return _model_stats(stats, local, "cache", 0.0, uri, shards, len(early))
         start = time.perf_counter()
-        task = capture_task(spec.resources.capture, cal, plan, shards, units)
+        task = capture_task(stage.resources.capture, cal, plan, shards, units)
         stats = distributed_capture(task, load_shards(shards), workers, actors=early or None)
     except BaseException:
         stop_workers(early)
@@ -139,12 +126,10 @@ class ModelRepairStats:
 
 
 def repair_statistics(
-    spec: JobSpec,
+    stage: StageSettings,
     plan: ModelPlan,
     shards: CalibrationShards,
     runs: list[tuple[int, int]],
-    run_dir: Path,
-    force: bool,
     units: bool = False,
 ) -> ModelRepairStats:
     """The repair sums of every run `plan`'s repaired points need, over S's calibration
@@ -153,64 +138,84 @@ def repair_statistics(
     cache or computed by capture workers: one model load per worker, as few passes as
     `resources.repair_memory_gib` allows (runs deduplicated across methods and budgets;
     runs from one start share A_s). `units`: runs of sub-layer units, summed alike."""
-    from lorp.repair.stats import FORMAT_VERSION, repair_passes
+    from lorp.repair.stats import repair_passes
 
     runs = sorted(set(runs))
-    cal = spec.calibration_for(plan.spec)
-    held = _held_windows(spec, cal, plan)
-    domains = held.domains
-    key = content_key(
-        plan.stats_key(shards.fingerprint), "repair", FORMAT_VERSION, runs, held.fingerprint,
-        *([sorted(set(domains)), list(domains)] if len(set(domains)) > 1 else []),
-        *(["units"] if units else []),
-    )  # fmt: skip
-    store, name = stats_store(spec.cache_dir, spec.storage), f"repair-{key}.npz"
-    local = store.local_path(name) or run_dir / "stats" / name
-    if not force and store.get_file(name, local):
+    cal, held = plan.calibration, _held_windows(stage, plan)
+    key = repair_key(plan, shards, runs, held, units)
+    store, name = stage.cache, f"repair-{key}.npz"
+    local = store.local_path(name) or stage.run_dir / "stats" / name
+    if not stage.force and store.get_file(name, local):
         stats = RepairStats.from_file(local)
         if stats.model_fingerprint != plan.fingerprint or stats.runs != runs:
             raise ValueError(f"cached repair statistics {str(local)!r} are not {plan.label}'s")
         return ModelRepairStats(stats, "cache", 0.0, 0, store.uri(name), local)
     start = time.perf_counter()
     hidden = _hidden_size(plan)
-    budget = plan.repair_bytes(int(spec.resources.repair_memory_gib * 2**30))
+    budget = plan.repair_bytes(int(stage.resources.repair_memory_gib * 2**30))
     try:
         passes = repair_passes(runs, hidden, budget)
     except ValueError as exc:
         raise ValueError(f"resources.repair_memory_gib: {exc}") from None
-    task = capture_task(spec.resources.capture, cal, plan, shards)
-    workers = spec.resources.capture_workers
+    task = capture_task(stage.resources.capture, cal, plan, shards)
+    workers = stage.resources.capture_workers
     parts = {d: Shard(f"held-out {d}", w.astype(np.int32)) for d, w in held.by_domain().items()}
     stats = distributed_repair_capture(task, load_shards(shards), passes, workers, parts, units)
     seconds = time.perf_counter() - start
-    stats.extra.update({"capture_seconds": seconds, "passes": len(passes),
-                        "held_out": held.fingerprint})  # fmt: skip
+    stats.extra.update(
+        {"capture_seconds": seconds, "passes": len(passes), "held_out": held.fingerprint}
+    )
     stats.to_file(local)
     store.put_file(local, name)
     return ModelRepairStats(stats, "computed", seconds, len(passes), store.uri(name), local)
 
 
-def follower_windows(spec: JobSpec, plan: ModelPlan, shards: CalibrationShards) -> FollowerWindows:
+def repair_key(
+    plan: ModelPlan,
+    shards: CalibrationShards,
+    runs: list[tuple[int, int]],
+    held: HeldOutWindows,
+    units: bool,
+) -> str:
+    """The repair sums' cache key: S's calibration shards, the runs, the held-out windows
+    and their domains (where there are several), unit runs apart."""
+    from lorp.repair.stats import FORMAT_VERSION
+
+    domains = held.domains
+    return content_key(
+        plan.stats_key(shards.fingerprint),
+        "repair",
+        FORMAT_VERSION,
+        runs,
+        held.fingerprint,
+        *([sorted(set(domains)), list(domains)] if len(set(domains)) > 1 else []),
+        *(["units"] if units else []),
+    )
+
+
+def follower_windows(
+    stage: StageSettings, plan: ModelPlan, shards: CalibrationShards
+) -> FollowerWindows:
     """The windows a repaired point fits its follower maps on (S's calibration shards, in
     shard order) and validates them, its distillation and its whole repair on (the
     held-out windows, each with its domain): tokens, not sums, since a follower's inputs
     depend on the point's own maps."""
-    ev, cal = spec.evaluation, spec.calibration_for(plan.spec)
+    ev, cal = stage.evaluation, plan.calibration
     windows = np.concatenate([s.windows for s in load_shards(shards)])
-    held = _held_windows(spec, cal, plan)
+    held = _held_windows(stage, plan)
     # Per forward, no more tokens than the point's evaluation takes: its memory plan
-    # (`pipeline.cluster.memory`) covers the follower's forwards too.
+    # (`pipeline.plan.memory`) covers the follower's forwards too.
     tokens = plan.batch("evaluate", ev.batch_size) * (ev.seq_len + 1)
     batch = max(1, min(plan.batch("capture", cal.batch_size), tokens // windows.shape[1]))
     skip = int(shards.bos is not None)
     return FollowerWindows(windows, held.windows.astype(np.int32), skip, batch, held.domains)
 
 
-def _held_windows(spec: JobSpec, calibration: CalibrationSpec, plan: ModelPlan) -> HeldOutWindows:
+def _held_windows(stage: StageSettings, plan: ModelPlan) -> HeldOutWindows:
     """The held-out calibration windows (`pipeline.stages.calibration.heldout_windows`)."""
     from pipeline.stages.calibration import heldout_windows
 
-    return heldout_windows(plan_tokenizer(plan), calibration, spec.domains)
+    return heldout_windows(plan_tokenizer(plan), plan.calibration, dict(stage.domains))
 
 
 def plan_tokenizer(plan: ModelPlan) -> Any:
@@ -237,7 +242,7 @@ def capture_task(
     """What every capture worker of `plan`'s model receives (`sublayers`: S over the 2N + 1
     sub-layer boundaries)."""
     return CaptureTask(
-        model=model_source(plan, "capture"),
+        model=plan.source("capture"),
         calibration=shards.fingerprint,
         resources=resources,
         batch_size=plan.batch("capture", calibration.batch_size),
@@ -246,12 +251,15 @@ def capture_task(
     )
 
 
-def _early_task(spec: JobSpec, plan: ModelPlan) -> CaptureTask:
+def _early_task(stage: StageSettings, plan: ModelPlan) -> CaptureTask:
     """The capture task before the shards exist: their calibration comes with them."""
-    res = spec.resources.capture
-    batch = plan.batch("capture", spec.calibration_for(plan.spec).batch_size)
-    return CaptureTask(model=model_source(plan, "capture"), calibration="", resources=res,
-                       batch_size=batch, sublayers=spec.sublayers)  # fmt: skip
+    return CaptureTask(
+        model=plan.source("capture"),
+        calibration="",
+        resources=stage.resources.capture,
+        batch_size=plan.batch("capture", plan.calibration.batch_size),
+        sublayers=stage.sublayers,
+    )
 
 
 def load_shards(shards: CalibrationShards) -> list[Shard]:

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorp.provenance import with_repair_runs
 from pipeline.messages import FollowerWindows, PointResult, PointTask
-from pipeline.storage import Storage, scratch_dir
+from pipeline.storage.store import Storage, scratch_dir
 
 
 def held_windows(fw: FollowerWindows) -> dict[str, Any]:
@@ -42,19 +43,24 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
     remove_sublayers(lm.model, task.units)
     params = count_params(lm.model)
     records = [f.record() for f in fits]
-    provenance = dict(task.provenance)
-    if task.repair:
-        provenance["repair"] = {**(provenance.get("repair") or {}), "runs": records}
+    provenance = with_repair_runs(task.provenance, records) if task.repair else task.provenance
     backend = task.backend if task.checkpoint or task.backend != "vllm" else "transformers"
     with scratch_dir() as scratch:
         saved = _save(task, lm, scratch, provenance, fits)
         metrics = evaluate_point(task, lm, saved or lm.path, scratch, backend)
     serving = metrics.pop("serving", None) or {}
     return PointResult(
-        task.grid_key, list(range(lm.n_blocks)), int(params), int(params_dense), metrics,
-        time.perf_counter() - start, zero_shot_info(task.evaluation, metrics), records,
-        serving, backend=backend if backend != task.backend else None,
-    )  # fmt: skip
+        task.grid_key,
+        list(range(lm.n_blocks)),
+        int(params),
+        int(params_dense),
+        metrics,
+        time.perf_counter() - start,
+        zero_shot_info(task.evaluation, metrics),
+        records,
+        serving,
+        backend=backend if backend != task.backend else None,
+    )
 
 
 def _save(
@@ -79,7 +85,7 @@ def _save(
         changed = folded_parameters(lm.model, fits)
     if task.checkpoint_format == "manifest":
         from lorp.models.variant_manifest import BaseRef, write_unit_manifest
-        from pipeline.stored_bases import stored_base_uri
+        from pipeline.storage.bases import stored_base_uri
 
         stored = stored_base_uri(task.storage, m.kind, m.fingerprint)  # the preparation's copy
         base = BaseRef(m.ref, m.kind, m.fingerprint, m.revision, stored)
@@ -117,16 +123,26 @@ def _unit_repair(task: PointTask, model: Any) -> list[Any]:
     fw: FollowerWindows | None = ray.get(rt.windows) if rt.windows is not None else None
     if rt.distill and fw is not None:
         fits = distill_fits(
-            model, fits, cut, _tokens(fw.windows), held_windows(fw), epochs=rt.distill,
-            lr=rt.distill_lr, batch_size=min(fw.batch_size, DEFAULT_BATCH),
+            model,
+            fits,
+            cut,
+            _tokens(fw.windows),
+            held_windows(fw),
+            epochs=rt.distill,
+            lr=rt.distill_lr,
+            batch_size=min(fw.batch_size, DEFAULT_BATCH),
             say=lambda line: log.info("%s %s: %s", task.model.label, task.name, line),
-        )  # fmt: skip
+        )
         candidates.insert(0, ("distilled", list(fits)))
     if fw is not None and rt.gate:
         gate = gate_repair(
-            model, cut, candidates, held_windows(fw), fw.batch_size,
+            model,
+            cut,
+            candidates,
+            held_windows(fw),
+            fw.batch_size,
             unrepaired=lambda fit: unit_T0(model, fit.run, fit.form),
-        )  # fmt: skip
+        )
         log.info("%s %s: repair gate kept %s", task.model.label, task.name, gate.kept)
         fits = list(gate.fits)
         if fits:

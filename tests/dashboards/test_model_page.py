@@ -18,11 +18,29 @@ def test_held_out_judgement_ranks_and_marks_what_fits_only_calibration_text() ->
     judged = {"judged_on": "lee"}
     rows = [
         row(method="dense", budget=0, ppl_ptb=10.0, ppl_lee=20.0, ppl_ratio=1.0, **judged),
-        row(method="lorp", budget=1, ppl_ptb=11.0, ppl_lee=60.0, ratio_ptb=1.1, ratio_lee=3.0,
-            ppl_ratio=3.0, fits_calibration_only=True, **judged),
-        row(method="shortgpt", budget=1, ppl_ptb=13.0, ppl_lee=30.0, ratio_ptb=1.3,
-            ratio_lee=1.5, ppl_ratio=1.5, fits_calibration_only=False, **judged),
-    ]  # fmt: skip
+        row(
+            method="lorp",
+            budget=1,
+            ppl_ptb=11.0,
+            ppl_lee=60.0,
+            ratio_ptb=1.1,
+            ratio_lee=3.0,
+            ppl_ratio=3.0,
+            fits_calibration_only=True,
+            **judged,
+        ),
+        row(
+            method="shortgpt",
+            budget=1,
+            ppl_ptb=13.0,
+            ppl_lee=30.0,
+            ratio_ptb=1.3,
+            ratio_lee=1.5,
+            ppl_ratio=1.5,
+            fits_calibration_only=False,
+            **judged,
+        ),
+    ]
     ov = overview(group_pages(rows), job_tracking(rows), UI)
     line = ov["rows"][0]
     assert line["metric"] == "ppl_ratio" and line["best"][0]["label"] == "shortgpt"

@@ -107,8 +107,16 @@ def test_every_variant_shows_each_domain_beside_its_repaired_twin(tmp_path: Path
         ("shortgpt", 4, "none", 3.6, 3.7, None),  # no repaired twin: its pruned figures only
     ]:
         extra = {"repair_gate": gate} if gate else {}
-        r = row("m", label.split("+")[0], budget, repair=fix, ratio_domain_prose=prose,
-                ratio_domain_code=code, worst_domain="code", **extra)  # fmt: skip
+        r = row(
+            "m",
+            label.split("+")[0],
+            budget,
+            repair=fix,
+            ratio_domain_prose=prose,
+            ratio_domain_code=code,
+            worst_domain="code",
+            **extra,
+        )
         rows.append(r | {"method_label": label, "grid_key": f"{label}-{budget}"})
     dv = domain_view(rows[1:])
     assert dv is not None and dv["domains"] == ["code", "prose"]
@@ -129,11 +137,23 @@ def test_the_memory_plan_and_why_speed_is_absent_are_on_the_model_page(tmp_path:
     import json
 
     plan = {
-        "capture": {"mode": "streamed", "batch": 8, "need_gib": 6.368, "worker_gib": 7.96,
-                    "memory_gib": 56.779, "kept_gib": 3.98},
-        "evaluate": {"mode": "memory", "batch": 2, "need_gib": 1.5, "worker_gib": 7.96,
-                     "memory_gib": 1.5, "kept_gib": 0.0},
-    }  # fmt: skip
+        "capture": {
+            "mode": "streamed",
+            "batch": 8,
+            "need_gib": 6.368,
+            "worker_gib": 7.96,
+            "memory_gib": 56.779,
+            "kept_gib": 3.98,
+        },
+        "evaluate": {
+            "mode": "memory",
+            "batch": 2,
+            "need_gib": 1.5,
+            "worker_gib": 7.96,
+            "memory_gib": 1.5,
+            "kept_gib": 0.0,
+        },
+    }
     reason = "not timed: the model is streamed a module at a time"
     rows = [
         row("big", "dense", 0, ppl_ptb=10.0, memory_plan=json.dumps(plan), speed_skipped=reason),
@@ -164,13 +184,23 @@ def test_sub_layer_lines_meet_block_lines_on_the_decode_cost_at_4k() -> None:
     from dashboards.model_view import tradeoffs
 
     def row(label: str, budget: int, ppl: float, decode: float) -> dict:  # type: ignore[type-arg]
-        return {"method_label": label, "method": "shortgpt", "budget": budget,
-                "ppl_ptb": ppl, "decode_bytes_per_token_4k": decode}  # fmt: skip
+        return {
+            "method_label": label,
+            "method": "shortgpt",
+            "budget": budget,
+            "ppl_ptb": ppl,
+            "decode_bytes_per_token_4k": decode,
+        }
 
-    points = [row("shortgpt", 4, 30.0, 80.0), row("shortgpt", 8, 60.0, 60.0),
-              row("shortgpt-attention", 9, 25.0, 80.0),
-              row("shortgpt-attention", 17, 70.0, 60.0)]  # fmt: skip
+    points = [
+        row("shortgpt", 4, 30.0, 80.0),
+        row("shortgpt", 8, 60.0, 60.0),
+        row("shortgpt-attention", 9, 25.0, 80.0),
+        row("shortgpt-attention", 17, 70.0, 60.0),
+    ]
     fig = next(f for f in tradeoffs(None, points) if f["cost"] == "decode_bytes_per_token_4k")
     assert sorted(fig["lines"]) == ["shortgpt", "shortgpt-attention"]
     assert [(p["label"], p["x"]) for p in fig["front"]] == [
-        ("shortgpt", 60.0), ("shortgpt-attention", 80.0)]  # fmt: skip
+        ("shortgpt", 60.0),
+        ("shortgpt-attention", 80.0),
+    ]

@@ -92,7 +92,7 @@ def test_legacy_catalog_links_from_the_run_sqlite_store(tmp_path: Path) -> None:
 def test_timeline_page_in_the_site(tmp_path: Path) -> None:
     import json
 
-    from pipeline.records.timeline import summarise
+    from pipeline.events.timeline import summarise
 
     rows = [row("a", "dense", 0, ppl_ptb=10.0), row("a", "lorp", 1, ppl_ptb=11.0)]
     events = tmp_path / "run" / "events.jsonl"

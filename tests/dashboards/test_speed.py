@@ -27,8 +27,18 @@ def test_unresolved_speed_is_shown_as_such_and_never_ranked_or_plotted() -> None
 
     nan = float("nan")
     # The estimator's row: speed-up NaN, the measured ratio (above 1.05 x 6/5) kept.
-    over = row("m", "shortgpt", 1, n_blocks=6, speedup=nan, speedup_measured=1.4,
-               speedup_std=0.02, speed_resolved=0.0, latency_ms=7.0, ppl_ptb=12.0)  # fmt: skip
+    over = row(
+        "m",
+        "shortgpt",
+        1,
+        n_blocks=6,
+        speedup=nan,
+        speedup_measured=1.4,
+        speedup_std=0.02,
+        speed_resolved=0.0,
+        latency_ms=7.0,
+        ppl_ptb=12.0,
+    )
     sv = speed_view(over)
     assert (sv["resolved"], sv["speedup"], sv["std"], sv["exceeds"]) == (False, None, None, False)
     assert sv["measured"] == 1.4 and sv["measured_exceeds"]
@@ -39,8 +49,18 @@ def test_unresolved_speed_is_shown_as_such_and_never_ranked_or_plotted() -> None
     bare = speed_view(row(n_blocks=6, speedup=nan, speedup_measured=1.1))
     assert not bare["resolved"] and not bare["measured_exceeds"]
     # A resolved row, and an old catalog's row (no new columns): a speed-up, as before.
-    ok = row("m", "lorp", 2, n_blocks=6, speedup=1.3, speedup_std=0.01, speedup_measured=1.3,
-             speed_resolved=1.0, latency_ms=8.0, ppl_ptb=15.0)  # fmt: skip
+    ok = row(
+        "m",
+        "lorp",
+        2,
+        n_blocks=6,
+        speedup=1.3,
+        speedup_std=0.01,
+        speedup_measured=1.3,
+        speed_resolved=1.0,
+        latency_ms=8.0,
+        ppl_ptb=15.0,
+    )
     assert speed_view(ok)["speedup"] == 1.3
     old = speed_view(row(n_blocks=6, speedup=1.25))
     assert old["resolved"] and old["speedup"] == 1.25 and old["measured"] is None

@@ -10,7 +10,7 @@ from tests.helpers.dashboard_data import timeline_events
 
 def test_timeline_view_rows_bars_and_figures() -> None:
     from dashboards.timeline_view import timeline_view
-    from pipeline.records.timeline import summarise
+    from pipeline.events.timeline import summarise
 
     events = timeline_events()
     tv = timeline_view(events)
@@ -23,7 +23,10 @@ def test_timeline_view_rows_bars_and_figures() -> None:
     bars = {(b["stage"], b["model"]): b for b in tv["bars"]}
     assert len(tv["bars"]) == 8  # the earlier attempt's span and the cut one are not drawn
     assert (bars["point", "b"]["row"], bars["point", "b"]["start"], bars["point", "b"]["end"]) == (
-        1, 12.0, 40.0)  # fmt: skip
+        1,
+        12.0,
+        40.0,
+    )
     assert bars["point", "b"]["failed"] and not bars["load", "b"]["failed"]
     assert (bars["gate", "a"]["row"], bars["losses", "a"]["row"]) == (3, 2)
     # Overlapping spans on one row (the driver's prepares) take a lane each; a later span

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.records.catalog import CORE_SCHEMA
+from pipeline.catalog.row import CORE_SCHEMA
 from pipeline.spec.job import JobSpec
 from tests.helpers.paths import REPO
 
@@ -69,14 +69,11 @@ def test_the_catalog_page_has_every_core_column_with_its_type(site: Path) -> Non
 
 def test_a_core_column_without_a_meaning_stops_the_build(tmp_path: Path) -> None:
     root = copy_site(tmp_path)
-    catalog = root / "pipeline" / "records" / "catalog.py"
-    text = catalog.read_text()
-    catalog.write_text(
-        text.replace(
-            '("lorp_version", pa.string()),',
-            '("lorp_version", pa.string()),\n        ("new_column", pa.string()),',
-        )
-    )
+    row = root / "pipeline" / "catalog" / "row.py"
+    text = row.read_text()
+    field = '    """The lorp that wrote it."""\n'
+    assert field in text
+    row.write_text(text.replace(field, field + "    new_column: str | None = None\n"))
     run = build(root, tmp_path / "site")
     assert run.returncode != 0
     assert "core columns without a meaning ['new_column']" in run.stderr + run.stdout

@@ -46,8 +46,17 @@ def similarity_stats(n_blocks: int, seed: int = 0):  # type: ignore[no-untyped-d
 
 def _span(stage: str, model: str, start: float, end: float, node: str, worker: str, **kw: Any):  # type: ignore[no-untyped-def]
     slots = {} if worker == "driver" else {"CPU": 1.0}
-    return dict(event="span", stage=stage, model=model, start=start, end=end, node=node,
-                worker=worker, slots=slots, **kw)  # fmt: skip
+    return dict(
+        event="span",
+        stage=stage,
+        model=model,
+        start=start,
+        end=end,
+        node=node,
+        worker=worker,
+        slots=slots,
+        **kw,
+    )
 
 
 def timeline_events() -> list[dict]:

@@ -52,8 +52,10 @@ def start_moto(port: int, log: Path) -> subprocess.Popen[Any]:
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_for_port(port, proc, log, "moto server", timeout=60)
     return proc
 

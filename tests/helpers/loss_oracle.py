@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 Candidates = list[tuple[int, ...]]
 
@@ -43,3 +44,12 @@ class Recorder:
 def argmin(blocks: list[int], loss: Callable[[int], float]) -> int:
     """The block of lowest `loss`, ties to the lower block."""
     return min(blocks, key=lambda b: (loss(b), b))
+
+
+def js_oracle(dense: torch.Tensor, pruned: torch.Tensor) -> float:
+    """Mean JS divergence (nats) per position, from logits, written out from the
+    definition in float64: 0.5 KL(P || M) + 0.5 KL(Q || M), M = (P + Q) / 2."""
+    p, q = dense.double().softmax(-1), pruned.double().softmax(-1)
+    m = 0.5 * (p + q)
+    kl = lambda a: (a * (a / m).log()).sum(-1)  # noqa: E731
+    return float((0.5 * kl(p) + 0.5 * kl(q)).mean())

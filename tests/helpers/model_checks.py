@@ -71,9 +71,12 @@ def config_of(path: Path) -> dict:
 
 
 def full_copy(
-    dense: torch.nn.Module, fits: Sequence[Any], layers: Sequence[int], out: Path,
+    dense: torch.nn.Module,
+    fits: Sequence[Any],
+    layers: Sequence[int],
+    out: Path,
     provenance: dict[str, Any],
-) -> Path:  # fmt: skip
+) -> Path:
     """The repaired variant as the in-memory path writes it: fits folded, blocks dropped,
     saved whole (`dense` is changed)."""
     from lorp.models.surgery import drop_layers, save_pruned

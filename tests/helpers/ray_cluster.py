@@ -10,14 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import ray
 
 CPUS = 2
-AUTH_OFF = {"RAY_AUTH_MODE": "disabled"}
-"""Ray 2.60 turns token auth on when ~/.ray/auth_token exists (and writes one for a new
-local Ray): off for the `ray start` processes the tests run and for `local_ray`, so they
-neither depend on nor touch the home directory."""
 RAY_CLI = Path(sys.executable).with_name("ray")
 """The `ray` command of this environment, for tests that start nodes as processes."""
 """Enough for a capture worker beside a grid point; the fleet tests ask for more."""
@@ -28,25 +23,22 @@ def local_ray(num_cpus: int = CPUS, **options: Any) -> Iterator[Any]:
     """`ray.init` of a fresh local cluster, yielding its context; shut down after. Its
     memory is set as lorp's own local Ray sets it (`local_node`): from the machine's
     total, so what a test's plan decides does not depend on what else is running."""
-    from pipeline.cluster.memory import local_node
+    from pipeline.cluster.capacity import local_node
 
     node = local_node(num_cpus)
-    options = {"object_store_memory": int(node["object_store_memory"]),
-               "_memory": int(node["memory"])} | options  # fmt: skip
-    # Auth off for this cluster as for every `ray start` here (AUTH_OFF): the GCS it starts
-    # and this driver then agree, whatever an earlier cluster in this test process set
-    # (after test_two_nodes' cluster, a GCS with token auth refused this driver's client).
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in AUTH_OFF.items():
-            mp.setenv(key, value)
-        context = ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            logging_level="WARNING",
-            **options,
-        )
-        try:
-            yield context
-        finally:
-            ray.shutdown()
+    options = {
+        "object_store_memory": int(node["object_store_memory"]),
+        "_memory": int(node["memory"]),
+    } | options
+    # Ray's auth mode is the session's (`tests.helpers.RAY_TEST_ENV`), never set here.
+    context = ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        logging_level="WARNING",
+        **options,
+    )
+    try:
+        yield context
+    finally:
+        ray.shutdown()

@@ -18,6 +18,11 @@ def calibration_job(dataset: Any):  # type: ignore[no-untyped-def]
     from pipeline.spec.parse import parse_spec
 
     return parse_spec(
-        {"name": "mix", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}],
-         "calibration": {"dataset": dataset, "samples": 10, "seq_len": 16, "loss_samples": 4}}
-    )  # fmt: skip
+        {
+            "name": "mix",
+            "models": [{"ref": "x"}],
+            "budgets": [1],
+            "methods": [{"name": "lorp"}],
+            "calibration": {"dataset": dataset, "samples": 10, "seq_len": 16, "loss_samples": 4},
+        }
+    )

@@ -11,7 +11,7 @@ import torch
 from lorp.models.memory import GIB, stage_activations, weight_size
 from lorp.models.safetensors_index import tensor_index
 from lorp.models.shape import ModelShape
-from pipeline.cluster.decisions import HEADROOM
+from pipeline.plan.decisions import HEADROOM
 
 EVAL = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
 

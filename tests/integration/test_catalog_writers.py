@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.records.shared_catalog import SharedCatalog
+from pipeline.catalog.shared import SharedCatalog
 from tests.helpers.duckdb_delta import duckdb_rows
 from tests.helpers.local_servers import (
     AWS_TEST_ENV,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dashboards.site import build_site, legacy_tracking
-from pipeline.records.catalog import read_catalog
-from pipeline.run import run_job
+from pipeline.catalog.table import read_catalog
+from pipeline.driver.run import run_job
 from pipeline.spec.parse import parse_spec
 from tests.helpers.paths import REPO
 from tests.helpers.ray_cluster import local_ray
@@ -123,9 +123,15 @@ def test_pages_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: i
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -183,8 +189,8 @@ def check_model_page(page) -> None:  # type: ignore[no-untyped-def]
 def check_timeline_page(page, events_file: Path) -> None:  # type: ignore[no-untyped-def]
     """The job's Gantt chart: one bar per span of the latest attempt, the utilisation
     figure `summarise` gives, the driver's row last."""
-    from pipeline.records.events import read_events
-    from pipeline.records.timeline import attempt, spans_of, summarise
+    from pipeline.events.log import read_events
+    from pipeline.events.timeline import attempt, spans_of, summarise
 
     events = read_events(events_file)
     spans = spans_of(attempt(events))
@@ -216,8 +222,8 @@ def shared_catalog(catalog, root: Path) -> tuple[Path, str, str]:  # type: ignor
     higher, one variant's far lower at twice the parameters, so the front has a choice)."""
     import json
 
-    from pipeline.records.protocol import protocol_id
-    from pipeline.records.shared_catalog import SharedCatalog
+    from pipeline.catalog.protocol import protocol_id
+    from pipeline.catalog.shared import SharedCatalog
 
     rows = with_gate_and_accuracy(catalog[0])
     other = []
@@ -241,13 +247,12 @@ def front_points(rows: list[dict], protocol: str) -> set[tuple[float, float]]:
     pts = [
         (float(r["params"]), float(r["ppl_ptb"]))
         for r in rows
-        if r["model"] == "tiny-llama" and r["protocol"] == protocol
-        and r["method"] != "dense" and not r["degraded"]
-    ]  # fmt: skip
-    return {
-        p for p in pts
-        if not any(q != p and q[0] <= p[0] and q[1] <= p[1] for q in pts)
-    }  # fmt: skip
+        if r["model"] == "tiny-llama"
+        and r["protocol"] == protocol
+        and r["method"] != "dense"
+        and not r["degraded"]
+    ]
+    return {p for p in pts if not any(q != p and q[0] <= p[0] and q[1] <= p[1] for q in pts)}
 
 
 def test_a_shared_catalog_in_headless_chromium(catalog, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -255,7 +260,7 @@ def test_a_shared_catalog_in_headless_chromium(catalog, tmp_path: Path) -> None:
     protocol filter, one page per protocol with its Pareto front."""
     import playwright.sync_api as playwright
 
-    from pipeline.records.shared_catalog import open_catalog
+    from pipeline.catalog.shared import open_catalog
     from tests.helpers.cli_runner import lorp
 
     assert CHROMIUM, "the dashboard tests need Debian's chromium (make test installs it)"

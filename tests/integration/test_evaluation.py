@@ -47,5 +47,7 @@ def test_vllm_and_transformers_agree_on_a_pruned_and_repaired_smollm2(tmp_path: 
     nll = -sum(lp.sum() for lp in logprobs)
     ppl_vllm = float(np.exp(nll / sum(lp.size for lp in logprobs)))
     assert ppl_vllm == pytest.approx(ppl_hf, rel=1e-3)
-    print(f"SmolLM2 less {layers} PTB@256 x4: pruned {ppl_twin:.2f}; repaired: "
-          f"transformers {ppl_hf:.4f}, vLLM {ppl_vllm:.4f}")  # fmt: skip
+    print(
+        f"SmolLM2 less {layers} PTB@256 x4: pruned {ppl_twin:.2f}; repaired: "
+        f"transformers {ppl_hf:.4f}, vLLM {ppl_vllm:.4f}"
+    )

@@ -19,14 +19,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from lorp import SimilarityStats
+from pipeline.catalog.table import read_catalog
 from pipeline.cluster.faults import FAULT_MARKER_ENV, FAULT_POINT_ENV, FAULT_SHARD_ENV
-from pipeline.records.catalog import read_catalog
-from pipeline.records.events import read_events
+from pipeline.events.log import read_events
 from pipeline.stages.calibration import read_shard
+from tests.helpers import RAY_TEST_ENV
 from tests.helpers.job_specs import tiny_job, write_job
 from tests.helpers.local_servers import free_port, wait_for_port
 from tests.helpers.processes import kill_started_by
-from tests.helpers.ray_cluster import AUTH_OFF, RAY_CLI
+from tests.helpers.ray_cluster import RAY_CLI
 from tests.helpers.tiny_models import save_tiny_ptb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,9 +42,10 @@ def model(tmp_path_factory) -> Path:
 def perplexity_job(tmp_path: Path, model: Path, name: str, **extra) -> Path:  # type: ignore[no-untyped-def]
     """A tiny job judged on PTB perplexity, written as YAML."""
     evaluation = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
+    # checkpoints: full, since the saved variants are loaded below
     spec = tiny_job(
         tmp_path, model, name, evaluation=evaluation, ray={"num_cpus": 2}, checkpoints="full"
-    )  # fmt: skip  (the saved variants are loaded below)
+    )
     return write_job(tmp_path, spec | extra)
 
 
@@ -63,7 +65,7 @@ def test_workers_killed_mid_shard_and_mid_checkpoint_are_retried(
 
     from lorp.locality.capture import capture_stats
     from pipeline.evaluation.backends import TransformersBackend, evaluate
-    from pipeline.plan import plan_models
+    from pipeline.plan.models import plan_models
     from pipeline.spec.parse import load_spec
     from pipeline.stages.statistics import calibration_shards, capture_task
 
@@ -118,12 +120,14 @@ def test_driver_sigkill_mid_grid_then_rerun_lands_every_point_once(tmp_path: Pat
     b = save_tiny_ptb("qwen3", root / "b", n_blocks=8)
     methods = [{"name": m} for m in ("lorp", "shortgpt")]
     job = perplexity_job(
-        tmp_path, a, "killed",
+        tmp_path,
+        a,
+        "killed",
         models=[{"ref": str(a), "name": "a"}, {"ref": str(b), "name": "b"}],
         budgets=[1, 3],
         methods=methods,
         resources={"max_concurrent_points": 4, "grid": {"num_cpus": 0.5}},
-    )  # fmt: skip
+    )
     points = 2 * (1 + 2 * 2)  # per model: the dense model, then budgets x methods
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -196,10 +200,13 @@ def test_sigterm_mid_grid_stops_cleanly_beside_a_second_job(model: Path, tmp_pat
     in one line what was done and that a rerun resumes, exits 143; a second job on the
     same machine (its own local Ray) finishes untouched; the rerun lands every point once."""
     job = perplexity_job(
-        tmp_path, model, "stopped", budgets=[1, 2, 3],
+        tmp_path,
+        model,
+        "stopped",
+        budgets=[1, 2, 3],
         methods=[{"name": m} for m in ("lorp", "shortgpt", "streamline", "angular")],
         resources={"max_concurrent_points": 2},
-    )  # fmt: skip
+    )
     beside = perplexity_job(tmp_path, model, "beside", budgets=[1, 2], methods=[{"name": "lorp"}])
     run_dir, points = tmp_path / "stopped", 1 + 3 * 4
     logs = {name: (tmp_path / f"{name}.err").open("w+") for name in ("stopped", "beside")}
@@ -263,12 +270,23 @@ def test_a_stop_while_waiting_for_a_worker_node_exits_143_with_one_line(
 
     port, log = free_port(), tmp_path / "head.log"
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
-    env |= {"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"} | AUTH_OFF
+    env |= {"RAY_TMPDIR": str(ray_tmp)} | RAY_TEST_ENV
     head = subprocess.Popen(
-        [str(RAY_CLI), "start", "--head", f"--port={port}", "--num-cpus=0", "--block",
-         "--include-dashboard=false", f"--temp-dir={ray_tmp / 'ray'}"],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(RAY_CLI),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=0",
+            "--block",
+            "--include-dashboard=false",
+            f"--temp-dir={ray_tmp / 'ray'}",
+        ],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     model = save_tiny_ptb("llama", tmp_path / "model")
     job = write_job(tmp_path, tiny_job(tmp_path, model, "waits", budgets=[1]))
     err = (tmp_path / "waits.err").open("w+")
@@ -278,18 +296,23 @@ def test_a_stop_while_waiting_for_a_worker_node_exits_143_with_one_line(
     try:
         wait_for_port(port, head, log, "ray start --head")
         driver = subprocess.Popen(
-            [str(lorp), "run", str(job)], env=env, stdout=subprocess.DEVNULL, stderr=err,
+            [str(lorp), "run", str(job)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
             start_new_session=True,
-        )  # fmt: skip
+        )
         said = "waiting: capture of tiny: no node offers 1 CPU (nodes: 0 CPU)"
         deadline = time.monotonic() + 240
         while said not in (tmp_path / "waits.err").read_text() and driver.poll() is None:
             assert time.monotonic() < deadline, (tmp_path / "waits.err").read_text()[-3000:]
             time.sleep(0.5)
         status = subprocess.run(
-            [str(lorp), "status", str(tmp_path / "waits")], capture_output=True, text=True,
+            [str(lorp), "status", str(tmp_path / "waits")],
+            capture_output=True,
+            text=True,
             timeout=120,
-        )  # fmt: skip
+        )
         assert "waiting      capture of tiny: no node offers 1 CPU" in status.stdout, status
         driver.send_signal(signal.SIGTERM)
         driver.wait(timeout=120)

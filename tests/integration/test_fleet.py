@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.records.events import read_events
-from pipeline.records.status import format_status, run_status
-from pipeline.records.timeline import spans_of, summarise
-from pipeline.run import run_job
+from pipeline.driver.run import run_job
+from pipeline.events.log import read_events
+from pipeline.events.status import format_status, run_status
+from pipeline.events.timeline import spans_of, summarise
 from pipeline.spec.parse import parse_spec
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.tiny_models import save_tiny_ptb
@@ -125,7 +125,7 @@ def test_a_model_failing_after_points_finished_still_gates_and_registers_them(
     registered like any other model's."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.records.catalog import read_catalog
+    from pipeline.catalog.table import read_catalog
 
     spec = tiny_job(tmp_path, models["a"], "broken", budgets=[1])
     spec["methods"] = [{"name": "shortgpt"}, {"name": broken_method}]

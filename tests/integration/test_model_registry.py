@@ -15,12 +15,12 @@ from mlflow.tracking import MlflowClient
 from dashboards.links import job_tracking, model_version_url
 from dashboards.model_view import variant_view
 from lorp import SimilarityStats
-from pipeline.records.catalog import read_catalog
-from pipeline.records.model_registry import tag_value
-from pipeline.records.registry_loading import load_variant, parse_models_uri, pull
-from pipeline.records.tracking import GRID_KEY
-from pipeline.run import run_job
+from pipeline.catalog.table import read_catalog
+from pipeline.driver.run import run_job
 from pipeline.spec.parse import parse_spec
+from pipeline.tracking.registry import tag_value
+from pipeline.tracking.registry_loading import load_variant, parse_models_uri, pull
+from pipeline.tracking.runs import GRID_KEY
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.ray_cluster import local_ray
 from tests.helpers.tiny_models import save_tiny_ptb
@@ -91,8 +91,19 @@ def test_every_saved_variant_is_a_version_of_one_registered_model(store) -> None
         # Nothing copied: the source is the checkpoint (the dense model's own directory).
         where = row["checkpoint"] or str(store["model"].resolve())
         assert mv.source == Path(where).as_uri()
-        for column in ("method", "method_label", "options", "budget", "pruned_layers",
-                       "kept_layers", "rls", "k", "stats_file", "ppl_ptb", "degraded"):  # fmt: skip
+        for column in (
+            "method",
+            "method_label",
+            "options",
+            "budget",
+            "pruned_layers",
+            "kept_layers",
+            "rls",
+            "k",
+            "stats_file",
+            "ppl_ptb",
+            "degraded",
+        ):
             assert mv.tags[column] == tag_value(row[column]), column
         assert json.loads(mv.tags["pruned_layers"]) == row["pruned_layers"]
         assert float(mv.tags["ppl_ptb"]) == row["ppl_ptb"]
@@ -180,11 +191,20 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         cache = str(store["root"] / "cache")
         runs = {
-            fmt: run_job(spec_for(tmp_path / fmt, model, "fmt", budgets=[2], cache_dir=cache,
-                                  checkpoints=fmt, repair=["none", "linear"],
-                                  tracking=served[fmt]))
+            fmt: run_job(
+                spec_for(
+                    tmp_path / fmt,
+                    model,
+                    "fmt",
+                    budgets=[2],
+                    cache_dir=cache,
+                    checkpoints=fmt,
+                    repair=["none", "linear"],
+                    tracking=served[fmt],
+                )
+            )
             for fmt in ("manifest", "full")
-        }  # fmt: skip
+        }
     full = {r["grid_key"]: r for r in read_catalog(runs["full"].catalog) if r["checkpoint"]}
     rows = [r for r in read_catalog(runs["manifest"].catalog) if r["checkpoint"]]
     assert len(rows) == len(full) == 4  # lorp, shortgpt; pruned and repaired
@@ -207,7 +227,7 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
     # The base is stored once below the job's storage, named by every manifest; a variant
     # pulls from it when the directory the job read is gone (a node that never had it).
     from lorp.models.variant_manifest import read_manifest
-    from pipeline.stored_bases import base_rel
+    from pipeline.storage.bases import base_rel
 
     fp = rows[0]["fingerprint"]
     stored = {read_manifest(Path(r["checkpoint"]))["base"]["stored"] for r in rows}
@@ -217,8 +237,9 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
     away = model.with_name(model.name + "-away")
     model.rename(away)
     try:
-        out, _ = pull(row["model_uri"], tmp_path / "from-stored",
-                      tracking_uri=runs["manifest"].tracking_uri)  # fmt: skip
+        out, _ = pull(
+            row["model_uri"], tmp_path / "from-stored", tracking_uri=runs["manifest"].tracking_uri
+        )
     finally:
         away.rename(model)
     a, b = tensors(out), tensors(Path(full[row["grid_key"]]["checkpoint"]))
@@ -226,7 +247,7 @@ def test_manifest_variants_pull_as_the_full_copies(store, tmp_path: Path) -> Non
 
     # `tracking.materialize: best`: the best-2 alias written out as a standard checkpoint
     # at a fixed place, the full copy's tensors; the version says how to pull the rest.
-    from pipeline.cleanup import find_garbage
+    from pipeline.driver.cleanup import find_garbage
 
     client = client_of(runs["manifest"])
     best = client.get_model_version_by_alias(NAME, "best-2")

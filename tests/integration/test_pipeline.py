@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipeline.catalog.table import Catalog, read_catalog, write_catalog
 from pipeline.cluster.model_source import ModelSource
+from pipeline.driver.run import run_job
+from pipeline.events.log import EventLog
 from pipeline.messages import CaptureTask
-from pipeline.records.catalog import Catalog, read_catalog, write_catalog
-from pipeline.records.events import EventLog
-from pipeline.run import run_job
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard, write_shards
@@ -177,18 +177,29 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     `lorp status` follows the run; dense and pruned variants evaluated, timed and
     recorded alike in the catalog and MLflow; a changed evaluation setting re-evaluates
     every point from the cached S; `lorp catalog merge` unions catalogs by grid key."""
-    from pipeline.records.status import run_status
+    from pipeline.events.status import run_status
 
     ev = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
     methods = [
         {"name": "lorp"},
         {"name": "lorp", "label": "lorp-rel", "options": {"variant": "released"}},
     ]
-    spec = job(tmp_path, models["llama"], name="talk", budgets=[2], methods=methods,
-               evaluation=ev, ray={"num_cpus": 2})  # fmt: skip
+    spec = job(
+        tmp_path,
+        models["llama"],
+        name="talk",
+        budgets=[2],
+        methods=methods,
+        evaluation=ev,
+        ray={"num_cpus": 2},
+    )
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([LORP, "run", str(write_job(tmp_path, spec))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [LORP, "run", str(write_job(tmp_path, spec))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     states = set()
     while proc.poll() is None:
         if (run_dir / "events.jsonl").is_file():
@@ -223,8 +234,11 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert all(r["speed_runs"] >= 6 and r["speedup_low"] <= r["speedup_high"] for r in rows)
 
     # --force-speed: the points stay, their speed is timed again into the same rows/runs
-    timed = subprocess.run([LORP, "run", "-q", "--force-speed", str(write_job(tmp_path, spec))],
-                           capture_output=True, text=True)  # fmt: skip
+    timed = subprocess.run(
+        [LORP, "run", "-q", "--force-speed", str(write_job(tmp_path, spec))],
+        capture_output=True,
+        text=True,
+    )
     assert timed.returncode == 0, timed.stderr[-3000:]
     assert "0 done, 3 already done" in timed.stdout, timed.stdout
     retimed = {r["grid_key"]: r for r in read_catalog(run_dir / "catalog")}
@@ -242,8 +256,9 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     write_catalog(tmp_path / "before.parquet", read_catalog(run_dir / "catalog"))
 
     spec["evaluation"] = ev | {"max_windows": 3, "speed": False}
-    again = subprocess.run([LORP, "run", "-q", str(write_job(tmp_path, spec))],
-                           capture_output=True, text=True)  # fmt: skip
+    again = subprocess.run(
+        [LORP, "run", "-q", str(write_job(tmp_path, spec))], capture_output=True, text=True
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "3 done, 0 already done" in again.stdout and "from cache 1" in again.stdout
     assert not re.search(r"\[\d/3\]", again.stderr)  # --quiet
@@ -259,10 +274,20 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
 
     merged = tmp_path / "org.parquet"
     out = subprocess.run(
-        [LORP, "catalog", "merge", str(tmp_path / "before.parquet"),
-         str(run_dir / "catalog"), str(run_dir / "catalog"), "--out", str(merged)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            LORP,
+            "catalog",
+            "merge",
+            str(tmp_path / "before.parquet"),
+            str(run_dir / "catalog"),
+            str(run_dir / "catalog"),
+            "--out",
+            str(merged),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     keys = [r["grid_key"] for r in read_catalog(merged)]
     assert sorted(keys) == sorted(r["grid_key"] for r in [*before.values(), *after.values()])

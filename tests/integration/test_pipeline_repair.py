@@ -20,11 +20,11 @@ from lorp.repair.fold import fold
 from lorp.repair.followers import fit_followers, follower_blocks
 from lorp.repair.maps import RIDGES
 from lorp.repair.stats import contiguous_runs
+from pipeline.catalog.table import read_catalog
 from pipeline.cluster.faults import FAULT_MARKER_ENV, SITE_ENV
-from pipeline.records.catalog import read_catalog
-from pipeline.records.events import EventLog
-from pipeline.records.status import format_status, run_status
-from pipeline.run import run_job
+from pipeline.driver.run import run_job
+from pipeline.events.log import EventLog
+from pipeline.events.status import format_status, run_status
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import heldout_windows, read_shard
 from tests.helpers.job_specs import tiny_job
@@ -205,12 +205,18 @@ def test_distilled_maps_are_what_the_checkpoint_holds(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model = save_tiny_ptb("qwen2", tmp_path / "qwen2")
     spec = tiny_job(
-        tmp_path, model, "distill", budgets=[2],
+        tmp_path,
+        model,
+        "distill",
+        budgets=[2],
         methods=[{"name": "shortgpt", "repair_distill": 3}, {"name": "streamline"}],
-        repair=["linear"], repair_distill_lr=3e-3, repair_gate=False,
+        repair=["linear"],
+        repair_distill_lr=3e-3,
+        repair_gate=False,
         evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False},
-        ray={"num_cpus": 2}, checkpoints="full",
-    )  # fmt: skip
+        ray={"num_cpus": 2},
+        checkpoints="full",
+    )
     with local_ray():
         summary = run_job(parse_spec(spec))
     assert summary.done == 3 and not summary.failed

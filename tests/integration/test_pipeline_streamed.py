@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM
 
 from lorp import SimilarityStats
 from lorp.models.shape import ModelShape
-from pipeline.cluster.memory import repair_fit_bytes
-from pipeline.plan import plan_models
-from pipeline.records.catalog import read_catalog
-from pipeline.records.events import read_events
-from pipeline.records.status import format_status, run_status
-from pipeline.run import run_job
+from pipeline.catalog.table import read_catalog
+from pipeline.driver.run import run_job
+from pipeline.events.log import read_events
+from pipeline.events.status import format_status, run_status
+from pipeline.plan.memory import repair_fit_bytes
+from pipeline.plan.models import plan_models
 from pipeline.spec.parse import parse_spec
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.ray_cluster import local_ray
@@ -48,7 +48,9 @@ def test_a_model_larger_than_its_workers_runs_streamed(tmp_path: Path) -> None:
     parsed = parse_spec(whole)
     cal, ev = parsed.calibration, parsed.evaluation
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
-    fit = repair_fit_bytes(parsed, plan_models(parsed)[0], shape, 4)
+    fit = repair_fit_bytes(
+        parsed.repair_settings, plan_models(parsed)[0], shape, 4, distills=parsed.distills
+    )
     resources = {
         "capture": {
             "memory_gib": between(

@@ -17,12 +17,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lorp.data.windows import resolve_bos
 from lorp.locality.capture import capture_stats
 from lorp.methods.sublayer_selection import select_units
-from lorp.methods.window_scores import window_losses
 from lorp.models.sublayers import parse_unit_label, remove_sublayers
 from lorp.models.variant_manifest import materialize_variant, read_manifest
 from lorp.repair.sublayer_repair import unit_stats
-from pipeline.records.catalog import read_catalog
-from pipeline.run import run_job
+from lorp.scoring.window_scores import window_losses
+from pipeline.catalog.table import read_catalog
+from pipeline.driver.run import run_job
 from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard
 from tests.helpers.job_specs import tiny_job
@@ -37,21 +37,29 @@ def test_sublayer_points_run_on_ray_and_are_recorded_by_value(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model = save_tiny_ptb("llama", tmp_path / "llama")
     spec = tiny_job(
-        tmp_path, model, "units", budgets=[2],
+        tmp_path,
+        model,
+        "units",
+        budgets=[2],
         methods=[{"name": "shortgpt"}],
-        granularity=["block", "attention", "mlp"], repair=["none", "linear"],
-        evaluation={"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True,
-                    "speed_budget_s": 4},
+        granularity=["block", "attention", "mlp"],
+        repair=["none", "linear"],
+        evaluation={
+            "perplexity": ["ptb"],
+            "seq_len": 48,
+            "max_windows": 2,
+            "speed": True,
+            "speed_budget_s": 4,
+        },
         ray={"num_cpus": 2},
-    )  # fmt: skip
+    )
     summary = run_job(parse_spec(spec))
     assert summary.done == 7 and not summary.failed and summary.captured == 1
     run_dir = tmp_path / "units"
     rows = {r["method_label"]: r for r in read_catalog(run_dir / "catalog")}
     assert sorted(rows) == sorted(
-        ["dense"] + [f"shortgpt{g}{r}" for g in ("", "-attention", "-mlp")
-                     for r in ("", "+linear")]
-    )  # fmt: skip
+        ["dense"] + [f"shortgpt{g}{r}" for g in ("", "-attention", "-mlp") for r in ("", "+linear")]
+    )
 
     # The selection is the one the sub-layer S of the job's own calibration windows gives.
     config = AutoConfig.from_pretrained(model)
@@ -121,8 +129,8 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
     process, removes; blocks and units, and the two measures, keep separate memos, and a
     rerun selects from the cache. The repair-aware window at mixed granularity scores
     runs of units by their repaired variants' held-out loss on a worker."""
-    from lorp.methods.removal_loss import LossEvaluator
-    from pipeline.records.events import EventLog
+    from lorp.scoring.removal_loss import LossEvaluator
+    from pipeline.events.log import EventLog
     from pipeline.stages.calibration import heldout_windows
     from tests.helpers.progress_lines import progress_lines
 
@@ -140,7 +148,7 @@ def test_sublayer_sleb_scores_unit_sets_on_the_loss_actors(
             ],
             granularity=["block", "mixed"],
             ray={"num_cpus": 2},
-        )  # fmt: skip
+        )
     )
     with progress_lines() as lines:
         summary = run_job(spec)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.records.catalog import read_catalog
-from pipeline.run import run_job
+from pipeline.catalog.table import read_catalog
+from pipeline.driver.run import run_job
 from pipeline.spec.parse import parse_spec
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.tiny_models import save_tiny_ptb
@@ -40,9 +40,16 @@ def test_vllm_backend_through_the_pipeline(ray_cluster, models, tmp_path: Path) 
 
     spec = job(tmp_path, models["llama"], name="vllm", budgets=[2], methods=[{"name": "shortgpt"}])
     serving = {"concurrency": 2, "prompt_len": 16, "output_len": 8, "requests": 5, "rounds": 4}
-    spec["evaluation"] = {"backend": "vllm", "perplexity": ["ptb"], "seq_len": 48,
-                          "max_windows": 4, "speed": False, "zero_shot": ["copa"],
-                          "zero_shot_limit": 4, "serving": serving}  # fmt: skip
+    spec["evaluation"] = {
+        "backend": "vllm",
+        "perplexity": ["ptb"],
+        "seq_len": 48,
+        "max_windows": 4,
+        "speed": False,
+        "zero_shot": ["copa"],
+        "zero_shot_limit": 4,
+        "serving": serving,
+    }
     parsed = parse_spec(spec)
     summary = run_job(parsed)
     assert summary.done == 2 and not summary.failed

@@ -25,8 +25,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_smollm2_capture_select_prune_reload(tmp_path: Path) -> None:
     stats_file = tmp_path / "smollm2.npz"
-    out = lorp("capture", "smollm2-135m", "--data", "ptb", "--samples", "8", "--seq-len", "256",
-               "--batch-size", "4", "--out", str(stats_file))  # fmt: skip
+    out = lorp(
+        "capture",
+        "smollm2-135m",
+        "--data",
+        "ptb",
+        "--samples",
+        "8",
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "4",
+        "--out",
+        str(stats_file),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     stats = SimilarityStats.from_file(stats_file)
     assert stats.n_blocks == 30 and stats.tokens == 8 * 256
@@ -88,8 +100,16 @@ def test_fingerprint_mismatch_is_refused(tmp_path: Path) -> None:
     stats = SimilarityStats(30, model_fingerprint="0" * 32)
     stats.update(np.random.default_rng(0).normal(size=(31, 4, 8)) + 2)
     stats.to_file(tmp_path / "other.npz")
-    out = lorp("prune", "smollm2-135m", "--stats", str(tmp_path / "other.npz"), "--budget", "2",
-               "--out", str(tmp_path / "p"))  # fmt: skip
+    out = lorp(
+        "prune",
+        "smollm2-135m",
+        "--stats",
+        str(tmp_path / "other.npz"),
+        "--budget",
+        "2",
+        "--out",
+        str(tmp_path / "p"),
+    )
     assert out.returncode == 2 and "were captured from model 0000" in out.stderr
     assert out.stderr.count("\n") == 1 and not (tmp_path / "p").exists()
 
@@ -119,7 +139,7 @@ def test_fingerprint_mismatch_is_refused(tmp_path: Path) -> None:
                 "x.npz",
             ],
             "seq_len 100000 exceeds the model's max_position_embeddings",
-        ),  # fmt: skip
+        ),
         (
             [
                 "capture",
@@ -134,7 +154,7 @@ def test_fingerprint_mismatch_is_refused(tmp_path: Path) -> None:
                 "x.npz",
             ],
             "too small",
-        ),  # fmt: skip
+        ),
         (
             ["prune", "smollm2-135m", "--layers", "0,40", "--out", "p"],
             "layers must be in [0, 29], got [40]",

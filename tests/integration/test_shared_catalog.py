@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.records.events import read_events
-from pipeline.records.shared_catalog import SharedCatalog, open_catalog
-from pipeline.run import run_job
+from pipeline.catalog.shared import SharedCatalog, open_catalog
+from pipeline.driver.run import run_job
+from pipeline.events.log import read_events
 from pipeline.spec.parse import parse_spec
 from tests.helpers.cli_runner import lorp
 from tests.helpers.job_specs import tiny_job, write_job
@@ -46,11 +46,19 @@ def server(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     port = free_port()
     log = root / "server.log"
     cmd = [
-        str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-        "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{root / 'backend.db'}",
-        "--artifacts-destination", str(root / "artifacts"),
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'backend.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+    ]
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no huey workers
     proc = subprocess.Popen(
         cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -97,13 +105,19 @@ def fleet(server: str, tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-u
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-            )  # fmt: skip
+            )
             for k in specs
         }
         outputs = {k: p.communicate(timeout=600)[0] for k, p in procs.items()}
         codes = {k: p.returncode for k, p in procs.items()}
-        yield {"root": root, "model": model, "specs": specs, "outputs": outputs, "codes": codes,
-               "server": server}  # fmt: skip
+        yield {
+            "root": root,
+            "model": model,
+            "specs": specs,
+            "outputs": outputs,
+            "codes": codes,
+            "server": server,
+        }
 
 
 def aliases(server: str) -> dict[str, str]:
@@ -274,9 +288,12 @@ def test_a_catalog_unreachable_at_the_start_never_stops_the_job(  # type: ignore
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", fleet["server"])
     spec = parse_spec_with(
-        fleet["specs"]["a"], name="team-c", output_dir=str(tmp_path / "run"),
-        storage=str(tmp_path / "storage"), catalog=s3_location(port, "org", "catalog"),
-    )  # fmt: skip
+        fleet["specs"]["a"],
+        name="team-c",
+        output_dir=str(tmp_path / "run"),
+        storage=str(tmp_path / "storage"),
+        catalog=s3_location(port, "org", "catalog"),
+    )
     summary = run_job(spec)
     assert summary.done == 5 and not summary.failed
     own = sorted(r["grid_key"] for r in open_catalog(str(tmp_path / "storage")))

@@ -18,7 +18,7 @@ from lorp.models.sublayers import remove_sublayers
 from tests.helpers.vllm_score import kv_cache, score_in_subprocess
 
 # ShortGPT's criterion per sub-layer at 8 attention units on jobs/quality.yaml's
-# calibration (benchmarks/sublayers.py): attn.5, 6, 7, 9, 22, 25, 26 and 28.
+# calibration (benchmarks/sublayers/run.py): attn.5, 6, 7, 9, 22, 25, 26 and 28.
 ATTENTION_UNITS = [2 * b for b in (5, 6, 7, 9, 22, 25, 26, 28)]
 
 
@@ -61,6 +61,8 @@ def test_vllm_serves_an_attention_pruned_smollm2_with_22_of_30_kv_caches(tmp_pat
     ppl_vllm = ppl_of(logprobs)
     assert ppl_vllm == pytest.approx(ppl_hf, rel=1e-3)
     assert ppl_hf > 1.05 * ppl_of(dense_lp)  # the attention is really gone
-    print(f"SmolLM2 without {len(ATTENTION_UNITS)} attentions, lee@128 x4: transformers "
-          f"{ppl_hf:.4f}, vLLM {ppl_vllm:.4f}; KV blocks {kv['blocks']} against dense's "
-          f"{dense_kv['blocks']} in the same space")  # fmt: skip
+    print(
+        f"SmolLM2 without {len(ATTENTION_UNITS)} attentions, lee@128 x4: transformers "
+        f"{ppl_hf:.4f}, vLLM {ppl_vllm:.4f}; KV blocks {kv['blocks']} against dense's "
+        f"{dense_kv['blocks']} in the same space"
+    )

@@ -36,6 +36,7 @@ import pyarrow.fs as pafs
 import pytest
 import yaml
 
+from tests.helpers import RAY_TEST_ENV
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.local_servers import (
     AWS_TEST_ENV,
@@ -55,10 +56,6 @@ ROOT = REPO
 RAY = Path(sys.executable).with_name("ray")
 LORP = Path(sys.executable).with_name("lorp")
 BUCKET = "lorp"
-# Ray 2.60 turns token auth on by default (and writes ~/.ray/auth_token for a new cluster):
-# off for the head, the second node and every driver alike. The nodes share one machine
-# and its loopback, and this test is about disks, not authentication.
-AUTH_OFF = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 EVALUATION = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": False}
 CALIBRATION = {"dataset": "ptb", "samples": 8, "seq_len": 48, "shards": 2, "batch_size": 4}
 METHODS = [{"name": "lorp"}, {"name": "shortgpt"}]
@@ -76,10 +73,19 @@ def unshare_refused() -> str | None:
     if os.geteuid() != 0:
         return "mount namespaces need root (unshare --mount)"
     probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "bash", "-c",
-         "mount -t tmpfs tmpfs /mnt && umount /mnt"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "bash",
+            "-c",
+            "mount -t tmpfs tmpfs /mnt && umount /mnt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if probe.returncode:
         return f"unshare --mount refused here: {(probe.stderr or probe.stdout).strip()[:200]}"
     return None
@@ -123,11 +129,20 @@ class Cluster:
         log = self.base / f"worker-{len(self.procs)}.log"
         port = int(self.address.rsplit(":", 1)[1])
         self.worker = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "bash", "-c",
-             _worker_node_script(port, self.hidden, self.node_temp)],
-            env=self.env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "bash",
+                "-c",
+                _worker_node_script(port, self.hidden, self.node_temp),
+            ],
+            env=self.env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.procs.append(self.worker)
         deadline = time.time() + 120
         while True:
@@ -193,14 +208,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     procs: list[subprocess.Popen[Any]] = []
     drop = {"RAY_ADDRESS", "TMPDIR", *CACHE_VARS}
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env |= AUTH_OFF | {"RAY_TMPDIR": str(base)}
+    env |= RAY_TEST_ENV | {"RAY_TMPDIR": str(base)}
     mp = pytest.MonkeyPatch()
     try:
         moto_port = free_port()
         procs.append(start_moto(moto_port, base / "moto.log"))
         aws = AWS_TEST_ENV | {"MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}"}
         env |= aws
-        for key, value in (aws | AUTH_OFF).items():
+        for key, value in aws.items():
             mp.setenv(key, value)
         for key in ("RAY_ADDRESS", *CACHE_VARS):
             mp.delenv(key, raising=False)
@@ -210,12 +225,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         port = free_port()
         head_log = base / "head.log"
         head = subprocess.Popen(
-            [str(RAY), "start", "--head", "--num-cpus=0", "--node-ip-address=127.0.0.1",
-             f"--port={port}", "--block", "--include-dashboard=false",
-             f"--temp-dir={base / 'h'}", "--disable-usage-stats"],
-            env=env, stdout=head_log.open("w"), stderr=subprocess.STDOUT,
+            [
+                str(RAY),
+                "start",
+                "--head",
+                "--num-cpus=0",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--block",
+                "--include-dashboard=false",
+                f"--temp-dir={base / 'h'}",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            stdout=head_log.open("w"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         procs.append(head)
         wait_for_port(port, head, head_log, "Ray head")
 
@@ -252,7 +278,7 @@ def model(cluster: Cluster) -> Path:
 @pytest.fixture(scope="module")
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
     """The same job on one node: `lorp run` on an embedded local Ray, local storage."""
-    from pipeline.records.catalog import read_catalog
+    from pipeline.catalog.table import read_catalog
 
     root = tmp_path_factory.mktemp("single")
     spec = job(root, model, "single")
@@ -260,12 +286,16 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tup
     path.write_text(yaml.safe_dump(spec))
     ray_tmp = Path(tempfile.mkdtemp(prefix="lorp1n", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
-    env |= AUTH_OFF | {"RAY_TMPDIR": str(ray_tmp)}
+    env |= RAY_TEST_ENV | {"RAY_TMPDIR": str(ray_tmp)}
     try:
         out = subprocess.run(
             [str(LORP), "run", "-q", str(path)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -311,8 +341,8 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     already started and stopped other local Rays saw its first actor on this cluster
     destroyed as out of scope before it started (Ray 2.60), which is a property of that
     long-lived test process, not of the product."""
-    from pipeline.records.shared_catalog import open_catalog
-    from pipeline.storage import Storage
+    from pipeline.catalog.shared import open_catalog
+    from pipeline.storage.store import Storage
 
     location = cluster.s3.format(prefix=f"jobs/{tmp_path.name}")
     spec = job(tmp_path, model, "twonodes", storage=location, ray={"address": cluster.address})
@@ -320,8 +350,9 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     path = tmp_path / "twonodes.yaml"
     path.write_text(yaml.safe_dump(spec))
     run = [str(LORP), "run", "-q", str(path)]
-    out = subprocess.run(run, cwd=ROOT, env=cluster.env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run(
+        run, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{POINTS} done, 0 already done, 0 failed; S captured 1" in out.stdout, out.stdout
 
@@ -346,12 +377,13 @@ def test_a_job_on_the_second_node_matches_one_node_and_resumes_from_s3(
     tracking = f"sqlite:///{tmp_path / 'twonodes' / 'mlflow.db'}"  # a shared tracking store
     again = spec | {"output_dir": str(tmp_path / "driver2"), "tracking": {"mlflow_uri": tracking}}
     path.write_text(yaml.safe_dump(again))
-    out = subprocess.run(run, cwd=ROOT, env=cluster.env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run(
+        run, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"0 done, {POINTS} already done, 0 failed; S captured 0, from cache 1" in out.stdout
 
-    from pipeline.records.registry_loading import pull
+    from pipeline.tracking.registry_loading import pull
 
     pulled, version = pull("models:/lorp-tiny@best-2", tmp_path / "pulled", tracking_uri=tracking)
     assert version.source.startswith("s3://") and (pulled / "model.safetensors").is_file()
@@ -363,8 +395,8 @@ def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_onc
 ) -> None:
     """The second node's raylet dies after the first points; a new node joins (empty disks
     again); a rerun of the job completes it, and the catalog holds every point once."""
-    from pipeline.records.shared_catalog import open_catalog
-    from pipeline.storage import Storage
+    from pipeline.catalog.shared import open_catalog
+    from pipeline.storage.store import Storage
 
     location = str(cluster.shared / "jobs" / tmp_path.name)
     spec = job(tmp_path, model, "lost", storage=location, ray={"address": cluster.address})
@@ -375,9 +407,13 @@ def test_losing_the_second_node_mid_grid_then_rerunning_finishes_every_point_onc
     run = [str(LORP), "run", "-q", str(path)]
     log = tmp_path / "first.log"
     first = subprocess.Popen(
-        run, cwd=ROOT, env=cluster.env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        run,
+        cwd=ROOT,
+        env=cluster.env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.time() + 300
         while (store.read_bytes("events.jsonl") or b"").count(b'"event": "point"') < 2:

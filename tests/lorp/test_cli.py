@@ -168,8 +168,18 @@ def test_capture_with_bos_then_prune(
 def _lorp_capture(model_dir: Path, data: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     from tests.helpers.cli_runner import lorp
 
-    args = ["capture", str(model_dir), "--data", data, "--samples", "2",
-            "--seq-len", "16", "--out", "s.npz"]  # fmt: skip
+    args = [
+        "capture",
+        str(model_dir),
+        "--data",
+        data,
+        "--samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--out",
+        "s.npz",
+    ]
     return lorp(*args, cwd=cwd)
 
 
@@ -216,12 +226,22 @@ def test_sublayers_capture_select_and_prune_to_a_servable_checkpoint(
     common = ["--data", "ptb", "--samples", "3", "--seq-len", "16"]
     assert main(["capture", str(model), *common, "--sublayers", "--out", str(stats)]) == 0
     assert "12 sub-layers" in capsys.readouterr().out
-    out = run("select", str(stats), "--budget", "2", "--granularity", "attention",
-              "--method", "shortgpt", "--json")  # fmt: skip
+    out = run(
+        "select",
+        str(stats),
+        "--budget",
+        "2",
+        "--granularity",
+        "attention",
+        "--method",
+        "shortgpt",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     picked = json.loads(out.stdout)
-    expected = select_units(SimilarityStats.from_file(stats).similarity(), 2, "attention",
-                            "shortgpt")  # fmt: skip
+    expected = select_units(
+        SimilarityStats.from_file(stats).similarity(), 2, "attention", "shortgpt"
+    )
     assert picked["pruned"] == list(expected.layers) and all(u % 2 == 0 for u in expected.layers)
     blocks = run("select", str(stats), "--budget", "2", "--method", "shortgpt", "--json")
     assert len(json.loads(blocks.stdout)["details"]["blocks"]) == 2

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.storage import Storage
+from pipeline.storage.store import Storage
 from tests.helpers.local_servers import (
     AWS_TEST_ENV,
     create_bucket,

@@ -123,18 +123,30 @@ def _cut_stray_copy(model: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (_cut_weights, r"model\.safetensors' is truncated: its header lists [\d,]+ bytes, "
-                       r"the file holds [\d,]+$"),
-        (_garbled_header, r"model\.safetensors' is truncated or not a safetensors file \(its "
-                          r"header claims [\d,]+ bytes, the file holds [\d,]+\)$"),
-        (_no_weights, r"has no \.safetensors weights \(pickled \.bin weights load only when "
-                      r"the spec allows them\)$"),
+        (
+            _cut_weights,
+            r"model\.safetensors' is truncated: its header lists [\d,]+ bytes, "
+            r"the file holds [\d,]+$",
+        ),
+        (
+            _garbled_header,
+            r"model\.safetensors' is truncated or not a safetensors file \(its "
+            r"header claims [\d,]+ bytes, the file holds [\d,]+\)$",
+        ),
+        (
+            _no_weights,
+            r"has no \.safetensors weights \(pickled \.bin weights load only when "
+            r"the spec allows them\)$",
+        ),
         (_no_weights_pickle_allowed, r"has no weights \(\.safetensors or \.bin\)$"),
         (_emptied, r"model\.safetensors' is not a safetensors file \(shorter than 8 bytes\)$"),
-        (_cut_stray_copy, r"model-copy\.safetensors' is not a readable safetensors file: "
-                          r"\S.*$"),  # then safetensors' own reason
+        (
+            _cut_stray_copy,
+            r"model-copy\.safetensors' is not a readable safetensors file: "
+            r"\S.*$",
+        ),  # then safetensors' own reason
     ],
-)  # fmt: skip
+)
 def test_a_damaged_checkpoint_is_one_line_naming_its_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, message: str
 ) -> None:
@@ -145,8 +157,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_its_file(
     model = save_tiny("llama", tmp_path / "model")
     entry = {"ref": str(model)} | (damage(model) or {})  # a damage may set entry fields
     capsys.readouterr()  # transformers' progress bar while saving
-    data = GOOD | {"models": [entry], "budgets": [1],
-                   "output_dir": str(tmp_path / "run")}  # fmt: skip
+    data = GOOD | {"models": [entry], "budgets": [1], "output_dir": str(tmp_path / "run")}
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(data))
     assert main(["run", str(spec)]) == 2
@@ -211,14 +222,14 @@ def test_a_location_without_write_permission_is_refused_before_any_file(
 ) -> None:
     """A shared catalog (or storage) in a directory this user may not write: one line
     naming the field, the location and the directory, from `lorp run` and `lorp plan`."""
-    import pipeline.storage
+    import pipeline.storage.store
 
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     if os.geteuid() == 0:  # root writes anywhere: deny it the directory as a user is denied
         real = os.access
         deny = lambda p, mode: Path(p) != locked and real(p, mode)  # noqa: E731
-        monkeypatch.setattr(pipeline.storage.os, "access", deny)
+        monkeypatch.setattr(pipeline.storage.store.os, "access", deny)
     where = str(locked / field)
     data = GOOD | {"output_dir": str(tmp_path / "run"), field: where}
     message = f"{field}: {where!r} cannot be written: no permission to write in {str(locked)!r}"

@@ -49,10 +49,15 @@ class DeciLMDecoderLayer(nn.Module):
             )
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
-        past_key_values: Any = None, use_cache: bool | None = False,
-        position_embeddings: Any = None, **kwargs: Any,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Any = None,
+        position_ids: Any = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if self.has_attention:
             residual = hidden_states
             hidden_states, _ = self.self_attn(

@@ -145,8 +145,10 @@ def test_the_block_stats_inside_a_sub_layer_capture_are_a_block_captures() -> No
     blocks = units.block_stats()
     assert units.sublayers and not blocks.sublayers and not whole.sublayers
     assert (blocks.n_blocks, blocks.tokens, blocks.sequences) == (
-        whole.n_blocks, whole.tokens, whole.sequences,
-    )  # fmt: skip
+        whole.n_blocks,
+        whole.tokens,
+        whole.sequences,
+    )
     np.testing.assert_allclose(blocks.gram, whole.gram, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(blocks.last_token_angular(), whole.last_token_angular(), atol=1e-6)
     with pytest.raises(ValueError, match="reads sub-layer statistics"):

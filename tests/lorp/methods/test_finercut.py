@@ -9,12 +9,11 @@ import torch
 
 from lorp import select_layers
 from lorp.methods import get_method, register_method, unregister_method
-from lorp.methods.removal_loss import LossEvaluator
 from lorp.models.surgery import blocks_dropped
-from tests.helpers.loss_oracle import Recorder, argmin, damage
+from lorp.scoring.removal_loss import LossEvaluator
+from tests.helpers.loss_oracle import Recorder, argmin, damage, js_oracle
 from tests.helpers.similarity_matrices import locality_matrix
 from tests.helpers.tiny_models import tiny_model
-from tests.lorp.methods.test_removal_loss import js_oracle
 
 S6 = locality_matrix((3, 3))
 
@@ -78,7 +77,7 @@ def test_a_callable_measuring_the_loss_is_refused_for_finercut(windows: torch.Te
 
 
 def test_js_is_finite_where_a_logit_is_minus_infinity() -> None:
-    from lorp.methods.removal_loss import js_divergence_sum
+    from lorp.scoring.removal_loss import js_divergence_sum
 
     a = torch.tensor([[[1.0, 2.0, float("-inf")]]])
     b = torch.tensor([[[2.0, 1.0, float("-inf")]]])

@@ -10,7 +10,6 @@ import torch
 
 from lorp.locality.similarity import LayerSimilarity
 from lorp.methods import select_layers
-from lorp.methods.removal_loss import LossEvaluator
 from lorp.methods.sublayer_selection import (
     block_similarity,
     check_sublayer_method,
@@ -20,6 +19,7 @@ from lorp.methods.sublayer_selection import (
 from lorp.models.architectures import decoder_blocks
 from lorp.models.perplexity import calibration_loss
 from lorp.models.sublayers import block_units, eligible_units, sublayers_removed, unit_label
+from lorp.scoring.removal_loss import LossEvaluator
 from tests.helpers.loss_oracle import argmin
 from tests.helpers.similarity_matrices import chain, random_S, set_sym
 from tests.helpers.tiny_models import tiny_model
@@ -175,7 +175,7 @@ def test_finercut_removes_greedily_what_moves_the_output_distribution_least(
     over `sublayers_removed` finds; the registry says its losses measure JS, and its pick
     differs from SLEB's here (a different measure, not a renamed one)."""
     from lorp.methods.sublayer_selection import loss_measure
-    from tests.lorp.methods.test_removal_loss import js_oracle
+    from tests.helpers.loss_oracle import js_oracle
 
     model = tiny_model("llama")
     n = len(decoder_blocks(model))

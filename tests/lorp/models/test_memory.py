@@ -39,9 +39,15 @@ def test_a_sub_layer_capture_plans_for_its_2n_plus_1_states() -> None:
     from lorp.models.memory import stage_activations
     from lorp.models.shape import ModelShape
 
-    shape = ModelShape.from_config({"hidden_size": 64, "num_attention_heads": 4,
-                                    "num_hidden_layers": 6, "intermediate_size": 128,
-                                    "vocab_size": 100})  # fmt: skip
+    shape = ModelShape.from_config(
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 6,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        }
+    )
     tokens, d = 2 * 16, 64
     blocks = stage_activations("capture", shape, 2, 16, 4)
     units = stage_activations("capture", shape, 2, 16, 4, states=13)

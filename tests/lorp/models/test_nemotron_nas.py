@@ -49,13 +49,20 @@ def test_the_checkpoint_reloads_with_the_variants_logits(family: str, tmp_path: 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "nemotron-nas"
     assert [b["attention"]["no_op"] for b in config["block_configs"]] == [
-        False, True, False, True, False, False,
-    ]  # fmt: skip
+        False,
+        True,
+        False,
+        True,
+        False,
+        False,
+    ]
     assert [b["ffn"]["no_op"] for b in config["block_configs"]][4] is True
     assert config["qkv_bias"] is (family == "qwen2")
     assert json.loads((out / "lorp_pruning.json").read_text())["granularity_units"] == [
-        "attn.1", "attn.3", "mlp.4",
-    ]  # fmt: skip
+        "attn.1",
+        "attn.3",
+        "mlp.4",
+    ]
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     layer1 = loaded.model.layers[1]
     assert not hasattr(layer1, "self_attn") and not hasattr(layer1, "input_layernorm")

@@ -55,9 +55,12 @@ def test_bos_windows_score_exactly_their_text_tokens() -> None:
 
 @pytest.mark.parametrize(
     ("family", "dtype", "rows"),
-    [("gemma3_text", torch.float32, None), ("llama", torch.bfloat16, None),
-     ("llama", torch.bfloat16, 2)],
-)  # fmt: skip
+    [
+        ("gemma3_text", torch.float32, None),
+        ("llama", torch.bfloat16, None),
+        ("llama", torch.bfloat16, 2),
+    ],
+)
 def test_window_nll_is_the_float64_log_softmax_nll(
     family: str, dtype: torch.dtype, rows: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

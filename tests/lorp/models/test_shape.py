@@ -6,10 +6,15 @@ from __future__ import annotations
 from lorp.models.shape import ModelShape
 
 LLAMA = {
-    "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512,
-    "num_hidden_layers": 3, "tie_word_embeddings": True,
-}  # fmt: skip
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "num_hidden_layers": 3,
+    "tie_word_embeddings": True,
+}
 
 
 def test_a_text_config_is_read_where_a_multimodal_config_nests_it() -> None:

@@ -71,8 +71,10 @@ def test_streamed_zero_shot_loglikelihoods_equal_in_memory(
         tokens = torch.randint(3, VOCAB, (n + k,), generator=g).tolist()
         requests.append(((f"context {i}", f"continuation {i}"), tokens[:n], tokens[n:]))
     got = {}
-    for name, model in (("memory", in_memory(checkpoints[family])),
-                        ("streamed", build_streamed(checkpoints[family]))):  # fmt: skip
+    for name, model in (
+        ("memory", in_memory(checkpoints[family])),
+        ("streamed", build_streamed(checkpoints[family])),
+    ):
         got[name] = hf_lm(model, tokenizer, 2)._loglikelihood_tokens(requests, disable_tqdm=True)
     assert [f for _, f in got["streamed"]] == [f for _, f in got["memory"]]
     for (a, _), (b, _) in zip(got["streamed"], got["memory"], strict=True):

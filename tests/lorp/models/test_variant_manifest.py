@@ -61,8 +61,9 @@ def test_materialised_variant_equals_the_full_copy(
     assert json.loads((out / "lorp_pruning.json").read_text()) == provenance
     # What it stores: the folded tensors only, a small part of the full copy.
     changed = read_manifest(variant)["changed"]
-    assert changed and all(k.endswith(("down_proj.weight", "norm.weight", "embed_tokens.weight"))
-                           for k in changed)  # fmt: skip
+    assert changed and all(
+        k.endswith(("down_proj.weight", "norm.weight", "embed_tokens.weight")) for k in changed
+    )
     assert variant_bytes(variant) < variant_bytes(full) / 3
 
 
@@ -131,8 +132,9 @@ def test_a_sublayer_manifest_materialises_into_the_checkpoint_written_from_memor
     fits = repair_sublayers(variant, units, batches(token_windows(8)), ridge=1e-3)
     changed = folded_parameters(variant, fits)
     assert sorted(changed) == [
-        "model.layers.1.mlp.down_proj.weight", "model.layers.3.self_attn.o_proj.weight",
-    ]  # fmt: skip
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.3.self_attn.o_proj.weight",
+    ]
     provenance = {"method": "shortgpt", "grid_key": "k"}
     full = save_sublayer_variant(variant, None, tmp_path / "full", units, provenance)
     manifest = write_unit_manifest(

@@ -57,7 +57,9 @@ def test_a_candidate_worse_on_one_domain_is_passed_over(family: str) -> None:
     assert gate.losses.get("fitted", fitted) == pytest.approx(fitted)
     record = gate.record()
     assert record["tried"] == ["wild", "fitted"] and set(record["losses"]["unrepaired"]) == {
-        "prose", "code"}  # fmt: skip
+        "prose",
+        "code",
+    }
 
     # nothing passes: every map becomes its run's unrepaired map, and folding them changes
     # no weight, so the variant is its unrepaired twin

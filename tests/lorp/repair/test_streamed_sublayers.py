@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lorp.methods.window_scores import window_losses
 from lorp.models.nemotron_nas import save_sublayer_variant, write_sublayer_files
 from lorp.models.streaming import build_streamed, streamer_of
 from lorp.models.sublayers import remove_sublayers
@@ -22,6 +21,7 @@ from lorp.repair.sublayer_repair import (
     folded_parameters,
     unit_runs,
 )
+from lorp.scoring.window_scores import window_losses
 from tests.helpers.model_checks import in_memory
 from tests.helpers.repair_runs import batches, logits
 from tests.helpers.windows import token_windows

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import RAY_TEST_ENV
 from tests.helpers.local_servers import free_port
 from tests.helpers.paths import REPO
 from tests.helpers.processes import kill_started_by
-from tests.helpers.ray_cluster import AUTH_OFF, RAY_CLI
+from tests.helpers.ray_cluster import RAY_CLI
 
 pytestmark = [pytest.mark.integration]
 
@@ -48,7 +49,7 @@ def drive(
     ray_tmp: Path, address: str = "", timeout: float = 180, **env: str
 ) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
-    base |= {"RAY_TMPDIR": str(ray_tmp), "LORP_RAY_CONNECT_TIMEOUT_S": "3"} | AUTH_OFF | env
+    base |= {"RAY_TMPDIR": str(ray_tmp), "LORP_RAY_CONNECT_TIMEOUT_S": "3"} | RAY_TEST_ENV | env
     return subprocess.run(
         [sys.executable, "-c", DRIVER, address],
         cwd=ROOT,
@@ -82,8 +83,13 @@ def failure_line(
         {"RAY_TMPDIR": str(ray_tmp), "LORP_RAY_CONNECT_TIMEOUT_S": "3"} | env
     ).items():
         monkeypatch.setenv(key, value)
-    data = {"name": "connect", "models": [{"ref": "unused"}], "budgets": [1],
-            "methods": [{"name": "lorp"}], "ray": {"num_cpus": 1}}  # fmt: skip
+    data = {
+        "name": "connect",
+        "models": [{"ref": "unused"}],
+        "budgets": [1],
+        "methods": [{"name": "lorp"}],
+        "ray": {"num_cpus": 1},
+    }
     if address:
         data["ray"]["address"] = address
     with pytest.raises(ValueError) as err:
@@ -152,13 +158,24 @@ def test_auto_joins_the_head_that_ray_start_recorded(ray_tmp: Path) -> None:
     """A real `ray start --head`: "auto" joins it, as one node, at the recorded port."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "TMPDIR"}}
-    env |= {"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"} | AUTH_OFF
+    env |= {"RAY_TMPDIR": str(ray_tmp)} | RAY_TEST_ENV
     head = subprocess.Popen(
-        [str(RAY_CLI), "start", "--head", f"--port={port}", "--num-cpus=1", "--block",
-         "--include-dashboard=false", f"--temp-dir={ray_tmp / 'ray'}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(RAY_CLI),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--block",
+            "--include-dashboard=false",
+            f"--temp-dir={ray_tmp / 'ray'}",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     recorded = ray_tmp / "ray" / "ray_current_cluster"
     try:
         # `ray start` records the head once it is up; "auto" means that record.

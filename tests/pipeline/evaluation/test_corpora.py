@@ -10,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.evaluation.corpora import HUB_CORPORA, hub_corpus, load_any_corpus
-from pipeline.evaluation.metrics import EVAL_SPLITS, metric_name
+from pipeline.evaluation.corpora import (
+    EVAL_SPLITS,
+    HUB_CORPORA,
+    hub_corpus,
+    load_any_corpus,
+    metric_name,
+)
 from tests.helpers.paths import REPO
 
 ROOT = REPO

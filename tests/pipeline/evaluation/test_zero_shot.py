@@ -98,9 +98,13 @@ def test_race_without_the_hub_fails_in_one_line_naming_its_dataset() -> None:
     here: offline mode, in a fresh process that reads it at import)."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     run = subprocess.run(
-        [sys.executable, "-c", RACE_OFFLINE], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", RACE_OFFLINE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 3, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1 and "EleutherAI/race" in lines[0], run.stdout

@@ -11,24 +11,37 @@ from pipeline.spec.parse import parse_spec
 
 BASE = {
     "name": "d",
-    "models": [{"ref": "smollm2-135m"}, {"ref": "qwen2.5-coder-0.5b", "calibration": [
-        {"name": "ptb"}, {"name": "code", "weight": 2}]}],
+    "models": [
+        {"ref": "smollm2-135m"},
+        {
+            "ref": "qwen2.5-coder-0.5b",
+            "calibration": [{"name": "ptb"}, {"name": "code", "weight": 2}],
+        },
+    ],
     "budgets": [2],
     "methods": [{"name": "shortgpt"}],
     "calibration": {"dataset": "ptb", "samples": 6, "seq_len": 32},
     "evaluation": {"perplexity": ["ptb", "lee", "code", "data/tickets.jsonl"]},
     "domains": {"data/tickets.jsonl": "support"},
-}  # fmt: skip
+}
 
 
 def test_each_corpus_has_a_domain_and_a_model_may_name_its_own_calibration() -> None:
     spec = parse_spec(BASE)
     assert [spec.domain(c) for c in ("ptb", "lee", "wiki", "code", "c4")] == [
-        "prose", "prose", "prose", "code", "prose"]  # fmt: skip
+        "prose",
+        "prose",
+        "prose",
+        "code",
+        "prose",
+    ]
     assert spec.domain("data/tickets.jsonl") == "support"
     assert domain_of("data/My Logs.txt", {}) == "my-logs"  # untagged: a domain of its own
     assert spec.judged_domains() == {
-        "prose": ["ptb", "lee"], "code": ["code"], "support": ["data/tickets.jsonl"]}  # fmt: skip
+        "prose": ["ptb", "lee"],
+        "code": ["code"],
+        "support": ["data/tickets.jsonl"],
+    }
     small, coder = spec.models
     assert spec.calibration_for(small) is spec.calibration
     mine = spec.calibration_for(coder)
@@ -47,18 +60,27 @@ def test_each_corpus_has_a_domain_and_a_model_may_name_its_own_calibration() -> 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"domains": {"data/tickets.jsonl": "Support Desk"}},
-         "domains.data/tickets.jsonl: a domain is lower-case letters, digits, '-' and '_' "
-         "(at most 32), got 'Support Desk'"),
+        (
+            {"domains": {"data/tickets.jsonl": "Support Desk"}},
+            "domains.data/tickets.jsonl: a domain is lower-case letters, digits, '-' and '_' "
+            "(at most 32), got 'Support Desk'",
+        ),
         ({"domains": {"code": "prose"}}, "domains.code: 'code' is packaged code text, got 'prose'"),
-        ({"evaluation": {"perplexity": ["ptb"], "rank_domain": "code"}},
-         "evaluation.rank_domain: no perplexity corpus is 'code' text, got 'code' (judged: prose)"),
-        ({"models": [{"ref": "smollm2-135m", "calibration": [{"name": "ptb", "weight": -1}]}]},
-         "models[0].calibration[0].weight: must be a number > 0, got -1"),
-        ({"models": [{"ref": "smollm2-135m", "calibration": [{"name": "ptb"}] * 2}]},
-         "models[0].calibration: dataset: 'ptb' appears twice"),
+        (
+            {"evaluation": {"perplexity": ["ptb"], "rank_domain": "code"}},
+            "evaluation.rank_domain: no perplexity corpus is 'code' text, got 'code' "
+            "(judged: prose)",
+        ),
+        (
+            {"models": [{"ref": "smollm2-135m", "calibration": [{"name": "ptb", "weight": -1}]}]},
+            "models[0].calibration[0].weight: must be a number > 0, got -1",
+        ),
+        (
+            {"models": [{"ref": "smollm2-135m", "calibration": [{"name": "ptb"}] * 2}]},
+            "models[0].calibration: dataset: 'ptb' appears twice",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_domains_are_one_line_naming_the_field(change: dict, message: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_spec({**BASE, **change})

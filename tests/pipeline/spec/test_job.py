@@ -68,8 +68,11 @@ def test_bad_repair_lists_fail_with_the_field(tmp_path: Path, repair: list, mess
 
 
 CHECKPOINT_BASE = {
-    "name": "c", "models": [{"ref": "x"}], "budgets": [1], "methods": [{"name": "lorp"}],
-}  # fmt: skip
+    "name": "c",
+    "models": [{"ref": "x"}],
+    "budgets": [1],
+    "methods": [{"name": "lorp"}],
+}
 
 
 def test_checkpoints_are_manifests_unless_the_spec_says_otherwise() -> None:
@@ -123,16 +126,22 @@ def test_checkpoints_beside_an_older_spelling_or_a_bad_older_value_is_refused() 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tracking": {"materialize": "all"}},
-         "tracking.materialize: must be one of none, best, got 'all'"),
-        ({"tracking": {"materialize": "best", "register": False}},
-         "tracking.materialize: needs tracking.register: true (it writes out the registry's "
-         "aliases)"),
-        ({"tracking": {"materialize": "best"}, "checkpoints": "none"},
-         "tracking.materialize: needs stored variants (checkpoints: manifest or full), got "
-         "checkpoints: none"),
+        (
+            {"tracking": {"materialize": "all"}},
+            "tracking.materialize: must be one of none, best, got 'all'",
+        ),
+        (
+            {"tracking": {"materialize": "best", "register": False}},
+            "tracking.materialize: needs tracking.register: true (it writes out the registry's "
+            "aliases)",
+        ),
+        (
+            {"tracking": {"materialize": "best"}, "checkpoints": "none"},
+            "tracking.materialize: needs stored variants (checkpoints: manifest or full), got "
+            "checkpoints: none",
+        ),
     ],
-)  # fmt: skip
+)
 def test_materialize_is_refused_where_it_has_nothing_to_write(
     overrides: dict, message: str
 ) -> None:

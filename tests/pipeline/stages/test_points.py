@@ -1,6 +1,6 @@
 """A grid point's memory against its plan: the most a worker holds for a point held whole
 and for one streamed a module at a time, each measured in a fresh process, within 25%
-of what the plan's `evaluate` decision said (`pipeline.cluster.memory`).
+of what the plan's `evaluate` decision said (`pipeline.plan.memory`).
 
 The models are wide enough that their weights, not the allocator's slack (some 40 MB
 from run to run), make the figures: 12 blocks of 1024 (0.45 GiB in float32) held whole,
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cluster.memory import plan_memory
-from pipeline.plan import GridPoint, plan_model
+from pipeline.driver.tasks import TaskMaker
+from pipeline.plan.grid import GridPoint
+from pipeline.plan.memory import plan_memory
+from pipeline.plan.models import plan_model
 from pipeline.spec.parse import parse_spec
-from pipeline.stages.tasks import point_task
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.tiny_models import save_tiny_ptb
 
@@ -50,17 +51,21 @@ def dense_point(root: Path, model: Path, memory_gib: float | None, dtype: str = 
     spec = tiny_job(root, model, "memory", budgets=[1])
     spec["models"][0]["dtype"] = dtype
     spec["evaluation"] = {
-        "perplexity": ["ptb"], "seq_len": 128, "max_windows": 4, "batch_size": 2,
-        "zero_shot": [], "speed": False,
-    }  # fmt: skip
+        "perplexity": ["ptb"],
+        "seq_len": 128,
+        "max_windows": 4,
+        "batch_size": 2,
+        "zero_shot": [],
+        "speed": False,
+    }
     if memory_gib is not None:
         spec["resources"] = {"grid": {"memory_gib": memory_gib}}
     job = parse_spec(spec)
     plan = plan_memory(job, plan_model(job, 0, job.models[0]), "transformers")
     point = GridPoint("dense", plan, None, None)
-    return point_task(job, str(root / "memory"), point, "transformers", {}), plan.decision(
-        "evaluate"
-    )
+    return TaskMaker.for_job(job, str(root / "memory"), "transformers").point(
+        point, {}
+    ), plan.decision("evaluate")
 
 
 @pytest.mark.parametrize(

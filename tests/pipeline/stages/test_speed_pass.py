@@ -75,16 +75,31 @@ def test_peak_memory_once_per_kept_size(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
     monkeypatch.setattr(speed, "timed_speedups", timings)
     monkeypatch.setattr(speed_pass, "_peak_memory", peak)
-    variants = (("d", (), None), ("a", (1,), None), ("b", (2,), None), ("c", (1, 2), None),
-                ("uu", (), None))  # fmt: skip
+    variants = (
+        ("d", (), None),
+        ("a", (1,), None),
+        ("b", (2,), None),
+        ("c", (1, 2), None),
+        ("uu", (), None),
+    )
     task = SpeedTask(
-        model=ModelSource(ref=str(where), kind="dir"), storage=str(tmp_path),
-        variants=variants, seq_len=8, budget_s=10.0, n_blocks=6, units={"uu": (3, 4)},
-    )  # fmt: skip
+        model=ModelSource(ref=str(where), kind="dir"),
+        storage=str(tmp_path),
+        variants=variants,
+        seq_len=8,
+        budget_s=10.0,
+        n_blocks=6,
+        units={"uu": (3, 4)},
+    )
     out = speed_pass.measure_speed(task)
     assert measured == [(), (1,), (1, 2), (3, 4)]
     assert {k: v["peak_mem_gib"] for k, v in out.items()} == {
-        "d": 0, "a": 1, "b": 1, "c": 2, "uu": 0.2}  # fmt: skip
+        "d": 0,
+        "a": 1,
+        "b": 1,
+        "c": 2,
+        "uu": 0.2,
+    }
     # the sub-layer variant (mlp.1, attn.2) is timed with its sub-layers gone, all 6 blocks
     # kept, and its bound counts the 2 blocks it touches
     assert timed["uu"] == (6, "Removed", 2) and timed["a"][0] == 5

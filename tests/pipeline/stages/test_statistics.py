@@ -24,6 +24,10 @@ def test_stats_file_of_a_job_is_a_normal_stats_file(tmp_path: Path) -> None:
     s = SimilarityStats(4)
     s.update(np.random.default_rng(0).normal(size=(5, 10, 8)) + 1)
     s.to_file(tmp_path / "x.npz")
-    out = subprocess.run([LORP, "select", str(tmp_path / "x.npz"), "--budget", "1", "--json"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [LORP, "select", str(tmp_path / "x.npz"), "--budget", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and len(json.loads(out.stdout)["pruned"]) == 1

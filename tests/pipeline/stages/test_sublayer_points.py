@@ -4,30 +4,47 @@ result says which backend judged it, and its figure is the in-memory variant's."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from lorp.methods.registry import Selection
-from pipeline.plan import GridPoint, plan_model
+from pipeline.driver.tasks import TaskMaker
+from pipeline.plan.grid import GridPoint, stored_at
+from pipeline.plan.models import plan_model
 from pipeline.spec.parse import parse_spec
-from pipeline.stages.tasks import point_task
 from tests.helpers.job_specs import tiny_job
 from tests.helpers.tiny_models import save_tiny_ptb
 
-EVALUATION = {"backend": "vllm", "perplexity": ["ptb"], "seq_len": 48, "max_windows": 2,
-              "batch_size": 2, "zero_shot": [], "speed": False}  # fmt: skip
+EVALUATION = {
+    "backend": "vllm",
+    "perplexity": ["ptb"],
+    "seq_len": 48,
+    "max_windows": 2,
+    "batch_size": 2,
+    "zero_shot": [],
+    "speed": False,
+}
 
 
 def _point(tmp_path: Path, family: str):  # type: ignore[no-untyped-def]
     model = save_tiny_ptb(family, tmp_path / family)
-    spec = tiny_job(tmp_path, model, "units", budgets=[2], methods=[{"name": "shortgpt"}],
-                    granularity=["attention"], evaluation=EVALUATION)  # fmt: skip
+    spec = tiny_job(
+        tmp_path,
+        model,
+        "units",
+        budgets=[2],
+        methods=[{"name": "shortgpt"}],
+        granularity=["attention"],
+        evaluation=EVALUATION,
+    )
     job = parse_spec(spec)
     plan = plan_model(job, 0, job.models[0])
     selection = Selection((4, 6), "shortgpt", 2, 12)  # attn.2 and attn.3
     point = GridPoint("k", plan, job.methods[0], selection, granularity="attention")
-    return job, point_task(job, str(tmp_path / "units"), point, "vllm", {})
+    point = replace(point, checkpoint=stored_at(point, job.saves_checkpoints))
+    return job, TaskMaker.for_job(job, str(tmp_path / "units"), "vllm").point(point, {})
 
 
 @pytest.mark.integration

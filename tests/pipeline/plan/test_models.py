@@ -1,0 +1,40 @@
+"""Each model of a job resolved and checked before any work (`pipeline.plan.models`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.spec.checks import SpecError
+from pipeline.spec.parse import parse_spec
+from tests.helpers.job_specs import tiny_job
+from tests.helpers.tiny_models import save_tiny_ptb
+
+
+@pytest.mark.integration
+def test_sub_layer_budgets_count_units_and_too_many_are_refused_in_planning(
+    tmp_path: Path,
+) -> None:
+    """A fraction counts the granularity's units; a budget beyond the units a model may
+    lose names the budget, the model and the granularity; Gemma 3 is marked unservable."""
+    from pipeline.plan.models import plan_model
+
+    model = save_tiny_ptb("llama", tmp_path / "llama")  # 6 blocks: 4 removable attentions
+    one = {"methods": [{"name": "shortgpt"}]}
+    spec = parse_spec(
+        tiny_job(tmp_path, model, budgets=[2, 0.5], granularity=["block", "mixed"], **one)
+    )
+    plan = plan_model(spec, 0, spec.models[0])
+    assert plan.budgets_for("block") == (2, 3) and plan.budgets_for("mixed") == (2, 6)
+    assert plan.not_servable is None
+    too_many = parse_spec(
+        tiny_job(tmp_path, model, budgets=[4, 5], granularity=["attention"], **one)
+    )
+    with pytest.raises(SpecError) as exc:
+        plan_model(too_many, 0, too_many.models[0])
+    assert "budgets[1]: 5 attention units, but a 6-block model has 4" in str(exc.value)
+    assert "(tiny, granularity attention)" in str(exc.value)
+    gemma = save_tiny_ptb("gemma3_text", tmp_path / "gemma3")
+    g = parse_spec(tiny_job(tmp_path, gemma, budgets=[2], granularity=["attention"], **one))
+    assert "gemma3" in str(plan_model(g, 0, g.models[0]).not_servable)
