@@ -39,14 +39,67 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' tiny-model builders
 
+from benchmarks.pages import markers, replace_section, rule  # noqa: E402
+
 SHAPES = {
-    "13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
-            "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
-    "small": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 12000},
-}  # fmt: skip
-BEGIN, END = "<!-- bigmodel:begin -->", "<!-- bigmodel:end -->"
+    "13b": {
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "vocab_size": 32000,
+    },
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 12000,
+    },
+}
+BEGIN, END = markers("bigmodel")
 GIB = 1024**3
+
+
+class Draw:
+    """The checkpoint's bf16 tensors, drawn from one seeded generator in the order asked
+    for: weights of std 0.02, and norm weights (ones) of width `d`."""
+
+    def __init__(self, seed: int, d: int) -> None:
+        self.g, self.d = torch.Generator().manual_seed(seed), d
+
+    def w(self, *size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=self.g) * 0.02).to(torch.bfloat16)
+
+    def ones(self) -> torch.Tensor:
+        return torch.ones(self.d, dtype=torch.bfloat16)
+
+
+def shard_tensors(i: int, shape: dict[str, int], draw: Draw) -> dict[str, torch.Tensor]:
+    """Shard `i`: block `i`'s tensors, or past the last block the embeddings, the final
+    norm and the head."""
+    d, m = shape["hidden_size"], shape["intermediate_size"]
+    if i == shape["num_hidden_layers"]:
+        v = shape["vocab_size"]
+        return {
+            "model.embed_tokens.weight": draw.w(v, d),
+            "model.norm.weight": draw.ones(),
+            "lm_head.weight": draw.w(v, d),
+        }
+    p = f"model.layers.{i}."
+    return {
+        p + "self_attn.q_proj.weight": draw.w(d, d),
+        p + "self_attn.k_proj.weight": draw.w(d, d),
+        p + "self_attn.v_proj.weight": draw.w(d, d),
+        p + "self_attn.o_proj.weight": draw.w(d, d),
+        p + "mlp.gate_proj.weight": draw.w(m, d),
+        p + "mlp.up_proj.weight": draw.w(m, d),
+        p + "mlp.down_proj.weight": draw.w(d, m),
+        p + "input_layernorm.weight": draw.ones(),
+        p + "post_attention_layernorm.weight": draw.ones(),
+    }
 
 
 def write_checkpoint(out: Path, shape: dict[str, int], seed: int = 0) -> float:
@@ -58,34 +111,20 @@ def write_checkpoint(out: Path, shape: dict[str, int], seed: int = 0) -> float:
 
     out.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model(
-        "llama", **shape, max_position_embeddings=2048, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16",
-    )  # fmt: skip
-    d, m, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=g) * 0.02).to(torch.bfloat16)
-
-    def ones() -> torch.Tensor:
-        return torch.ones(d, dtype=torch.bfloat16)
-
+        "llama",
+        **shape,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="bfloat16",
+    )
+    n, draw = shape["num_hidden_layers"], Draw(seed, shape["hidden_size"])
     weight_map, total = {}, 0
     for i in range(n + 1):
         name = f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors"
-        if i < n:
-            p = f"model.layers.{i}."
-            tensors = {
-                p + "self_attn.q_proj.weight": w(d, d), p + "self_attn.k_proj.weight": w(d, d),
-                p + "self_attn.v_proj.weight": w(d, d), p + "self_attn.o_proj.weight": w(d, d),
-                p + "mlp.gate_proj.weight": w(m, d), p + "mlp.up_proj.weight": w(m, d),
-                p + "mlp.down_proj.weight": w(d, m),
-                p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
-            }  # fmt: skip
-        else:
-            v = shape["vocab_size"]
-            tensors = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": ones(),
-                       "lm_head.weight": w(v, d)}  # fmt: skip
+        tensors = shard_tensors(i, shape, draw)
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map |= dict.fromkeys(tensors, name)
@@ -111,13 +150,23 @@ def job_spec(root: Path, model: Path, memory_gib: float | None) -> dict[str, Any
         "budgets": [8],
         "methods": [{"name": "shortgpt"}, {"name": "lorp"}],
         "repair": ["none", "linear"],
-        "calibration": {"dataset": "ptb", "samples": 2, "seq_len": 128, "shards": 1,
-                        "batch_size": 2},
-        "evaluation": {"perplexity": ["lee"], "seq_len": 128, "max_windows": 2,
-                       "batch_size": 2, "speed": True},
+        "calibration": {
+            "dataset": "ptb",
+            "samples": 2,
+            "seq_len": 128,
+            "shards": 1,
+            "batch_size": 2,
+        },
+        "evaluation": {
+            "perplexity": ["lee"],
+            "seq_len": 128,
+            "max_windows": 2,
+            "batch_size": 2,
+            "speed": True,
+        },
         "checkpoints": "none",
         "ray": {"num_cpus": 2},
-    }  # fmt: skip
+    }
 
 
 def rss_anon(pid: int) -> int:
@@ -190,7 +239,7 @@ def run_job(spec_path: Path) -> tuple[float, TreeSampler, str]:
 
 
 def stage_times(run_dir: Path) -> dict[str, float]:
-    from pipeline.records.timeline import spans_of
+    from pipeline.events.timeline import spans_of
 
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x]
     out: dict[str, float] = {}
@@ -200,7 +249,7 @@ def stage_times(run_dir: Path) -> dict[str, float]:
 
 
 def measure(root: Path, shape_name: str, memory_gib: float | None) -> dict[str, Any]:
-    from pipeline.records.catalog import read_catalog
+    from pipeline.catalog.table import read_catalog
 
     model = root / "model"
     t0 = time.time()
@@ -241,15 +290,16 @@ def measure(root: Path, shape_name: str, memory_gib: float | None) -> dict[str, 
 
 def table(result: dict[str, Any]) -> str:
     plan = next((r["memory_plan"] for r in result["rows"] if r["memory_plan"]), {}) or {}
-    modes = ", ".join(f"{k} {v['mode']} ({v['worker_gib']:.1f} GiB per worker)"
-                      for k, v in plan.items())  # fmt: skip
+    modes = ", ".join(
+        f"{k} {v['mode']} ({v['worker_gib']:.1f} GiB per worker)" for k, v in plan.items()
+    )
     lines = [
         f"Random-init Llama, `{result['shape']}` shape: {result['checkpoint_gb']} GB of bf16 "
         f"safetensors on a machine with {result['machine_ram_gib']} GiB of RAM "
         f"(`python benchmarks/big_model.py`). Plan: {modes}.",
         "",
         "| measure | value |",
-        "|---|---|",
+        rule(2, tight=True),
         f"| writing the checkpoint (block by block) | {result['write_s']:.0f} s |",
         f"| `lorp run`, end to end | {result['job_s']:.0f} s |",
         f"| peak anonymous memory of the job (RssAnon, all its processes) | "
@@ -259,7 +309,7 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"| at the peak, by process (GiB) | {held} |")
     for stage, s in result["stages_s"].items():
         lines.append(f"| stage `{stage}` (summed over its spans) | {s:.0f} s |")
-    lines += ["", "| variant | ppl on lee (2 windows) |", "|---|---|"]
+    lines += ["", "| variant | ppl on lee (2 windows) |", rule(2, tight=True)]
     for r in result["rows"]:
         lines.append(f"| {r['variant']} | {r['ppl_lee']:.4g} |")
     return "\n".join(lines)
@@ -286,11 +336,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if args.page:
-        text = args.page.read_text()
-        if BEGIN in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + BEGIN + "\n" + table(result) + "\n" + END + rest.split(END, 1)[1]
-            args.page.write_text(text)
+        replace_section(args.page, BEGIN, END, table(result), "Measured")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.pages import by_model, markers, replace_section  # noqa: E402
 from lorp.models.variant_manifest import variant_bytes  # noqa: E402  (a directory's bytes)
 
-BEGIN, END = "<!-- demo:begin -->", "<!-- demo:end -->"
+BEGIN, END = markers("demo")
 GATE = "lee"
 """The corpus the quality gate judges on in the demo: the held-out news."""
 
@@ -177,8 +178,8 @@ def memory_lines(events: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None) -> str:
-    from pipeline.records.events import read_events
-    from pipeline.records.timeline import summarise
+    from pipeline.events.log import read_events
+    from pipeline.events.timeline import summarise
 
     parts = [
         "Reproduce: `rm -rf runs/demo && time make demo`, then `python benchmarks/demo.py "
@@ -205,8 +206,7 @@ def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None
         parts += [line + f"; `runs/demo` takes {gib(variant_bytes(run))} on disk.", ""]
         parts += memory_lines(read_events(run / "events.jsonl"))
     parts += summary(rows) + [""]
-    for model in sorted({r["model"] for r in rows}):
-        mine = [r for r in rows if r["model"] == model]
+    for model, mine in by_model(rows).items():
         n = int(mine[0]["n_blocks"])
         dtype = mine[0].get("dtype", "")
         parts += [f"**{model}** (N = {n}, {dtype})", ""]
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page", type=Path, help="write the section into this results page")
     ap.add_argument("--wall", help="the wall time `time make demo` printed, as text")
     args = ap.parse_args(argv)
-    from pipeline.records.catalog import read_catalog
+    from pipeline.catalog.table import read_catalog
 
     rows = read_catalog(args.run / "catalog")
     if not rows:
@@ -229,11 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, args.run, args.wall)
     print(text)
     if args.page:
-        from benchmarks.run import replace_section
-
-        if not args.page.exists():
-            args.page.write_text("# What `make demo` measured\n")
-        replace_section(args.page, BEGIN, END, text, "The latest run")
+        title = "# What `make demo` measured\n"
+        replace_section(args.page, BEGIN, END, text, "The latest run", title)
     return 0
 
 

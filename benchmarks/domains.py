@@ -29,7 +29,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BEGIN, END = "<!-- domains:begin -->", "<!-- domains:end -->"
+from benchmarks.pages import markers, replace_section, row, table  # noqa: E402
+
+BEGIN, END = markers("domains")
 CALIBRATIONS = {
     "prose": [("ptb", 1.0), ("wiki", 1.0)],
     "code": [("code", 1.0)],
@@ -70,14 +72,19 @@ def job_spec(calibration: str, models: list[str] | None, methods: list[str], arg
     )
     cal = dataclasses.replace(spec.calibration, dataset=parts)
     return dataclasses.replace(
-        spec, name=f"domains-{calibration}", output_dir=str(Path(args.runs) / calibration),
-        models=keep, methods=chosen, calibration=cal, evaluation=ev,
-    )  # fmt: skip
+        spec,
+        name=f"domains-{calibration}",
+        output_dir=str(Path(args.runs) / calibration),
+        models=keep,
+        methods=chosen,
+        calibration=cal,
+        evaluation=ev,
+    )
 
 
 def run(args: Any) -> None:
     from pipeline.cli import talk
-    from pipeline.run import run_job
+    from pipeline.driver.run import run_job
 
     talk(False)
     for cal in args.calibrations:
@@ -88,7 +95,7 @@ def run(args: Any) -> None:
 
 def load(runs: Path, calibrations: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Calibration -> its job's catalog rows."""
-    from pipeline.records.catalog import read_catalog
+    from pipeline.catalog.table import read_catalog
 
     out = {}
     for cal in calibrations:
@@ -123,10 +130,21 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+HEAD = (
+    "method",
+    "blocks",
+    "calibrated on",
+    "news (lee): pruned -> repaired",
+    "code: pruned -> repaired",
+    "worst, repaired",
+    "repair gate",
+)
+"""The columns of a model's transfer table."""
+
+
 def model_table(model: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Rows: method, budget, calibration; each domain unrepaired -> repaired."""
-    head = "| method | blocks | calibrated on | news (lee): pruned -> repaired | code: pruned -> repaired | worst, repaired | repair gate |"  # noqa: E501
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = table(HEAD, [])
     entries = []
     for cal, rows in data.items():
         for twin, rep in twins([r for r in rows if r["model"] == model]):
@@ -138,8 +156,7 @@ def model_table(model: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
         cells = [f"{fmt(ratio(twin, d))} -> {fmt(ratio(rep, d))}" for d in DOMAINS]
         gate = rep.get("repair_gate") or "-"
         mark = " (degraded)" if rep.get("degraded") else ""
-        row = [label, str(budget), cal, *cells, f"{fmt(worst(rep))}{mark}", gate]
-        lines.append(f"| {' | '.join(row)} |")
+        lines.append(row([label, budget, cal, *cells, f"{fmt(worst(rep))}{mark}", gate]))
     return lines
 
 
@@ -152,7 +169,11 @@ def best(rows: list[dict[str, Any]], model: str, budget: int) -> dict[str, Any] 
 def findings(data: dict[str, list[dict[str, Any]]], limit: float = 3.0) -> dict[str, Any]:
     """The figures the issue's Done-when reads, per model."""
     out: dict[str, Any] = {
-        "models": {}, "twins_worse": [], "mislabelled": [], "calibrations": list(data)}  # fmt: skip
+        "models": {},
+        "twins_worse": [],
+        "mislabelled": [],
+        "calibrations": list(data),
+    }
     for cal, rows in data.items():
         for twin, rep in twins(rows):
             for d in DOMAINS:
@@ -181,9 +202,11 @@ def findings(data: dict[str, list[dict[str, Any]]], limit: float = 3.0) -> dict[
                 r = best(rows, model, b)
                 if r is not None:
                     per[f"{b}/{cal}"] = {
-                        "variant": r["method_label"], "lee": ratio(r, "prose"),
-                        "code": ratio(r, "code"), "worst": worst(r),
-                    }  # fmt: skip
+                        "variant": r["method_label"],
+                        "lee": ratio(r, "prose"),
+                        "code": ratio(r, "code"),
+                        "worst": worst(r),
+                    }
     return out
 
 
@@ -238,15 +261,6 @@ def page(data: dict[str, list[dict[str, Any]]], args: Any) -> str:
     return "\n".join(out)
 
 
-def write_page(path: Path, text: str) -> None:
-    old = (
-        path.read_text() if path.exists() else f"# Domains: the transfer report\n\n{BEGIN}\n{END}\n"
-    )
-    head, rest = old.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -285,7 +299,8 @@ def main() -> None:
     text = page(data, args)
     print(text)
     if args.page:
-        write_page(args.page, text)
+        new_page = f"# Domains: the transfer report\n\n{BEGIN}\n{END}\n"
+        replace_section(args.page, BEGIN, END, text, "The transfer report", new_page)
     if args.json:
         args.json.write_text(json.dumps(findings(data), indent=2))
 

@@ -10,7 +10,7 @@
    worker per model): `lorp run` twice on a local Ray that declares
    `--slots` logical CPUs (default 8), once as the fleet (every model in flight) and once
    with `max_models_in_flight: 1` (one model after another). Every figure comes from the
-   job's own events (`pipeline.records.timeline.summarise`):
+   job's own events (`pipeline.events.timeline.summarise`):
    - fleet_makespan_ratio   makespan / lower bound, where the lower bound is
                             max(busy slot-seconds / slots, the longest single-model chain)
    - fleet_utilization      busy slot-seconds / (slots x makespan)
@@ -44,8 +44,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' tiny-model builders
 
+from benchmarks.pages import markers, replace_section, rule  # noqa: E402
+
 TARGETS = {"fleet_makespan_ratio": 1.15, "fleet_utilization": 0.75}
-BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
+BEGIN, END = markers("fleet")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3")
 DEPTHS = (6, 8, 10, 12)
 WIDTHS = (64, 128, 192)
@@ -130,13 +132,13 @@ def run_job(root: Path, spec: dict[str, Any]) -> tuple[float, list[dict[str, Any
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"lorp run {path} failed:\n{out.stderr[-4000:]}")
-    from pipeline.records.events import read_events
+    from pipeline.events.log import read_events
 
     return seconds, read_events(Path(spec["output_dir"]) / "events.jsonl")
 
 
 def figures(events: list[dict[str, Any]]) -> dict[str, Any]:
-    from pipeline.records.timeline import summarise
+    from pipeline.events.timeline import summarise
 
     u = summarise(events)
     assert u is not None, "no spans in the job's events"
@@ -175,15 +177,22 @@ def fleet_benchmark(root: Path, n_models: int, slots: int, quick: bool) -> dict[
 
 def catalog_writes(rows: int) -> dict[str, float]:
     """ms per recorded row at the catalog's first and last 100 rows (one part per row)."""
-    from pipeline.records.catalog import Catalog
+    from pipeline.catalog.table import Catalog
 
     with tempfile.TemporaryDirectory() as tmp:
         cat = Catalog(Path(tmp) / Catalog.NAME)
         times = []
         for i in range(rows):
-            row = {"grid_key": f"k{i:05d}", "job": "j", "model": f"m{i // 50}",
-                   "method_label": "lorp", "budget": i % 50, "created_at": "2026",
-                   "pruned_layers": [1, 2], "ppl_ptb": 10.0 + i}  # fmt: skip
+            row = {
+                "grid_key": f"k{i:05d}",
+                "job": "j",
+                "model": f"m{i // 50}",
+                "method_label": "lorp",
+                "budget": i % 50,
+                "created_at": "2026",
+                "pruned_layers": [1, 2],
+                "ppl_ptb": 10.0 + i,
+            }
             start = time.perf_counter()
             cat.put(row)
             times.append(time.perf_counter() - start)
@@ -230,7 +239,7 @@ def results_table(r: dict[str, Any]) -> str:
     lines = [
         "| run | makespan | busy slot-s / slots | longest chain | lower bound "
         "| makespan / bound | utilization |",
-        "|---|---|---|---|---|---|---|",
+        rule(7, tight=True),
     ]
     for name, x in (("fleet (all models in flight)", f), ("serial (max_models_in_flight: 1)", s)):
         lines.append(
@@ -253,9 +262,7 @@ def page_block(r: dict[str, Any]) -> str:
         "",
     ]
     for key, target in TARGETS.items():
-        ok = r[key] <= target if "ratio" in key else r[key] >= target
-        op = "<=" if "ratio" in key else ">="
-        lines.append(f"- `{key}` {r[key]:.3f} (target {op} {target}: {'met' if ok else 'MISSED'})")
+        lines.append(f"- `{key}` {r[key]:.3f} ({verdict(key, r[key], target)})")
     lines.append(
         f"- serial makespan {r['serial_over_fleet_makespan']:.2f}x the fleet's (the same CPU "
         "work on the same 2 cores); the driver's own time "
@@ -264,7 +271,14 @@ def page_block(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def verdict(key: str, value: float, target: float) -> str:
+    """`target <= 1.15: met`: a ratio is met at or below its target, the rest at or above."""
+    if "ratio" in key:
+        return f"target <= {target}: {'met' if value <= target else 'MISSED'}"
+    return f"target >= {target}: {'met' if value >= target else 'MISSED'}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -279,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.models < 12 and not args.skip_fleet:
         ap.error(f"--models: a fleet is at least 12 models, got {args.models}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="lorp-fleet-"))
     root.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -300,26 +319,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  driver: {json.dumps(result['driver'])}", flush=True)
     result["seconds"] = round(time.perf_counter() - start, 1)
     if "fleet" in result:
-        print()
-        print(results_table(result))
-        print()
-        for key, target in TARGETS.items():
-            ok = result[key] <= target if "ratio" in key else result[key] >= target
-            op = "<=" if "ratio" in key else ">="
-            print(
-                f"{key:24s} {result[key]:.3f}  (target {op} {target}: {'met' if ok else 'MISSED'})"
-            )
-        print(
-            f"{'serial_makespan_ratio':24s} {result['serial_makespan_ratio']:.3f}  "
-            f"(serial makespan {result['serial_over_fleet_makespan']:.2f}x the fleet's)"
-        )
+        print_fleet(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if args.page and "fleet" in result:
-        from benchmarks.run import replace_section
-
         replace_section(args.page, BEGIN, END, page_block(result), "The fleet, measured")
     return 0
+
+
+def print_fleet(result: dict[str, Any]) -> None:
+    """The fleet's table and its targets, on the terminal."""
+    print()
+    print(results_table(result))
+    print()
+    for key, target in TARGETS.items():
+        print(f"{key:24s} {result[key]:.3f}  ({verdict(key, result[key], target)})")
+    print(
+        f"{'serial_makespan_ratio':24s} {result['serial_makespan_ratio']:.3f}  "
+        f"(serial makespan {result['serial_over_fleet_makespan']:.2f}x the fleet's)"
+    )
 
 
 if __name__ == "__main__":

@@ -43,16 +43,13 @@ of agreement, not of quality; the costs are those of the real shapes.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,132 +58,62 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_device import SHAPES, build, cuda, peak_gib, sync, timed  # noqa: E402
+from benchmarks.gpu_serving import measure_serving_8b, render_serving  # noqa: E402
+from benchmarks.gpu_streamed import measure_streamed, render_streamed  # noqa: E402
+from benchmarks.inputs import batches_of  # noqa: E402
+from benchmarks.pages import markers, replace_section, row, rule  # noqa: E402
+from benchmarks.timing import bare_forward  # noqa: E402
 from lorp.locality.capture import capture_stats  # noqa: E402
 from lorp.methods import select_layers  # noqa: E402
-from lorp.models.architectures import decoder_stack  # noqa: E402
 from lorp.models.surgery import drop_layers  # noqa: E402
 from lorp.repair.capture import capture_repair_stats  # noqa: E402
 from lorp.repair.fit import check_repairable, fit_runs  # noqa: E402
 from lorp.repair.fold import fold  # noqa: E402
 from lorp.repair.stats import bytes_per_pass  # noqa: E402
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama-8b": {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "max_position_embeddings": 8192,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-    },
-    "gemma3-4b": {
-        "model_type": "gemma3_text",
-        "hidden_size": 2560,
-        "intermediate_size": 10240,
-        "num_hidden_layers": 34,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "vocab_size": 262144,
-        "max_position_embeddings": 8192,
-        "sliding_window": 1024,
-        "query_pre_attn_scalar": 256,
-        "tie_word_embeddings": True,
-    },
-}
-# The same families at a size the test suite runs on CPU in seconds.
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 12,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512,
-        "sliding_window": 16, "query_pre_attn_scalar": 32}  # fmt: skip
+BEGIN, END = markers("gpu")
 
 
-def build(shape: str, tiny: bool, device: str) -> Any:
-    """Random-init fp32 model of `shape` on `device` (weights made there, not copied)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(SHAPES[shape])
-    model_type = fields.pop("model_type")
-    if tiny:
-        fields |= {k: v for k, v in TINY.items() if k in fields or model_type == "gemma3_text"}
-        fields["max_position_embeddings"] = 256
-    if model_type == "gemma3_text":
-        n = fields["num_hidden_layers"]
-        # Gemma 3's pattern: five sliding-window blocks, then one global.
-        fields["layer_types"] = [
-            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
-        ]
-    config = AutoConfig.for_model(model_type, **fields)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if tiny:  # random init is near the identity per block at this size; give S structure
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim == 2 and "embed" not in name:
-                    p.mul_(8.0)
-    return model.eval()
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], device: str, repeats: int) -> tuple[float, Any]:
-    """Median seconds of `repeats` calls after one warm-up, and the last call's result."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
-
-
-def peak_gib(device: str, fn: Callable[[], Any]) -> tuple[float | None, Any]:
-    """Peak GPU memory allocated while `fn` runs (None on CPU), and its result."""
-    if not device.startswith("cuda"):
-        return None, fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30, out
-
-
-def bare_forward(model: Any, batches: list[torch.Tensor]) -> None:
-    stack = decoder_stack(model)
-    with torch.inference_mode():
-        for b in batches:
-            stack(input_ids=b, use_cache=False)
+def say(r: dict[str, Any], msg: str) -> None:
+    print(f"[{r['shape']}] {msg}", flush=True)
 
 
 def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
-    device, r = args.device, {"shape": shape}
-    say = lambda msg: print(f"[{shape}] {msg}", flush=True)  # noqa: E731
+    """Sections 1 to 4 on a random model of `shape`: its figures."""
+    r: dict[str, Any] = {"shape": shape}
+    model, batches, compare = _built(shape, args, r)
+    _precision(model, compare, args.device, r)
+    stats = _capture(model, batches, args, r)
+    layers, fits = _repair(model, stats, batches, args, r)
+    _prune(model, layers, fits, batches, args, r)
+    return r
+
+
+def _built(
+    shape: str, args: argparse.Namespace, r: dict[str, Any]
+) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """The random model of `shape` on the device, and its batches of random token ids:
+    all of them, and the first `--compare` windows'. Its size and build time go into `r`."""
     start = time.perf_counter()
-    model = build(shape, args.tiny, device)
+    model = build(shape, args.tiny, args.device)
     n, d = int(model.config.num_hidden_layers), int(model.config.hidden_size)
     r |= {"blocks": n, "hidden": d, "params_b": sum(p.numel() for p in model.parameters()) / 1e9}
     r["build_s"] = time.perf_counter() - start
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, int(model.config.vocab_size), (args.samples, args.seq_len), generator=g)
-    ids = ids.to(device)
-    batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
+    batches = batches_of(ids.to(args.device), args.batch)
     compare = batches[: max(1, args.compare // args.batch)]
-    say(f"built {r['params_b']:.2f}B params in {r['build_s']:.1f} s")
+    say(r, f"built {r['params_b']:.2f}B params in {r['build_s']:.1f} s")
+    return model, batches, compare
 
-    # 2 (first half): S from the fp32 weights, before they are cast.
+
+def _precision(model: Any, compare: list[torch.Tensor], device: str, r: dict[str, Any]) -> None:
+    """2: S from the fp32 weights, then from the bf16 model they are cast to (the model
+    stays bf16), and LoRP's selections from each at 4 and 8 blocks."""
     s32 = capture_stats(model, compare, progress=False)
     model.to(torch.bfloat16)
-    if device.startswith("cuda"):
+    if cuda(device):
         torch.cuda.empty_cache()
     s16 = capture_stats(model, compare, progress=False)
     r["s_max_abs_diff_bf16_fp32"] = float(abs(s16.matrix() - s32.matrix()).max())
@@ -194,11 +121,19 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         a = list(select_layers(s32, k, "lorp").layers)
         b = list(select_layers(s16, k, "lorp").layers)
         r[f"lorp_{k}_fp32"], r[f"lorp_{k}_bf16"], r[f"lorp_{k}_same"] = a, b, a == b
-    say(f"S bf16 vs fp32: max |dS| {r['s_max_abs_diff_bf16_fp32']:.2e}; same at 4/8: "
-        f"{r['lorp_4_same']}/{r['lorp_8_same']}")  # fmt: skip
+    say(
+        r,
+        f"S bf16 vs fp32: max |dS| {r['s_max_abs_diff_bf16_fp32']:.2e}; same at 4/8: "
+        f"{r['lorp_4_same']}/{r['lorp_8_same']}",
+    )
 
-    # 1: capture against a bare forward, bf16, all tokens.
-    tokens = ids.numel()
+
+def _capture(
+    model: Any, batches: list[torch.Tensor], args: argparse.Namespace, r: dict[str, Any]
+) -> Any:
+    """1: the capture against a bare forward, bf16, all tokens: time, tokens/s and peak
+    memory of each. Returns S."""
+    device, tokens = args.device, sum(b.numel() for b in batches)
     r["tokens"] = tokens
     r["bare_s"], _ = timed(lambda: bare_forward(model, batches), device, args.repeats)
     r["capture_s"], stats = timed(
@@ -210,10 +145,20 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     r["capture_peak_gib"], _ = peak_gib(
         device, lambda: capture_stats(model, batches, progress=False)
     )
-    say(f"capture {r['capture_s']:.2f} s vs bare {r['bare_s']:.2f} s: overhead "
-        f"{r['capture_overhead']:.3f}; {r['capture_tok_s']:,.0f} tok/s")  # fmt: skip
+    say(
+        r,
+        f"capture {r['capture_s']:.2f} s vs bare {r['bare_s']:.2f} s: overhead "
+        f"{r['capture_overhead']:.3f}; {r['capture_tok_s']:,.0f} tok/s",
+    )
+    return stats
 
-    # 3: the repair statistics of LoRP's 8-block selection, and their solves.
+
+def _repair(
+    model: Any, stats: Any, batches: list[torch.Tensor], args: argparse.Namespace, r: dict
+) -> tuple[list[int], list[Any]]:
+    """3: the repair statistics of LoRP's `--prune`-block selection, and their solves.
+    Returns the blocks selected and the fits."""
+    device = args.device
     t0 = time.perf_counter()
     selection = select_layers(stats, args.prune, "lorp")
     r["select_s"] = time.perf_counter() - t0
@@ -221,7 +166,7 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     r["pruned_layers"] = layers
     runs = check_repairable(model, layers)
     r["runs"] = [list(x) for x in runs]
-    r["repair_sums_gib"] = bytes_per_pass(runs, d) / 2**30
+    r["repair_sums_gib"] = bytes_per_pass(runs, r["hidden"]) / 2**30
     r["repair_s"], rstats = timed(
         lambda: capture_repair_stats(model, batches, runs, progress=False), device, 1
     )
@@ -234,16 +179,48 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     sync(device)
     r["solve_s"] = time.perf_counter() - t0
     r["fits"] = [f.record() for f in fits]
-    say(f"repair pass {r['repair_s']:.2f} s = {r['repair_ratio']:.2f} x capture; runs {runs}; "
-        f"sums {r['repair_sums_gib']:.2f} GiB; solves {r['solve_s']:.2f} s")  # fmt: skip
+    say(
+        r,
+        f"repair pass {r['repair_s']:.2f} s = {r['repair_ratio']:.2f} x capture; runs {runs}; "
+        f"sums {r['repair_sums_gib']:.2f} GiB; solves {r['solve_s']:.2f} s",
+    )
+    return layers, fits
 
-    # 4: fold + surgery + save, and the pruned forward against dense.
+
+def _prune(
+    model: Any,
+    layers: list[int],
+    fits: list[Any],
+    batches: list[torch.Tensor],
+    args: argparse.Namespace,
+    r: dict[str, Any],
+) -> None:
+    """4: fold + surgery + save, and the pruned forward against dense."""
+    device = args.device
     t0 = time.perf_counter()
     fold(model, fits)
     drop_layers(model, layers)
     sync(device)
     r["fold_surgery_s"] = time.perf_counter() - t0
-    out = Path(tempfile.mkdtemp(prefix="lorp-gpu-", dir=args.scratch))
+    _save(model, args.scratch, r)
+    r["pruned_bare_s"], _ = timed(lambda: bare_forward(model, batches), device, args.repeats)
+    r["pruned_speedup"] = r["bare_s"] / r["pruned_bare_s"]
+    r["speedup_bound"] = r["blocks"] / (r["blocks"] - len(layers))
+    # Removing k of N blocks cannot speed a forward up by more than N/(N-k): a figure more
+    # than 5% above it is timing noise (a shared or throttled device), not a speed-up.
+    r["speedup_resolved"] = r["pruned_speedup"] <= 1.05 * r["speedup_bound"]
+    say(
+        r,
+        f"fold+surgery {r['fold_surgery_s']:.2f} s, save {r['save_s']:.1f} s "
+        f"({r['saved_gib']:.1f} GiB); pruned forward {r['pruned_speedup']:.3f}x dense "
+        f"(bound N/(N-k) = {r['speedup_bound']:.3f})",
+    )
+
+
+def _save(model: Any, scratch: str | None, r: dict[str, Any]) -> None:
+    """The pruned model saved under `scratch` (timed, sized, its blocks read back), then
+    removed."""
+    out = Path(tempfile.mkdtemp(prefix="lorp-gpu-", dir=scratch))
     try:
         t0 = time.perf_counter()
         model.save_pretrained(out, safe_serialization=True)
@@ -253,231 +230,6 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         r["saved_blocks"] = saved["num_hidden_layers"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    r["pruned_bare_s"], _ = timed(lambda: bare_forward(model, batches), device, args.repeats)
-    r["pruned_speedup"] = r["bare_s"] / r["pruned_bare_s"]
-    r["speedup_bound"] = n / (n - len(layers))
-    # Removing k of N blocks cannot speed a forward up by more than N/(N-k): a figure more
-    # than 5% above it is timing noise (a shared or throttled device), not a speed-up.
-    r["speedup_resolved"] = r["pruned_speedup"] <= 1.05 * r["speedup_bound"]
-    say(f"fold+surgery {r['fold_surgery_s']:.2f} s, save {r['save_s']:.1f} s "
-        f"({r['saved_gib']:.1f} GiB); pruned forward {r['pruned_speedup']:.3f}x dense "
-        f"(bound N/(N-k) = {r['speedup_bound']:.3f})")  # fmt: skip
-    return r
-
-
-STREAM_WINDOWS = 8
-"""Windows of section 6 (in 2 forwards): a streamed forward costs a read of the whole
-checkpoint whatever its batch, so a few forwards say what streaming costs."""
-
-
-def _held_whole(args: argparse.Namespace, shape: str, dtype: torch.dtype, out: Path,
-                r: dict[str, Any]) -> tuple[list[torch.Tensor], Any]:  # fmt: skip
-    """Section 6's reference: the random model saved to `out` and freed, then loaded
-    back from the files (`from_pretrained`, as the pipeline does: its computed buffers
-    such as the rotary frequencies stay fp32) and measured held whole. Returns the
-    batches and S; figures go into `r`. Every copy is freed before it returns."""
-    import gc
-
-    from transformers import AutoModelForCausalLM
-
-    from lorp.models.perplexity import perplexity
-
-    device = args.device
-    model = build(shape, args.tiny, device).to(dtype)
-    vocab = int(model.config.vocab_size)
-    t0 = time.perf_counter()
-    model.save_pretrained(out, safe_serialization=True)
-    r["save_s"] = time.perf_counter() - t0
-    del model
-    gc.collect()  # a transformers model sits in reference cycles
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).to(device).eval()
-    g = torch.Generator(device="cpu").manual_seed(2)
-    n = min(args.samples, STREAM_WINDOWS)
-    ids = torch.randint(0, vocab, (n, args.seq_len), generator=g).to(device)
-    half = max(1, n // 2)
-    batches = [ids[i : i + half] for i in range(0, n, half)]
-    sync(device)
-    t0 = time.perf_counter()
-    held = capture_stats(model, batches, progress=False)
-    sync(device)
-    r["memory_s"] = time.perf_counter() - t0
-    once = functools.partial(capture_stats, model, batches[:1], progress=False)
-    r["memory_peak_gib"], _ = peak_gib(device, once)
-    r["memory_ppl"] = perplexity(model, ids, batch_size=1)
-    del once
-    r["tokens"] = int(ids.numel())
-    del model
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return batches, held
-
-
-def measure_streamed(args: argparse.Namespace) -> dict[str, Any]:
-    """Section 6: the llama-8b shape held whole, then streamed under a memory cap below
-    its size, on the same tokens; S and perplexity must agree."""
-    from lorp.models.memory import weight_size
-    from lorp.models.perplexity import perplexity
-    from lorp.models.safetensors_index import tensor_index
-    from lorp.models.streaming import build_streamed
-
-    device, shape = args.device, "llama-8b"
-    cuda = device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    say = lambda msg: print(f"[streamed] {msg}", flush=True)  # noqa: E731
-    r: dict[str, Any] = {"shape": shape, "dtype": str(dtype).removeprefix("torch.")}
-    out = Path(tempfile.mkdtemp(prefix="lorp-stream-", dir=args.scratch))
-    try:
-        batches, held = _held_whole(args, shape, dtype, out, r)
-        size = weight_size(tensor_index(out), dtype)
-        r["model_gib"], r["largest_unit_gib"] = size.total / 2**30, size.largest_unit / 2**30
-        say(f"{r['model_gib']:.1f} GiB model; held whole {r['memory_s']:.1f} s")
-        if cuda:
-            cap = 0.75 * size.total  # below the model: held whole it cannot load
-            reserved = torch.cuda.memory_reserved()
-            if reserved > 0.25 * cap:
-                raise RuntimeError(f"{reserved / 2**30:.1f} GiB still reserved before the cap")
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(cap / total)
-            r["cap_gib"] = cap / 2**30
-        streamed = build_streamed(out, dtype=dtype, device=device)
-        sync(device)
-        t0 = time.perf_counter()
-        got = capture_stats(streamed, batches, progress=False)
-        sync(device)
-        r["streamed_s"] = time.perf_counter() - t0
-        r["streamed_peak_gib"], _ = peak_gib(
-            device, lambda: capture_stats(streamed, batches[:1], progress=False)
-        )
-        ids = torch.cat(batches)
-        # 2 windows per forward: at a vocabulary of 128k their logits and log-softmax
-        # (about 5 GiB) stay under the cap beside one module.
-        r["streamed_ppl"] = perplexity(streamed, ids, batch_size=2)
-        r["s_max_abs_diff"] = float(abs(got.matrix() - held.matrix()).max())
-        r["ppl_rel_diff"] = abs(r["streamed_ppl"] / r["memory_ppl"] - 1)
-        r["streamed_over_memory"] = r["streamed_s"] / r["memory_s"]
-        say(f"streamed {r['streamed_s']:.1f} s ({r['streamed_over_memory']:.1f}x), peak "
-            f"{gib(r['streamed_peak_gib'])}; |dS| {r['s_max_abs_diff']:.1e}, "
-            f"ppl rel diff {r['ppl_rel_diff']:.1e}")  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - one device call: keep the other sections
-        r["error"] = f"{type(exc).__name__}: {exc}"
-        say(r["error"])
-    finally:
-        if cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-        shutil.rmtree(out, ignore_errors=True)
-    return r
-
-
-def gib(x: float | None) -> str:
-    return "n/a (CPU)" if x is None else f"{x:.1f} GiB"
-
-
-def render_streamed(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"streamed ({r['shape']}): failed, {r['error']}"
-    cap = f"{r['cap_gib']:.1f} GiB cap" if r.get("cap_gib") else "no cap (CPU)"
-    return (
-        f"streamed ({r['shape']}, {r['dtype']}, {r['model_gib']:.2f} GiB, {cap}): capture "
-        f"{r['streamed_s']:.2f} s vs {r['memory_s']:.2f} s held whole "
-        f"({r['streamed_over_memory']:.1f}x) over {r['tokens']:,} tokens; peak "
-        f"{gib(r['streamed_peak_gib'])} vs {gib(r['memory_peak_gib'])}; max |dS| "
-        f"{r['s_max_abs_diff']:.1e}; perplexity rel diff {r['ppl_rel_diff']:.1e}"
-    )
-
-
-SERVE_REMOVED = (8, 12)
-"""Blocks removed from the 8B shape for the serving figures (NVIDIA's Minitron guide
-kept 22 of 36 layers of Qwen3-8B: 1.66x at concurrency 64 on one H200)."""
-
-
-def measure_serving_8b(args: argparse.Namespace) -> dict[str, Any]:
-    """Section 5: vLLM serving of the llama-8b shape, dense and 8 / 12 blocks removed."""
-    import copy
-    import dataclasses
-    import gc
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return {"skipped": "vllm is not installed on this machine (no serving figures)"}
-    from pipeline.evaluation.serving import serving_speedup
-    from pipeline.spec.evaluation import ServingSpec
-
-    spec = ServingSpec(
-        concurrency=args.serve_concurrency,
-        prompt_len=args.serve_prompt_len,
-        output_len=args.serve_output_len,
-        requests=args.serve_requests,
-        rounds=args.serve_rounds,
-    )
-    dense = build("llama-8b", args.tiny, args.device).to(torch.bfloat16).cpu()
-    n = int(dense.config.num_hidden_layers)
-    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="lorp-serve-"))
-    out: dict[str, Any] = {"settings": dataclasses.asdict(spec), "variants": []}
-    for k in (0, *[k for k in SERVE_REMOVED if k < n - 1]):
-        model = copy.deepcopy(dense) if k else dense
-        if k:  # the deepest blocks but the last: shapes are what serving costs, not quality
-            drop_layers(model, list(range(n - 1 - k, n - 1)))
-        where = scratch / f"serve-{k}"
-        model.save_pretrained(where)
-        del model
-        gc.collect()
-        figures = _serve_dir(str(where), spec, args.device)
-        shutil.rmtree(where, ignore_errors=True)
-        print(f"serving {k} of {n} removed: {figures['serve_output_tps']:,.0f} output tok/s",
-              flush=True)  # fmt: skip
-        out["variants"].append({"removed": k, "bound": n / (n - k), **figures})
-    dense_tps = [r["output_tps"] for r in out["variants"][0]["serving"]["rounds"]]
-    for v in out["variants"][1:]:
-        tps = [r["output_tps"] for r in v["serving"]["rounds"]]
-        v |= serving_speedup(tps, dense_tps, v["bound"], 0.02)
-    return out
-
-
-def _serve_dir(model_dir: str, spec: Any, device: str) -> dict[str, Any]:
-    from pipeline.evaluation.serving import measure_serving
-    from pipeline.evaluation.vllm_engine import free_memory, make_engine
-
-    llm = make_engine(
-        model_dir,
-        dtype="bfloat16",
-        max_model_len=spec.prompt_len + spec.output_len + 8,
-        enforce_eager=not device.startswith("cuda"),  # CUDA graphs where there are any
-        max_num_seqs=spec.concurrency,
-        enable_prefix_caching=False,
-    )
-    try:
-        return measure_serving(llm, spec, llm.llm_engine.model_config.get_vocab_size())
-    finally:
-        del llm
-        free_memory()
-
-
-def render_serving(section: dict[str, Any]) -> str:
-    if "skipped" in section:
-        return f"serving: skipped, {section['skipped']}"
-    s = section["settings"]
-    lines = [
-        f"serving (vLLM, concurrency {s['concurrency']}, {s['prompt_len']} in / "
-        f"{s['output_len']} out, {s['requests']} requests x {s['rounds']} rounds)",
-        "| blocks removed | output tok/s | TTFT ms | TPOT ms | speed-up [95% interval] | N/(N-k) |",
-        "|" + " --- |" * 6,
-    ]
-    for v in section["variants"]:
-        if v["removed"]:
-            got = v["serve_speedup"] if v["serve_resolved"] else None
-            ratio = (
-                f"{got:.3f}"
-                if got is not None
-                else f"not resolved ({v['serve_speedup_measured']:.3f} measured)"
-            ) + f" [{v['serve_speedup_low']:.3f}, {v['serve_speedup_high']:.3f}]"
-        else:
-            ratio = "1"
-        lines.append(
-            f"| {v['removed']} | {v['serve_output_tps']:,.0f} | {v['serve_ttft_ms']:.1f} | "
-            f"{v['serve_tpot_ms']:.2f} | {ratio} | {v['bound']:.3f} |"
-        )
-    return "\n".join(lines)
 
 
 def speedup(r: dict[str, Any]) -> str:
@@ -486,16 +238,28 @@ def speedup(r: dict[str, Any]) -> str:
     return f"not resolved ({r['pruned_speedup']:.2f} measured)"
 
 
+HEAD = (
+    "shape",
+    "capture_overhead",
+    "capture tok/s",
+    "peak GiB (bare / capture / repair)",
+    "max dS bf16-fp32",
+    "LoRP same 4 / 8",
+    "repair_ratio",
+    "sums GiB",
+    "solves s",
+    "fold+surgery s",
+    "save s",
+    "pruned speed-up (bound)",
+)
+"""The columns of the shapes' table."""
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     def f(x: Any, spec: str = ".3f") -> str:
         return "n/a" if x is None else format(x, spec)
 
-    lines = [
-        "| shape | capture_overhead | capture tok/s | peak GiB (bare / capture / repair) | "
-        "max dS bf16-fp32 | LoRP same 4 / 8 | repair_ratio | sums GiB | solves s | "
-        "fold+surgery s | save s | pruned speed-up (bound) |",
-        "|" + " --- |" * 12,
-    ]
+    lines = [row(HEAD), rule(len(HEAD))]
     for r in rows:
         lines.append(
             f"| {r['shape']} ({r['params_b']:.1f}B) | {f(r['capture_overhead'])} | "
@@ -507,9 +271,6 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"({r['speedup_bound']:.3f}) |"
         )
     return "\n".join(lines)
-
-
-BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 
 
 def page(report: dict[str, Any]) -> str:
@@ -531,12 +292,10 @@ def page(report: dict[str, Any]) -> str:
 
 
 def write_page(path: Path, report: dict[str, Any]) -> None:
-    from benchmarks.run import replace_section
-
     replace_section(path, BEGIN, END, page(report), "The latest device run")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: the test suite's CPU run")
@@ -566,6 +325,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="section 6, the 8B shape streamed under a memory cap below its size (default on)",
     )
+    add_outputs(p)
+    return p
+
+
+def add_outputs(p: argparse.ArgumentParser) -> None:
+    """The serving section's settings, and where the figures go."""
     p.add_argument("--serve-concurrency", type=int, default=64)
     p.add_argument("--serve-prompt-len", type=int, default=512)
     p.add_argument("--serve-output-len", type=int, default=256)
@@ -583,7 +348,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="measure nothing: render a report a device wrote (its --json) into --page",
     )
-    args = p.parse_args(argv)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
     small = {"samples": 8, "seq_len": 32, "batch": 4, "compare": 4}
     big = {"samples": 64, "seq_len": 2048, "batch": 8, "compare": 16}
     for key, value in (small if args.tiny else big).items():
@@ -596,27 +364,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
     if args.from_json is not None and not args.from_json.is_file():
         raise SystemExit(f"gpu.py: --from-json {args.from_json}: no such file")
-    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.from_json:
+    if cuda(args.device) and not torch.cuda.is_available() and not args.from_json:
         raise SystemExit("gpu.py: --device cuda but torch sees no GPU (use --device cpu --tiny)")
     if args.serving is None:
-        args.serving = args.device.startswith("cuda")
+        args.serving = cuda(args.device)
     if args.json is None and os.environ.get("OUT"):
         args.json = Path(os.environ["OUT"]) / "gpu.json"
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.from_json:
-        report = json.loads(args.from_json.read_text())
-        print(page(report))
-        if args.page:
-            write_page(args.page, report)
-        return 0
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every section `args` asks for: the report."""
     started = time.perf_counter()
     env = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "device": torch.cuda.get_device_name() if cuda(args.device) else "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "tokens": f"{args.samples} x {args.seq_len}",
@@ -626,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes:
         rows.append(measure_shape(shape, args))
-        if args.device.startswith("cuda"):  # the last shape's weights are garbage now
+        if cuda(args.device):  # the last shape's weights are garbage now
             torch.cuda.empty_cache()
     report: dict[str, Any] = {"env": env, "shapes": rows}
     print(render(rows), flush=True)
@@ -638,6 +400,18 @@ def main(argv: list[str] | None = None) -> int:
         print(render_serving(report["serving"]))
     env["total_s"] = time.perf_counter() - started
     print(f"total {env['total_s']:.0f} s")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        print(page(report))
+        if args.page:
+            write_page(args.page, report)
+        return 0
+    report = measure(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

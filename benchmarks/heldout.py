@@ -39,11 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.inputs import batches_of, evaluation_windows  # noqa: E402
 from lorp.data.corpora import load_corpus, tokenize_documents
-from lorp.data.windows import eval_windows, mixed_windows, prepend_bos, resolve_bos
+from lorp.data.windows import mixed_windows, prepend_bos, resolve_bos
 from lorp.locality.capture import capture_stats
 from lorp.methods import select_layers  # noqa: E402
-from lorp.methods.window_scores import window_losses, window_scores
 from lorp.models.loading import load_model
 from lorp.models.perplexity import perplexity
 from lorp.models.surgery import drop_layers
@@ -54,6 +54,7 @@ from lorp.repair.fold import fold
 from lorp.repair.followers import fit_followers
 from lorp.repair.maps import RepairRefused
 from lorp.repair.stats import contiguous_runs
+from lorp.scoring.window_scores import window_losses, window_scores
 
 SEQ = 256
 HELD = 8
@@ -75,18 +76,6 @@ def calibration(tok: Any, bos: int | None, mix: list[tuple[str, float]], n: int,
     return prepend_bos(windows, bos) if bos is not None else windows
 
 
-def test_windows(tok: Any, bos: int | None, corpus: str, n: int) -> torch.Tensor:
-    ids = torch.cat(
-        [torch.as_tensor(d) for d in tokenize_documents(tok, load_corpus(corpus, "test"))]
-    )
-    windows = eval_windows(ids, 512, n)
-    return prepend_bos(windows, bos) if bos is not None else windows
-
-
-def batches(windows: torch.Tensor, size: int = 8) -> list[torch.Tensor]:
-    return [windows[i : i + size] for i in range(0, len(windows), size)]
-
-
 def ppl_all(model: Any, tests: dict[str, torch.Tensor]) -> dict[str, float]:
     return {c: perplexity(model, w, batch_size=4) for c, w in tests.items()}
 
@@ -98,13 +87,19 @@ def one_setting(loaded: Any, args: argparse.Namespace, mix_text: str, tokens: in
     mix = parse_mix(mix_text)
     cal = calibration(tok, bos, mix, tokens // SEQ, 0)
     held = calibration(tok, bos, mix, HELD, 1)
-    tests = {c: test_windows(tok, bos, c, args.eval_windows) for c in EVAL}
+    tests = {c: evaluation_windows(tok, c, args.eval_windows, 512, bos) for c in EVAL}
     dense = ppl_all(model, tests)
     ctx = _Setting(model, skip, cal, held, tests, dense, loaded.n_blocks)
     rows = []
     for method, budget, layers in selections(ctx, args):
-        base = {"model": args.current, "calib": mix_text, "tokens": tokens,
-                "method": method, "budget": budget, "layers": layers}  # fmt: skip
+        base = {
+            "model": args.current,
+            "calib": mix_text,
+            "tokens": tokens,
+            "method": method,
+            "budget": budget,
+            "layers": layers,
+        }
         rows += variant_rows(ctx, args, base)
     return rows
 
@@ -125,9 +120,9 @@ class _Setting:
         """The repair sums of `runs` on the calibration windows, with the held-out
         windows' under `.held` (what `fit_runs` validates on, and `window_losses` judges)."""
         kw = {"skip_prefix": self.skip, "progress": False}
-        rs = capture_repair_stats(self.model, batches(self.cal), runs, **kw)
+        rs = capture_repair_stats(self.model, batches_of(self.cal), runs, **kw)
         if held:
-            rs.held = capture_repair_stats(self.model, batches(self.held), runs, **kw)
+            rs.held = capture_repair_stats(self.model, batches_of(self.held), runs, **kw)
         return rs
 
 
@@ -143,7 +138,7 @@ def parse_cuts(text: str) -> list[int]:
 def selections(ctx: _Setting, args: argparse.Namespace) -> Iterator[tuple[str, int, list[int]]]:
     """(method, budget, blocks removed): each `--methods` at each `--budgets` as the method
     selects on this setting's S, then each `--cuts` as given (method `cuts`)."""
-    stats = capture_stats(ctx.model, batches(ctx.cal), skip_prefix=ctx.skip, progress=False)
+    stats = capture_stats(ctx.model, batches_of(ctx.cal), skip_prefix=ctx.skip, progress=False)
     for method in args.methods:
         for budget in args.budgets:
             kwargs = {}
@@ -195,9 +190,15 @@ def variant_rows(ctx: _Setting, args: argparse.Namespace, base: dict) -> list[di
             for epochs in args.distill:
                 start = time.perf_counter()
                 tuned = distill_fits(
-                    model, fits, layers, ctx.cal, ctx.held, epochs=epochs, lr=args.distill_lr,
+                    model,
+                    fits,
+                    layers,
+                    ctx.cal,
+                    ctx.held,
+                    epochs=epochs,
+                    lr=args.distill_lr,
                     say=lambda line: print(f"    {line}", flush=True),
-                )  # fmt: skip
+                )
                 repaired = copy.deepcopy(model)
                 fold(repaired, tuned)
                 drop_layers(repaired, layers)

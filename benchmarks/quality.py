@@ -26,10 +26,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.records.catalog import read_catalog  # noqa: E402
+from benchmarks.pages import by_model, markers, replace_section, rule  # noqa: E402
+from pipeline.catalog.table import read_catalog  # noqa: E402
 
-BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
-REPAIR_BEGIN, REPAIR_END = "<!-- quality-repair:begin -->", "<!-- quality-repair:end -->"
+BEGIN, END = markers("quality")
+REPAIR_BEGIN, REPAIR_END = markers("quality-repair")
 PAPER_METHODS = ("lorp", "shortgpt", "streamline")
 # Methods that decide from S (one calibration pass), against which `lorp-loss` is held.
 ONE_PASS = ("lorp", "lorp-released", "lorp-stage2", "shortgpt", "streamline", "angular")
@@ -40,7 +41,7 @@ def run(models: list[str] | None, methods: list[str] | None = None) -> Path:
     import dataclasses
 
     from pipeline.cli import talk
-    from pipeline.run import run_job
+    from pipeline.driver.run import run_job
     from pipeline.spec.parse import load_spec
 
     spec = load_spec(ROOT / "jobs" / "quality.yaml")
@@ -86,7 +87,7 @@ def model_table(rows: list[dict[str, Any]]) -> list[str]:
         best[b] = min(usable or at, key=_ppl, default=None)
     head = "| method | " + " | ".join(f"{b} blocks: pruned | PPL" for b in budgets)
     lines = [head + " | evaluations | selection s |"]
-    lines.append("| --- " * (2 * len(budgets) + 3) + "|")
+    lines.append(rule(2 * len(budgets) + 3))
     if dense:
         cells = " | ".join(f"- | {_ppl(dense):,.1f}" for _ in budgets)
         lines.append(f"| dense | {cells} | - | - |")
@@ -123,7 +124,7 @@ def repair_table(rows: list[dict[str, Any]]) -> list[str]:
     head = "| method | " + " | ".join(
         f"{b} blocks: removed | pruned | repaired (x dense)" for b in budgets
     )
-    lines = [head + " |", "| --- " * (3 * len(budgets) + 1) + "|"]
+    lines = [head + " |", rule(3 * len(budgets) + 1)]
     lines.append(f"| dense | {' | '.join(f'- | {dense:,.1f} | -' for _ in budgets)} |")
 
     def fig(r: dict[str, Any] | None, bold: bool = False, ratio: bool = False) -> str:
@@ -299,8 +300,7 @@ Lines = Callable[[list[dict[str, Any]]], list[str]]
 
 def _per_model(parts: list[str], rows: list[dict[str, Any]], table: Lines, notes: Lines) -> str:
     """`parts`, then per model: its heading, `table` of its rows and `notes` as bullets."""
-    for model in sorted({r["model"] for r in rows}):
-        mrows = [r for r in rows if r["model"] == model]
+    for model, mrows in by_model(rows).items():
         n = mrows[0]["n_blocks"]
         parts += [
             f"**{model}** (N = {n}; PTB test and held-out lee, 32 x 512, BOS per the tokenizer)",
@@ -312,8 +312,6 @@ def _per_model(parts: list[str], rows: list[dict[str, Any]], table: Lines, notes
 
 
 def write_page(path: Path, text: str, section: str = "quality") -> None:
-    from benchmarks.run import replace_section
-
     if section == "repair":
         replace_section(path, REPAIR_BEGIN, REPAIR_END, text, "Quality report with repair")
     else:
@@ -325,7 +323,7 @@ def bos_check() -> None:
 
     from lorp.models.loading import load_model
     from lorp.models.perplexity import perplexity
-    from pipeline.evaluation.metrics import corpus_windows
+    from pipeline.evaluation.corpora import corpus_windows
     from pipeline.spec.evaluation import EvaluationSpec
 
     torch.set_num_threads(2)

@@ -20,14 +20,16 @@ import copy
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorp.data.corpora import load_corpus, tokenize_documents
-from lorp.data.windows import calibration_windows, eval_windows, prepend_bos, resolve_bos
+from benchmarks.inputs import batches_of, evaluation_windows, ptb_calibration  # noqa: E402
+from lorp.data.windows import prepend_bos, resolve_bos
 from lorp.locality.capture import capture_stats
 from lorp.methods import select_layers  # noqa: E402
 from lorp.models.loading import load_model
@@ -42,11 +44,84 @@ from lorp.repair.stats import contiguous_runs
 
 
 def windows_for(tokenizer, bos: int | None, calib: tuple[int, int], test: tuple[int, int]):  # type: ignore[no-untyped-def]
-    train = tokenize_documents(tokenizer, load_corpus("ptb", "train"))
-    cal = calibration_windows(train, calib[0], calib[1], seed=0, name="ptb train")
-    test_docs = tokenize_documents(tokenizer, load_corpus("ptb", "test"))
-    ev = eval_windows(torch.cat([torch.as_tensor(d) for d in test_docs]), test[1], test[0])
-    return prepend_bos(cal, bos), prepend_bos(ev, bos)
+    cal = ptb_calibration(tokenizer, calib[0], calib[1])
+    return prepend_bos(cal, bos), evaluation_windows(tokenizer, "ptb", test[0], test[1], bos)
+
+
+@dataclass
+class Setting:
+    """One model and its windows: what every variant is fitted and judged on."""
+
+    alias: str
+    model: Any
+    n_blocks: int
+    skip: int
+    cal: torch.Tensor
+    ev: torch.Tensor
+    batches: list[torch.Tensor]
+    ridge: float
+
+    def ppl(self, model: Any) -> float:
+        return perplexity(model, self.ev, batch_size=4)
+
+
+def setting(alias: str, calib: tuple[int, int], test: tuple[int, int], ridge: float) -> Setting:
+    loaded = load_model(alias)
+    model, tok = loaded.model, loaded.tokenizer
+    bos = resolve_bos(tok)
+    cal, ev = windows_for(tok, bos, calib, test)
+    skip = 1 if bos is not None else 0
+    return Setting(alias, model, loaded.n_blocks, skip, cal, ev, batches_of(cal, 8), ridge)
+
+
+def variant(s: Setting, stats: Any, method: str, budget: int, dense: float) -> dict[str, Any]:
+    """`method`'s selection at `budget` pruned, then repaired: its row."""
+    layers = list(select_layers(stats, budget, method).layers)
+    row = {"model": s.alias, "method": method, "blocks": budget, "layers": layers}
+    row["dense"] = dense
+    pruned = copy.deepcopy(s.model)
+    kept = drop_layers(pruned, layers)
+    row["pruned"] = s.ppl(pruned)
+    try:
+        runs = check_repairable(s.model, layers)
+    except RepairRefused as exc:
+        row["refused"] = str(exc)
+        print(f"  {method} {budget} {layers}: pruned {row['pruned']:.1f}; {exc}")
+        return row
+    line = repaired(s, row, runs, pruned, kept)
+    runs_txt = " ".join(f"{a}-{e}" for a, e in contiguous_runs(layers, s.n_blocks))
+    print(
+        f"  {method} {budget} [{runs_txt}]: pruned {row['pruned']:.1f} -> {line}; "
+        f"fit {row['fit_s']} s",
+        flush=True,
+    )
+    return row
+
+
+def repaired(s: Setting, row: dict[str, Any], runs: Any, pruned: Any, kept: Any) -> str:
+    """`row`'s variant repaired (one pass, folded), the full map by hooks beside a normed
+    one, the sequential fit beside a one-pass fit of several runs; what to print."""
+    model, layers = s.model, row["layers"]
+    start = time.perf_counter()
+    rstats = capture_repair_stats(model, s.batches, runs, skip_prefix=s.skip, progress=False)
+    fits = fit_runs(model, rstats, ridge=s.ridge)
+    row["fit_s"] = round(time.perf_counter() - start, 1)
+    row["fits"] = [f.record() for f in fits]
+    fixed = copy.deepcopy(model)
+    fold(fixed, fits)
+    drop_layers(fixed, layers)
+    row["repaired"] = s.ppl(fixed)
+    line = f"repaired {row['repaired']:.1f}"
+    if any(f.form == "normed" for f in fits):
+        with applied_by_hooks(pruned, full_fits(model, rstats, ridge=s.ridge), kept):
+            row["full_hook"] = s.ppl(pruned)
+        line += f" (full map by hook {row['full_hook']:.1f})"
+    if len(runs) > 1:
+        seq = copy.deepcopy(model)
+        prune_and_repair(seq, s.cal, layers, ridge=s.ridge, skip_prefix=s.skip)
+        row["sequential"] = s.ppl(seq)
+        line += f", sequential {row['sequential']:.1f}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,59 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     test = tuple(int(x) for x in args.test.split("x"))
     rows = []
     for alias in args.models:
-        loaded = load_model(alias)
-        model, tok = loaded.model, loaded.tokenizer
-        bos = resolve_bos(tok)
-        skip = 1 if bos is not None else 0
-        cal, ev = windows_for(tok, bos, calib, test)
-        batches = [cal[i : i + 8] for i in range(0, len(cal), 8)]
-        dense = perplexity(model, ev, batch_size=4)
-        print(f"{alias}: dense PTB perplexity {dense:.1f} (N = {loaded.n_blocks})", flush=True)
-        stats = capture_stats(model, batches, skip_prefix=skip, progress=False)
+        s = setting(alias, calib, test, args.ridge)
+        dense = s.ppl(s.model)
+        print(f"{alias}: dense PTB perplexity {dense:.1f} (N = {s.n_blocks})", flush=True)
+        stats = capture_stats(s.model, s.batches, skip_prefix=s.skip, progress=False)
         for method in args.methods:
             for budget in args.budgets:
-                layers = list(select_layers(stats, budget, method).layers)
-                row = {"model": alias, "method": method, "blocks": budget, "layers": layers}
-                rows.append(row)
-                row["dense"] = dense
-                pruned = copy.deepcopy(model)
-                kept = drop_layers(pruned, layers)
-                row["pruned"] = perplexity(pruned, ev, batch_size=4)
-                try:
-                    runs = check_repairable(model, layers)
-                except RepairRefused as exc:
-                    row["refused"] = str(exc)
-                    print(f"  {method} {budget} {layers}: pruned {row['pruned']:.1f}; {exc}")
-                    continue
-                start = time.perf_counter()
-                rstats = capture_repair_stats(
-                    model, batches, runs, skip_prefix=skip, progress=False
-                )
-                fits = fit_runs(model, rstats, ridge=args.ridge)
-                row["fit_s"] = round(time.perf_counter() - start, 1)
-                row["fits"] = [f.record() for f in fits]
-                repaired = copy.deepcopy(model)
-                fold(repaired, fits)
-                drop_layers(repaired, layers)
-                row["repaired"] = perplexity(repaired, ev, batch_size=4)
-                line = f"repaired {row['repaired']:.1f}"
-                if any(f.form == "normed" for f in fits):
-                    with applied_by_hooks(pruned, full_fits(model, rstats, ridge=args.ridge), kept):
-                        row["full_hook"] = perplexity(pruned, ev, batch_size=4)
-                    line += f" (full map by hook {row['full_hook']:.1f})"
-                if len(runs) > 1:
-                    seq = copy.deepcopy(model)
-                    prune_and_repair(seq, cal, layers, ridge=args.ridge, skip_prefix=skip)
-                    row["sequential"] = perplexity(seq, ev, batch_size=4)
-                    line += f", sequential {row['sequential']:.1f}"
-                    del seq
-                runs_txt = " ".join(f"{s}-{e}" for s, e in contiguous_runs(layers, loaded.n_blocks))
-                print(
-                    f"  {method} {budget} [{runs_txt}]: pruned {row['pruned']:.1f} -> {line}; "
-                    f"fit {row['fit_s']} s",
-                    flush=True,
-                )
-                del pruned, repaired
+                rows.append(variant(s, stats, method, budget, dense))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -30,11 +30,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.records.catalog import read_catalog  # noqa: E402
-from pipeline.records.ranking import best, budgets, reference_protocol  # noqa: E402
+from benchmarks.pages import by_model, markers, replace_section, row, rule  # noqa: E402
+from pipeline.catalog.ranking import best, budgets, reference_protocol  # noqa: E402
+from pipeline.catalog.table import read_catalog  # noqa: E402
 
 TASKS = ("arc_easy", "arc_challenge", "winogrande", "openbookqa")
-BEGIN, END = "<!-- retention:begin -->", "<!-- retention:end -->"
+BEGIN, END = markers("retention")
 
 
 def chosen(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -130,23 +131,22 @@ def table(model: str, picks: dict[int, dict[str, Any]], rows: list[dict[str, Any
     by = {}  # the newest row of each variant as picked (an older, undistilled twin may remain)
     for r in sorted(rows, key=lambda r: str(r.get("created_at") or "")):
         by[(r["method_label"], r["budget"], distillation(r)[0])] = r
-    head = "| " + model + " | " + " | ".join(TASKS) + " | mean retained |"
-    lines = [head, "| --- " * (len(TASKS) + 2) + "|"]
+    lines = [row((model, *TASKS, "mean retained")), rule(len(TASKS) + 2)]
     cells = [f"{dense[f'acc_{t}']:.1f} ({int(dense[f'n_{t}'])} items)" for t in TASKS]
-    lines.append(f"| dense (acc %) | {' | '.join(cells)} | 100 |")
+    lines.append(row(("dense (acc %)", *cells, 100)))
     for b, pick in sorted(picks.items()):
-        row = by.get((pick["method_label"], b, distillation(pick)[0]))
-        if row is None:
+        got = by.get((pick["method_label"], b, distillation(pick)[0]))
+        if got is None:
             continue
-        scores = [retained(row, dense, t) for t in TASKS]
+        scores = [retained(got, dense, t) for t in TASKS]
         cells = [
-            f"{row[f'acc_{t}']:.1f} ({r:.1f} ± {s:.1f}%)"
+            f"{got[f'acc_{t}']:.1f} ({r:.1f} ± {s:.1f}%)"
             for t, (r, s) in zip(TASKS, scores, strict=True)
         ]
         mean = sum(r for r, _ in scores) / len(scores)
         se = math.sqrt(sum(s * s for _, s in scores)) / len(scores)
-        label = f"{pick['method_label']} @ {b}/{row['n_blocks']}"
-        lines.append(f"| {label} | {' | '.join(cells)} | **{mean:.1f} ± {se:.1f}%** |")
+        label = f"{pick['method_label']} @ {b}/{got['n_blocks']}"
+        lines.append(row((label, *cells, f"**{mean:.1f} ± {se:.1f}%**")))
     return lines
 
 
@@ -159,7 +159,7 @@ def main() -> int:
     p.add_argument("--page")
     args = p.parse_args()
     from pipeline.cli import talk
-    from pipeline.run import run_job
+    from pipeline.driver.run import run_job
 
     rows = read_catalog(args.catalog)
     if not rows:
@@ -173,10 +173,10 @@ def main() -> int:
         "(lowest held-out ratio, not degraded): accuracy (% retained of dense ± 1 s.e.).",
         "",
     ]
-    for model in sorted({r["model"] for r in rows}):
+    for model, mine in by_model(rows).items():
         if args.models and model not in args.models:
             continue
-        picks = chosen([r for r in rows if r["model"] == model])
+        picks = chosen(mine)
         if not picks:
             continue
         for group in one_job_each(picks):  # a job per method: only the picked points run
@@ -186,8 +186,6 @@ def main() -> int:
         print("\n".join(parts), flush=True)
     text = "\n".join(parts)
     if args.page:
-        from benchmarks.run import replace_section
-
         replace_section(Path(args.page), BEGIN, END, text, "Zero-shot retention")
     return 0
 

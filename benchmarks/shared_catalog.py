@@ -5,7 +5,7 @@
         [--json out.json] [--page out.md]
 
 `--writers` processes, each one job as `lorp run` is (its own catalog, its run id, a
-background publisher: `pipeline.records.shared_catalog.JobPublisher`), hand `--changes`
+background publisher: `pipeline.catalog.shared.JobPublisher`), hand `--changes`
 changes each to one shared catalog: a row put, then figures added to it, as points end.
 Writers 0 and 1 share a job name with different storages (two teams' `nightly`). The
 last `--kill` writers are killed with SIGKILL midway. Reader processes read the table
@@ -44,19 +44,25 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.records.catalog import Catalog  # noqa: E402
-from pipeline.records.shared_catalog import JobPublisher, SharedCatalog  # noqa: E402
+from benchmarks.pages import rule  # noqa: E402
+from pipeline.catalog.shared import JobPublisher, SharedCatalog  # noqa: E402
+from pipeline.catalog.table import Catalog  # noqa: E402
 
 NIGHTLY = "nightly"
 
 
 def row(job: str, i: int) -> dict[str, Any]:
     return {
-        "grid_key": f"{job}-{i:05d}", "job": job, "model": f"m{i // 24:03d}",
-        "method_label": ["lorp", "shortgpt", "streamline"][i % 3], "budget": 1 + i // 3 % 8,
-        "created_at": f"2026-12-01T00:{i // 60 % 60:02d}:{i % 60:02d}", "ppl_ptb": 10.0 + i,
-        "pruned_layers": [1, 2, 3], "protocol": "ptb2048-00000000",
-    }  # fmt: skip
+        "grid_key": f"{job}-{i:05d}",
+        "job": job,
+        "model": f"m{i // 24:03d}",
+        "method_label": ["lorp", "shortgpt", "streamline"][i % 3],
+        "budget": 1 + i // 3 % 8,
+        "created_at": f"2026-12-01T00:{i // 60 % 60:02d}:{i % 60:02d}",
+        "ppl_ptb": 10.0 + i,
+        "pruned_layers": [1, 2, 3],
+        "protocol": "ptb2048-00000000",
+    }
 
 
 def job_name(index: int) -> str:
@@ -71,9 +77,13 @@ def writer(location: str, index: int, changes: int, pace: float, log: str, out: 
     with tempfile.TemporaryDirectory() as tmp, open(log, "a") as logged:
         box: list[Catalog] = []
         publisher = JobPublisher(
-            SharedCatalog(location), job, f"/storage/{index}", run_id, lambda: box[0].rows,
+            SharedCatalog(location),
+            job,
+            f"/storage/{index}",
+            run_id,
+            lambda: box[0].rows,
             notes.append,
-        )  # fmt: skip
+        )
         box.append(Catalog(Path(tmp) / Catalog.NAME, publish=publisher, job=job))
         publisher.open()
         box[0].compact()
@@ -88,9 +98,16 @@ def writer(location: str, index: int, changes: int, pace: float, log: str, out: 
             time.sleep(pace)  # points end apart; a change is one small hand-over
         box[0].compact()
         publisher.close(retention_hours=168, maintenance_hours=1e9)
-    out.put({"index": index, "latencies": publisher.latencies, "commits": publisher.published,
-             "conflicts": publisher.shared.table.conflicts,
-             "commit_s": publisher.commit_seconds, "notes": notes})  # fmt: skip
+    out.put(
+        {
+            "index": index,
+            "latencies": publisher.latencies,
+            "commits": publisher.published,
+            "conflicts": publisher.shared.table.conflicts,
+            "commit_s": publisher.commit_seconds,
+            "notes": notes,
+        }
+    )
 
 
 def reader(location: str, stop: Any, out: Any) -> None:
@@ -153,41 +170,18 @@ def run(
     """The writers and two readers on `location`; the checked result."""
     work.mkdir(parents=True, exist_ok=True)
     cpu_before = _children_cpu()
-    ctx = mp.get_context("spawn")
-    results, read_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     logs = {i: work / f"writer-{i}.log" for i in range(writers)}
-    readers = [ctx.Process(target=reader, args=(location, stop, read_q)) for _ in range(2)]
-    procs = [ctx.Process(target=writer, args=(location, i, changes, pace, str(logs[i]), results),
-                         name=f"writer-{i}") for i in range(writers)]  # fmt: skip
-    start = time.perf_counter()
-    for p in [*readers, *procs]:
-        p.start()
-    try:
-        doomed = set(range(writers - kill, writers))  # the last ones: never a `nightly` pair's
-        for i in sorted(doomed):  # midway: half its changes logged
-            while not logs[i].exists() or len(logs[i].read_text().splitlines()) < changes // 2:
-                if procs[i].exitcode is not None:
-                    raise RuntimeError(f"writer-{i} exited with code {procs[i].exitcode}")
-                time.sleep(0.01)
-            os.kill(procs[i].pid, signal.SIGKILL)
-        got = collect(results, [p for i, p in enumerate(procs) if i not in doomed], writers - kill)
-        for p in procs:
-            p.join(timeout=120)
-        wall = time.perf_counter() - start
-        stop.set()
-        read = [read_q.get(timeout=120) for _ in readers]
-    finally:  # a failed writer stops the rest
-        stop.set()
-        for p in [*procs, *readers]:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    doomed = set(range(writers - kill, writers))  # the last ones: never a `nightly` pair's
+    got, read, wall = _jobs(location, changes, pace, logs, doomed)
     rows = SharedCatalog(location).read()
     latencies = sorted(t for g in got for t in g["latencies"])
     commits = sum(g["commits"] for g in got)
     commit_s = sorted(t for g in got for t in g["commit_s"])
     return {
-        "writers": writers, "changes_per_writer": changes, "killed": kill, "pace_s": pace,
+        "writers": writers,
+        "changes_per_writer": changes,
+        "killed": kill,
+        "pace_s": pace,
         "wall_s": round(wall, 2),
         "publish_ms_p50": round(1000 * statistics.median(latencies), 1),
         "publish_ms_p95": round(1000 * latencies[int(0.95 * (len(latencies) - 1))], 1),
@@ -208,7 +202,54 @@ def run(
         "nightly_run_ids": len({r["run_id"] for r in rows if r["job"] == NIGHTLY}),
         "notes": sorted({n for g in got for n in g["notes"]}),
         **check(rows, logs, doomed),
-    }  # fmt: skip
+    }
+
+
+def _jobs(
+    location: str, changes: int, pace: float, logs: dict[int, Path], doomed: set[int]
+) -> tuple[list[Any], list[Any], float]:
+    """A writer process per log and two readers; the `doomed` writers killed midway.
+    The surviving writers' results, the readers', and the wall time of the writers."""
+    ctx = mp.get_context("spawn")
+    results, read_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    readers = [ctx.Process(target=reader, args=(location, stop, read_q)) for _ in range(2)]
+    procs = [
+        ctx.Process(
+            target=writer,
+            args=(location, i, changes, pace, str(log), results),
+            name=f"writer-{i}",
+        )
+        for i, log in logs.items()
+    ]
+    start = time.perf_counter()
+    for p in [*readers, *procs]:
+        p.start()
+    try:
+        for i in sorted(doomed):  # midway: half its changes logged
+            _kill_midway(procs[i], logs[i], changes)
+        alive = [p for i, p in enumerate(procs) if i not in doomed]
+        got = collect(results, alive, len(procs) - len(doomed))
+        for p in procs:
+            p.join(timeout=120)
+        wall = time.perf_counter() - start
+        stop.set()
+        read = [read_q.get(timeout=120) for _ in readers]
+    finally:  # a failed writer stops the rest
+        stop.set()
+        for p in [*procs, *readers]:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return got, read, wall
+
+
+def _kill_midway(proc: Any, log: Path, changes: int) -> None:
+    """SIGKILL to the writer `proc` once half its changes are logged."""
+    while not log.exists() or len(log.read_text().splitlines()) < changes // 2:
+        if proc.exitcode is not None:
+            raise RuntimeError(f"{proc.name} exited with code {proc.exitcode}")
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
 
 
 def _children_cpu() -> float:
@@ -231,10 +272,13 @@ def read_at(n_rows: int, work: Path) -> dict[str, Any]:
     shared.table.maintain(retention_hours=0)
     after = shared.table.size_bytes(), _timed(shared.read)
     return {
-        "rows": n_rows, "commits": shared.table.version(),
-        "read_s": before[1], "bytes": before[0],
-        "read_s_maintained": after[1], "bytes_maintained": after[0],
-    }  # fmt: skip
+        "rows": n_rows,
+        "commits": shared.table.version(),
+        "read_s": before[1],
+        "bytes": before[0],
+        "read_s_maintained": after[1],
+        "bytes_maintained": after[0],
+    }
 
 
 def _timed(fn: Any) -> float:
@@ -280,8 +324,11 @@ which the job's end compacts once `catalog_maintenance_hours` have passed.
 """
 
 ROWS = [
-    ("publish p50, a change handed over -> committed", "{publish_ms_p50} ms",
-     "9-12 ms (a part written)"),
+    (
+        "publish p50, a change handed over -> committed",
+        "{publish_ms_p50} ms",
+        "9-12 ms (a part written)",
+    ),
     ("publish p95", "{publish_ms_p95} ms", "21-27 ms"),
     ("one commit (a batch), p50 / p95", "{commit_ms_p50} / {commit_ms_p95} ms", "-"),
     ("conflicts retried", "{conflicts_retried}", "-"),
@@ -289,7 +336,7 @@ ROWS = [
     ("CPU per change, all processes", "{cpu_ms_per_change} ms", "-"),
     ("rows lost / doubled / wrong", "{rows_lost} / {rows_doubled} / {rows_wrong}", "0 / 0 / -"),
     ("reader failures / row-count drops", "{failures} / {reader_drops}", "0 / 0"),
-]  # fmt: skip
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,8 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writers", type=int, default=7)
     p.add_argument("--changes", type=int, default=200)
     p.add_argument("--kill", type=int, default=0)
-    p.add_argument("--pace", type=float, nargs="+", default=[1.0, 0.05],
-                   help="seconds between a job's changes; one run per pace")  # fmt: skip
+    p.add_argument(
+        "--pace",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.05],
+        help="seconds between a job's changes; one run per pace",
+    )
     p.add_argument("--location", default=None, help="default: a temporary directory")
     p.add_argument("--read-rows", type=int, nargs="*", default=[3200, 100_000])
     p.add_argument("--json", default=None)
@@ -331,8 +383,10 @@ def write_page(args: argparse.Namespace, r: dict[str, Any]) -> None:
     runs = [r, *r.get("also", [])]
     reads = {x["rows"]: x for x in r["read"]}
     head = " | ".join(f"pace {x['pace_s']} s" for x in runs)
-    lines = [f"| figure | {head} | before (parquet snapshots + parts) |",
-             "|---" * (len(runs) + 2) + "|"]  # fmt: skip
+    lines = [
+        f"| figure | {head} | before (parquet snapshots + parts) |",
+        rule(len(runs) + 2, tight=True),
+    ]
     for name, cell, before in ROWS:
         cells = " | ".join(cell.format(**x, failures=len(x["reader_failures"])) for x in runs)
         lines.append(f"| {name} | {cells} | {before} |")
@@ -349,12 +403,21 @@ def write_page(args: argparse.Namespace, r: dict[str, Any]) -> None:
     cpu = statistics.median(x["cpu_ms_per_change"] for x in runs)
     fast, slow = min(x["pace_s"] for x in runs), max(x["pace_s"] for x in runs)
     shown = " ".join(sys.argv[1:]).split(" --page")[0].split(" --json")[0]
-    Path(args.page).write_text(PAGE.format(
-        args=shown, writers=r["writers"], changes=r["changes_per_writer"], killed=r["killed"],
-        table="\n".join(lines), cpu=round(cpu), capacity=round(2000 / cpu),
-        fast=fast, slow=slow, offered_fast=round(r["writers"] / fast),
-        offered_slow=round(r["writers"] / slow),
-    ))  # fmt: skip
+    Path(args.page).write_text(
+        PAGE.format(
+            args=shown,
+            writers=r["writers"],
+            changes=r["changes_per_writer"],
+            killed=r["killed"],
+            table="\n".join(lines),
+            cpu=round(cpu),
+            capacity=round(2000 / cpu),
+            fast=fast,
+            slow=slow,
+            offered_fast=round(r["writers"] / fast),
+            offered_slow=round(r["writers"] / slow),
+        )
+    )
 
 
 if __name__ == "__main__":

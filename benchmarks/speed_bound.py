@@ -43,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing import deep_blocks  # noqa: E402
 from lorp.models.loading import load_model  # noqa: E402
 from lorp.models.surgery import drop_layers  # noqa: E402
 from pipeline.evaluation.speed import speedup_bound, timed_speedups  # noqa: E402
@@ -148,28 +149,16 @@ def _block_ms(block: Any, h: torch.Tensor, rot: Any) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--removed", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--load-reps", type=int, default=6, help="repetitions under load")
-    p.add_argument("--json", type=Path)
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    lm = load_model(a.model, with_tokenizer=False)
-    loaded = lm.model
-    n = int(loaded.config.num_hidden_layers)
-    ids = _ids(loaded, a.seq_len)
-    dense = copy.deepcopy(loaded)
-    rows: list[dict[str, Any]] = []
+class Report:
+    """The rows of every condition, each printed as it is measured beside N/(N-k)."""
 
-    def say(name: str, k: int, fig: dict[str, float]) -> None:
-        bound = speedup_bound(n, k)
-        row = {"condition": name, "removed": k, "bound": bound, **fig}
-        rows.append(row)
+    def __init__(self, n_blocks: int) -> None:
+        self.n = n_blocks
+        self.rows: list[dict[str, Any]] = []
+
+    def say(self, name: str, k: int, fig: dict[str, Any]) -> None:
+        bound = speedup_bound(self.n, k)
+        self.rows.append({"condition": name, "removed": k, "bound": bound, **fig})
         print(
             f"{name:<22} k={k:<2} ratio of minima {fig['ratio_of_minima']:.3f}  median paired "
             f"{fig['median_paired']:.3f}  bound {bound:.3f}  (minima {fig['min_a_ms']:.1f} / "
@@ -177,33 +166,62 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    say("A/A copies", 0, alternate(dense, copy.deepcopy(dense), ids, a.rounds))
-    say("A/A file vs copy", 0, alternate(loaded, dense, ids, a.rounds))
-    for k in a.removed:
-        layers = list(range(n - 1 - k, n - 1))  # deep blocks, the boundary kept
-        pruned = copy.deepcopy(dense)
-        drop_layers(pruned, layers)
-        say("copies", k, alternate(dense, pruned, ids, a.rounds))
-        say("file vs copy", k, alternate(loaded, pruned, ids, a.rounds))
-        for fig in under_load(dense, pruned, ids, a.load_reps):
-            say("under load", k, fig)
-        kept = [i for i in range(n) if i not in layers]
-        fig = per_block(dense, pruned, kept, ids)
+    def per_block(self, k: int, fig: dict[str, float]) -> None:
         print(
             f"{'per block':<22} k={k:<2} same block, dense copy / pruned copy: median "
             f"{fig['block_ratio_median']:.3f}; kept blocks {fig['blocks_dense_ms']:.1f} vs "
             f"{fig['blocks_pruned_ms']:.1f} ms",
             flush=True,
         )
-        rows.append({"condition": "per block", "removed": k, **fig})
+        self.rows.append({"condition": "per block", "removed": k, **fig})
+
+
+def conditions(report: Report, loaded: Any, dense: Any, ids: torch.Tensor, a: Any) -> None:
+    """Every condition but the group rounds: A/A, then per `--removed` count the copies,
+    file against copy, under load and per block."""
+    n = report.n
+    report.say("A/A copies", 0, alternate(dense, copy.deepcopy(dense), ids, a.rounds))
+    report.say("A/A file vs copy", 0, alternate(loaded, dense, ids, a.rounds))
+    for k in a.removed:
+        layers = deep_blocks(n, k)  # deep blocks, the boundary kept
+        pruned = copy.deepcopy(dense)
+        drop_layers(pruned, layers)
+        report.say("copies", k, alternate(dense, pruned, ids, a.rounds))
+        report.say("file vs copy", k, alternate(loaded, pruned, ids, a.rounds))
+        for fig in under_load(dense, pruned, ids, a.load_reps):
+            report.say("under load", k, fig)
+        kept = [i for i in range(n) if i not in layers]
+        report.per_block(k, per_block(dense, pruned, kept, ids))
         del pruned
+
+
+def group_rounds(report: Report, dense: Any, a: Any) -> None:
+    """The speed pass's group timing (`timed_speedups`) of every `--removed` variant and
+    a twin of dense, with every run's time recorded for the minima."""
     variants = {}
     for k in a.removed:
         v = copy.deepcopy(dense)
-        drop_layers(v, list(range(n - 1 - k, n - 1)))
+        drop_layers(v, deep_blocks(report.n, k))
         variants[f"k{k}"] = (v, k)
     twin = copy.deepcopy(dense)
     variants["k0"] = (twin, 0)
+    group, seen = recorded_group(dense, variants, a.seq_len, report.n, a.rounds)
+    for key, (model, k) in variants.items():
+        g = group[key]
+        fig = {
+            "ratio_of_minima": min(seen[id(dense)][1:]) / min(seen[id(model)][1:]),
+            "median_paired": g["speedup_measured"],
+            "interval": [g["speedup_low"], g["speedup_high"]],
+            "min_a_ms": min(seen[id(dense)][1:]),
+            "min_b_ms": min(seen[id(model)][1:]),
+        }
+        report.say("group rounds (medians)", k, fig)
+
+
+def recorded_group(
+    dense: Any, variants: dict[str, Any], seq_len: int, n: int, rounds: int
+) -> tuple[dict[str, Any], dict[int, list[float]]]:
+    """`timed_speedups` over `rounds` rounds, and every run's time per model (by id)."""
     import pipeline.evaluation.speed as speed
 
     seen: dict[int, list[float]] = {}
@@ -217,28 +235,33 @@ def main(argv: list[str] | None = None) -> int:
     speed._time_ms = recorded
     try:  # half_width 0: nothing resolves early, every variant is timed in every round
         group = timed_speedups(
-            dense,
-            variants,
-            a.seq_len,
-            n_blocks=n,
-            min_runs=a.rounds,
-            max_runs=a.rounds,
-            half_width=0.0,
+            dense, variants, seq_len, n_blocks=n, min_runs=rounds, max_runs=rounds, half_width=0.0
         )
     finally:  # the speed pass's own timer back, for whatever runs next in this process
         speed._time_ms = timer
-    for key, (model, k) in variants.items():
-        g = group[key]
-        fig = {
-            "ratio_of_minima": min(seen[id(dense)][1:]) / min(seen[id(model)][1:]),
-            "median_paired": g["speedup_measured"],
-            "interval": [g["speedup_low"], g["speedup_high"]],
-            "min_a_ms": min(seen[id(dense)][1:]),
-            "min_b_ms": min(seen[id(model)][1:]),
-        }
-        say("group rounds (medians)", k, fig)
+    return group, seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--removed", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--load-reps", type=int, default=6, help="repetitions under load")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    lm = load_model(a.model, with_tokenizer=False)
+    loaded = lm.model
+    report = Report(int(loaded.config.num_hidden_layers))
+    ids = _ids(loaded, a.seq_len)
+    dense = copy.deepcopy(loaded)
+    conditions(report, loaded, dense, ids, a)
+    group_rounds(report, dense, a)
     if a.json:
-        a.json.write_text(json.dumps(rows, indent=1))
+        a.json.write_text(json.dumps(report.rows, indent=1))
     return 0
 
 

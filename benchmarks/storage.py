@@ -25,7 +25,7 @@ identity plus noise, not fitted: what is stored depends on which tensors a repai
 and their shapes, never on the values.
 
 The base itself is stored once per model and fingerprint, as a job that writes manifests
-stores it (`pipeline.stored_bases`: a packaged model as its GGUF, a directory as its
+stores it (`pipeline.storage.bases`: a packaged model as its GGUF, a directory as its
 files): its bytes and time are the one-time cost beside every variant's. A node that never
 had the base pulls the repaired variant from that copy: fetched, converted where it is a
 GGUF, checked by fingerprint and written out (`first pull`, in a cache of its own; not for
@@ -41,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' checkpoint checks
 
+from benchmarks.pages import markers, replace_section, rule  # noqa: E402
 from lorp.models.architectures import architecture_for  # noqa: E402
 from lorp.models.file_surgery import write_pruned_files  # noqa: E402
 from lorp.models.fingerprint import fingerprint_checkpoint  # noqa: E402
@@ -64,11 +66,11 @@ from lorp.repair.fold import file_folds  # noqa: E402
 from lorp.repair.followers import follower_blocks  # noqa: E402
 from lorp.repair.maps import RunFit  # noqa: E402
 from lorp.repair.stats import contiguous_runs  # noqa: E402
-from pipeline.storage import Storage  # noqa: E402
-from pipeline.stored_bases import fetch_base, store_base  # noqa: E402
+from pipeline.storage.bases import fetch_base, store_base  # noqa: E402
+from pipeline.storage.store import Storage  # noqa: E402
 
 MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
-BEGIN, END = "<!-- storage:begin -->", "<!-- storage:end -->"
+BEGIN, END = markers("storage")
 COPY_LIMIT = 4 * 2**30
 """Above it (the big checkpoint) no full copy is written and only the repaired variant is
 pulled (each is most of the model's size again, on a disk that holds the model already),
@@ -102,6 +104,33 @@ def synthetic_fits(layers: tuple[int, ...], n: int, d: int, post_norm: bool) -> 
     return fits
 
 
+CASES = [
+    ("unrepaired", "one run", False),
+    ("repaired", "one run", True),
+    ("repaired", "spread", True),
+]
+"""(kind, layout, repaired) of each variant; the last is left out above `COPY_LIMIT`."""
+
+
+@dataclass
+class Model:
+    """A model's checkpoint, as its variants are written from it."""
+
+    name: str
+    base: Path
+    ref: BaseRef
+    n: int
+    d: int
+    post_norm: bool
+    weights: int
+    dtype: str
+
+    @property
+    def small(self) -> bool:
+        """Whether full copies are written and every variant pulled (`COPY_LIMIT`)."""
+        return self.weights <= COPY_LIMIT
+
+
 def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
     mref = parse_model_ref(ref)
     base = materialize(mref)
@@ -114,45 +143,80 @@ def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     fingerprint = fingerprint_checkpoint(base)
     out: dict[str, Any] = {
-        "model": ref if mref.kind == "alias" else Path(ref).name, "n_blocks": n,
-        "hidden": d, "weights_bytes": weights, "dtype": dtype,
-        "fingerprint_s": round(time.perf_counter() - t0, 3), "variants": [],
-    }  # fmt: skip
+        "model": ref if mref.kind == "alias" else Path(ref).name,
+        "n_blocks": n,
+        "hidden": d,
+        "weights_bytes": weights,
+        "dtype": dtype,
+        "fingerprint_s": round(time.perf_counter() - t0, 3),
+        "variants": [],
+    }
     torch_dtype = {"BF16": "bfloat16", "F16": "float16"}.get(dtype, "float32")
+    stored = _store_base(mref, fingerprint, base, work, out)
+    post_norm = arch.post_mlp_norm is not None
+    m = Model(out["model"], base, stored, n, d, post_norm, weights, torch_dtype)
+    if not m.small:  # measured; the disk holds the model and one variant, not more
+        shutil.rmtree(work.parent / "storage", ignore_errors=True)
+    if m.small:  # untimed: the first pull pays for the imports (tokenizers)
+        _store_and_pull(base, stored, layouts(n, share)["one run"], None, torch_dtype, work, True)
+    for kind, layout, repaired in CASES[: 3 if m.small else 2]:
+        row = _variant(m, kind, layout, repaired, layouts(n, share)[layout], work)
+        if "first_pull_s" in row:
+            out["first_pull_s"] = row["first_pull_s"]
+        out["variants"].append(row)
+    shutil.rmtree(work.parent / "storage", ignore_errors=True)  # the base's copy: measured
+    return out
+
+
+def _store_base(mref: Any, fingerprint: str, base: Path, work: Path, out: dict) -> BaseRef:
+    """The base stored once, as a job that writes manifests stores it (timed, sized, into
+    `out`); the reference its variants' manifests hold."""
     t0 = time.perf_counter()
     stored = store_base(Storage(work.parent / "storage"), mref.ref, mref.kind, fingerprint, base)
     assert stored is not None
-    out |= {"base_stored_bytes": stored.bytes, "base_stored_s": round(time.perf_counter() - t0, 3),
-            "base_stored_as": "GGUF" if mref.kind in ("alias", "gguf") else "files"}  # fmt: skip
-    ref_base = BaseRef(mref.ref, mref.kind, fingerprint, None, stored.uri)
-    if weights > COPY_LIMIT:  # measured; the disk holds the model and one variant, not more
-        shutil.rmtree(work.parent / "storage", ignore_errors=True)
-    if weights <= COPY_LIMIT:  # untimed: the first pull pays for the imports (tokenizers)
-        _store_and_pull(base, ref_base, layouts(n, share)["one run"], None, torch_dtype, work, True)
-    cases = [("unrepaired", "one run", False), ("repaired", "one run", True),
-             ("repaired", "spread", True)][: 3 if weights <= COPY_LIMIT else 2]  # fmt: skip
-    for kind, layout, repaired in cases:
-        layers = layouts(n, share)[layout]
-        fits = synthetic_fits(layers, n, d, arch.post_mlp_norm is not None) if repaired else []
-        changes = file_folds(fits) if fits else None
-        row = {"kind": kind, "layout": layout, "removed": len(layers),
-               "runs": len(contiguous_runs(layers, n)), "maps": len(fits)}  # fmt: skip
-        row |= _store_and_pull(base, ref_base, layers, changes, torch_dtype, work,
-                               pull=weights <= COPY_LIMIT or repaired,
-                               full=weights <= COPY_LIMIT,
-                               first_pull=(kind, layout) == ("repaired", "one run")
-                               and weights <= COPY_LIMIT)  # fmt: skip
-        if "first_pull_s" in row:
-            out["first_pull_s"] = row["first_pull_s"]
-        row["share"] = row["manifest_bytes"] / weights
-        row["within"] = row["share"] <= LIMITS[kind]
-        out["variants"].append(row)
-        print(f"{out['model']} {kind} ({layout}, {len(layers)} blocks, {len(fits)} maps): "
-              f"{row['manifest_bytes'] / 2**20:.2f} MiB = {100 * row['share']:.4f}% of the "
-              f"weights; write {row['manifest_s']:.2f} s, pull {row.get('pull_s', '-')} s, "
-              f"full copy {row.get('full_s', '-')} s", flush=True)  # fmt: skip
-    shutil.rmtree(work.parent / "storage", ignore_errors=True)  # the base's copy: measured
-    return out
+    out |= {
+        "base_stored_bytes": stored.bytes,
+        "base_stored_s": round(time.perf_counter() - t0, 3),
+        "base_stored_as": "GGUF" if mref.kind in ("alias", "gguf") else "files",
+    }
+    return BaseRef(mref.ref, mref.kind, fingerprint, None, stored.uri)
+
+
+def _variant(
+    m: Model, kind: str, layout: str, repaired: bool, layers: tuple[int, ...], work: Path
+) -> dict[str, Any]:
+    """One variant of `m` without `layers` (repaired: with synthetic maps) stored as a
+    manifest, pulled, and set against its full copy: its row."""
+    fits = synthetic_fits(layers, m.n, m.d, m.post_norm) if repaired else []
+    changes = file_folds(fits) if fits else None
+    row = {
+        "kind": kind,
+        "layout": layout,
+        "removed": len(layers),
+        "runs": len(contiguous_runs(layers, m.n)),
+        "maps": len(fits),
+    }
+    row |= _store_and_pull(
+        m.base,
+        m.ref,
+        layers,
+        changes,
+        m.dtype,
+        work,
+        pull=m.small or repaired,
+        full=m.small,
+        first_pull=(kind, layout) == ("repaired", "one run") and m.small,
+    )
+    row["share"] = row["manifest_bytes"] / m.weights
+    row["within"] = row["share"] <= LIMITS[kind]
+    print(
+        f"{m.name} {kind} ({layout}, {len(layers)} blocks, {len(fits)} maps): "
+        f"{row['manifest_bytes'] / 2**20:.2f} MiB = {100 * row['share']:.4f}% of the "
+        f"weights; write {row['manifest_s']:.2f} s, pull {row.get('pull_s', '-')} s, "
+        f"full copy {row.get('full_s', '-')} s",
+        flush=True,
+    )
+    return row
 
 
 def _store_and_pull(
@@ -173,8 +237,10 @@ def _store_and_pull(
     manifest, pulled, copy = work / "manifest", work / "pulled", work / "full"
     t0 = time.perf_counter()
     write_manifest(base, manifest, ref, layers, {}, changes=changes, dtype=dtype, overwrite=True)
-    row: dict[str, Any] = {"manifest_bytes": variant_bytes(manifest),
-                           "manifest_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    row: dict[str, Any] = {
+        "manifest_bytes": variant_bytes(manifest),
+        "manifest_s": round(time.perf_counter() - t0, 3),
+    }
     if pull:
         t1 = time.perf_counter()
         materialize_variant(manifest, pulled, base_dir=base, overwrite=True)
@@ -183,10 +249,14 @@ def _store_and_pull(
         row |= _first_pull(manifest, ref, pulled, work)
     if full:
         t2 = time.perf_counter()
-        write_pruned_files(base, copy, layers, {}, changes=changes,
-                           dtype=getattr(torch, dtype), overwrite=True)  # fmt: skip
-        row |= {"full_bytes": variant_bytes(copy), "full_s": round(time.perf_counter() - t2, 3),
-                "pulled_equals_full": same_tensors(pulled, copy)}  # fmt: skip
+        write_pruned_files(
+            base, copy, layers, {}, changes=changes, dtype=getattr(torch, dtype), overwrite=True
+        )
+        row |= {
+            "full_bytes": variant_bytes(copy),
+            "full_s": round(time.perf_counter() - t2, 3),
+            "pulled_equals_full": same_tensors(pulled, copy),
+        }
     for d in (manifest, pulled, copy):
         shutil.rmtree(d, ignore_errors=True)
     return row
@@ -237,12 +307,11 @@ def page(results: list[dict[str, Any]], share: float) -> str:
         "",
         "| model | weights | variant | blocks (runs, maps) | manifest | share | within | "
         "write | full copy | its write | pull | pulled = full |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        rule(12),
     ]
     for m in results:
         for v in m["variants"]:
-            full = (f"{_size(v['full_bytes'])} | {v['full_s']:.2f} s" if "full_s" in v
-                    else "- | -")  # fmt: skip
+            full = f"{_size(v['full_bytes'])} | {v['full_s']:.2f} s" if "full_s" in v else "- | -"
             pull = f"{v['pull_s']:.2f} s" if "pull_s" in v else "-"
             same = {True: "yes", False: "**no**", None: "-"}[v.get("pulled_equals_full")]
             lines.append(
@@ -259,7 +328,7 @@ def page(results: list[dict[str, Any]], share: float) -> str:
         "that copy: fetched, converted, fingerprinted, written out).",
         "",
         "| model | base stored as | bytes | of the weights | stored in | first pull |",
-        "| --- | --- | --- | --- | --- | --- |",
+        rule(6),
     ]
     for m in results:
         first = f"{m['first_pull_s']:.1f} s" if "first_pull_s" in m else "-"
@@ -280,8 +349,12 @@ def _size(n: int) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", nargs="*", default=list(MODELS),
-                   help="packaged aliases or checkpoint directories")  # fmt: skip
+    p.add_argument(
+        "--models",
+        nargs="*",
+        default=list(MODELS),
+        help="packaged aliases or checkpoint directories",
+    )
     p.add_argument("--big", default="none", help="big_model.py's shape to add (13b, small) or none")
     p.add_argument("--share", type=float, default=0.25, help="the blocks removed, a share of N")
     p.add_argument("--work", type=Path, help="where the variants and the big checkpoint go")
@@ -292,7 +365,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.big_model import SHAPES, write_checkpoint
-    from benchmarks.run import replace_section
 
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="lorp-storage-"))
@@ -308,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps({"share": args.share, "models": results}, indent=2))
     if args.page is not None:
         replace_section(args.page, BEGIN, END, page(results, args.share), "Measured")
-    ok = all(v["within"] and v.get("pulled_equals_full", True) and v.get("first_pull_same", True)
-             for m in results for v in m["variants"])  # fmt: skip
+    ok = all(
+        v["within"] and v.get("pulled_equals_full", True) and v.get("first_pull_same", True)
+        for m in results
+        for v in m["variants"]
+    )
     return 0 if ok else 1
 
 

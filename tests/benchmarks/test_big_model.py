@@ -14,8 +14,14 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.big_model import write_checkpoint  # noqa: E402
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+}
 
 
 def test_writes_a_loadable_sharded_checkpoint(tmp_path: Path) -> None:

@@ -18,12 +18,25 @@ NAN = math.nan
 def row(method: str, budget: int, repair: str, lee: float, ptb: float, **kw):  # type: ignore[no-untyped-def]
     label = method if repair == "none" else f"{method}+linear"
     base = {
-        "model": "m", "n_blocks": 10, "dtype": "bfloat16", "method": method,
-        "method_label": label, "budget": budget, "repair": repair, "ppl_lee": lee,
-        "ppl_ptb": ptb, "pruned_layers": list(range(2, 2 + budget)), "degraded": lee > 60.0,
-        "speedup": NAN, "speedup_low": NAN, "speedup_high": NAN, "speedup_measured": NAN,
-        "speed_resolved": 0.0, "peak_mem_gib": 1.0, "checkpoint": None,
-    }  # fmt: skip
+        "model": "m",
+        "n_blocks": 10,
+        "dtype": "bfloat16",
+        "method": method,
+        "method_label": label,
+        "budget": budget,
+        "repair": repair,
+        "ppl_lee": lee,
+        "ppl_ptb": ptb,
+        "pruned_layers": list(range(2, 2 + budget)),
+        "degraded": lee > 60.0,
+        "speedup": NAN,
+        "speedup_low": NAN,
+        "speedup_high": NAN,
+        "speedup_measured": NAN,
+        "speed_resolved": 0.0,
+        "peak_mem_gib": 1.0,
+        "checkpoint": None,
+    }
     return base | kw
 
 
@@ -31,10 +44,20 @@ ROWS = [
     row("dense", 0, "none", 20.0, 10.0),
     row("lorp", 2, "none", 100.0, 30.0, speedup_measured=1.2, speedup_low=1.1, speedup_high=1.3),
     row("lorp", 2, "linear", 50.0, 15.0, speedup_measured=1.2, speedup_low=1.1, speedup_high=1.3),
-    row("shortgpt", 2, "none", 80.0, 20.0, speedup=1.3, speedup_low=1.29, speedup_high=1.31,
-        speedup_measured=1.3, speed_resolved=1.0),
+    row(
+        "shortgpt",
+        2,
+        "none",
+        80.0,
+        20.0,
+        speedup=1.3,
+        speedup_low=1.29,
+        speedup_high=1.31,
+        speedup_measured=1.3,
+        speed_resolved=1.0,
+    ),
     row("shortgpt", 4, "none", 900.0, 90.0),
-]  # fmt: skip
+]
 
 
 def test_speed_cell_publishes_only_a_resolved_figure() -> None:

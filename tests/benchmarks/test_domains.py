@@ -15,16 +15,30 @@ from benchmarks.domains import findings, job_spec, model_table, page, twins  # n
 def row(label: str, budget: int, lee: float, code: float, **extra):  # type: ignore[no-untyped-def]
     repair = "linear" if label.endswith("+linear") else "none"
     bad = max(lee, code) > 3.0
-    return {"model": "m", "method_label": label, "budget": budget, "repair": repair,
-            "ratio_lee": lee, "ratio_code": code, "degraded": bad, **extra}  # fmt: skip
+    return {
+        "model": "m",
+        "method_label": label,
+        "budget": budget,
+        "repair": repair,
+        "ratio_lee": lee,
+        "ratio_code": code,
+        "degraded": bad,
+        **extra,
+    }
 
 
 DATA = {
-    "prose": [row("dense", 0, 1.0, 1.0), row("window", 8, 3.3, 4.35),
-              row("window+linear", 8, 1.9, 4.58, repair_gate="least squares")],
-    "mix": [row("dense", 0, 1.0, 1.0), row("window", 8, 3.2, 3.9),
-            row("window+linear", 8, 2.1, 2.8, repair_gate="least squares")],
-}  # fmt: skip
+    "prose": [
+        row("dense", 0, 1.0, 1.0),
+        row("window", 8, 3.3, 4.35),
+        row("window+linear", 8, 1.9, 4.58, repair_gate="least squares"),
+    ],
+    "mix": [
+        row("dense", 0, 1.0, 1.0),
+        row("window", 8, 3.2, 3.9),
+        row("window+linear", 8, 2.1, 2.8, repair_gate="least squares"),
+    ],
+}
 
 
 def test_the_table_puts_each_calibration_beside_the_others() -> None:
@@ -35,13 +49,18 @@ def test_the_table_puts_each_calibration_beside_the_others() -> None:
         lines[3] == "| window | 8 | mix | 3.20x -> 2.10x | 3.90x -> 2.80x | 2.80x | least squares |"
     )
     assert [(a["method_label"], b["method_label"]) for a, b in twins(DATA["mix"])] == [
-        ("window", "window+linear")]  # fmt: skip
+        ("window", "window+linear")
+    ]
 
 
 def test_findings_name_the_best_by_worst_domain_and_every_repair_that_costs_one() -> None:
     f = findings(DATA)
     assert f["models"]["m"]["8/mix"] == {
-        "variant": "window+linear", "lee": 2.1, "code": 2.8, "worst": 2.8}  # fmt: skip
+        "variant": "window+linear",
+        "lee": 2.1,
+        "code": 2.8,
+        "worst": 2.8,
+    }
     assert f["models"]["m"]["8/prose"]["variant"] == "window"  # 4.35 beats 4.58 on code
     assert f["twins_worse"] == ["m window+linear at 8 (prose): code 4.35x -> 4.58x"]
     assert f["mislabelled"] == []

@@ -24,21 +24,36 @@ def test_build_models_makes_the_named_checkpoints(tmp_path: Path) -> None:
         family, shape = name.split("-")[:2]
         blocks, width = (int(x) for x in shape.split("x"))
         assert (config.model_type, config.num_hidden_layers, config.hidden_size) == (
-            family, blocks, width,
-        )  # fmt: skip
+            family,
+            blocks,
+            width,
+        )
     assert build_models(tmp_path, 2) == models  # built once: a second call reuses them
 
 
 def test_the_page_block_says_each_target_met_or_missed(tmp_path: Path) -> None:
-    run = {"makespan_s": 168.0, "busy_over_slots_s": 151.0, "longest_chain_s": 92.0,
-           "lower_bound_s": 151.0, "makespan_ratio": 1.113, "utilization": 0.899,
-           "points": 84, "driver_ms_per_point": 45.0}  # fmt: skip
+    run = {
+        "makespan_s": 168.0,
+        "busy_over_slots_s": 151.0,
+        "longest_chain_s": 92.0,
+        "lower_bound_s": 151.0,
+        "makespan_ratio": 1.113,
+        "utilization": 0.899,
+        "points": 84,
+        "driver_ms_per_point": 45.0,
+    }
     result = {
-        "machine": {"cpus": 2}, "slots": 8, "models": 12, "quick": True, "seconds": 370.0,
-        "fleet": run, "serial": run | {"makespan_ratio": 4.16},
-        "fleet_makespan_ratio": 1.16, "fleet_utilization": 0.899,
+        "machine": {"cpus": 2},
+        "slots": 8,
+        "models": 12,
+        "quick": True,
+        "seconds": 370.0,
+        "fleet": run,
+        "serial": run | {"makespan_ratio": 4.16},
+        "fleet_makespan_ratio": 1.16,
+        "fleet_utilization": 0.899,
         "serial_over_fleet_makespan": 1.01,
-    }  # fmt: skip
+    }
     block = page_block(result)
     assert "`fleet_makespan_ratio` 1.160 (target <= 1.15: MISSED)" in block
     assert "`fleet_utilization` 0.899 (target >= 0.75: met)" in block

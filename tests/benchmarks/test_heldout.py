@@ -45,16 +45,38 @@ def check_fit(fit: dict) -> None:
 def test_smallest_run_writes_every_variant(tmp_path: Path, one_thread: None) -> None:
     model = save_tiny_ptb("llama", tmp_path / "tiny")
     out = tmp_path / "heldout.json"
-    args = ["--models", str(model), "--tokens", "1024", "--eval-windows", "2",
-            "--methods", "window", "--window-score", "loss", "--budgets", "2",
-            "--cuts", "1-2+4", "--ridge", "auto", "--followers", "1", "--distill", "1",
-            "--json", str(out)]  # fmt: skip
+    args = [
+        "--models",
+        str(model),
+        "--tokens",
+        "1024",
+        "--eval-windows",
+        "2",
+        "--methods",
+        "window",
+        "--window-score",
+        "loss",
+        "--budgets",
+        "2",
+        "--cuts",
+        "1-2+4",
+        "--ridge",
+        "auto",
+        "--followers",
+        "1",
+        "--distill",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [(r["method"], r["budget"], r["repair"]) for r in rows] == [
-        ("window", 2, "none"), ("window", 2, "linear@auto+1f+kd1"),
-        ("cuts", 3, "none"), ("cuts", 3, "linear@auto+1f+kd1"),
-    ]  # fmt: skip
+        ("window", 2, "none"),
+        ("window", 2, "linear@auto+1f+kd1"),
+        ("cuts", 3, "none"),
+        ("cuts", 3, "linear@auto+1f+kd1"),
+    ]
     assert {(r["model"], r["calib"], r["tokens"]) for r in rows} == {(str(model), "ptb", 1024)}
     start = rows[0]["layers"][0]  # one window of 2 blocks, the boundary blocks kept
     assert rows[0]["layers"] == [start, start + 1] and 1 <= start <= 3

@@ -22,9 +22,15 @@ from benchmarks.quality import (  # noqa: E402
 def row(label: str, budget: int, ppl: float, pruned=(), degraded=False, evals=0, secs=0.0):  # type: ignore[no-untyped-def]
     method = "dense" if not budget else label.split("-s")[0]
     return {
-        "method": method, "method_label": label, "budget": budget, "ppl_ptb": ppl,
-        "pruned_layers": list(pruned), "degraded": degraded, "n_evals": evals, "select_s": secs,
-    }  # fmt: skip
+        "method": method,
+        "method_label": label,
+        "budget": budget,
+        "ppl_ptb": ppl,
+        "pruned_layers": list(pruned),
+        "degraded": degraded,
+        "n_evals": evals,
+        "select_s": secs,
+    }
 
 
 ROWS = [
@@ -94,9 +100,15 @@ def test_the_repair_report_is_the_latest_run_and_says_which_variants_lack_a_foll
     def fixed(ppl: float, lee: float, when: str, fits: list[dict]) -> dict:
         out = row("window+linear", 2, ppl, (3, 4))
         return out | {
-            "model": "m", "n_blocks": 6, "repair": "linear", "ratio_lee": lee, "ppl_ratio": lee,
-            "judged_on": "lee", "created_at": when, "repair_fits": json.dumps(fits),
-        }  # fmt: skip
+            "model": "m",
+            "n_blocks": 6,
+            "repair": "linear",
+            "ratio_lee": lee,
+            "ppl_ratio": lee,
+            "judged_on": "lee",
+            "created_at": when,
+            "repair_fits": json.dumps(fits),
+        }
 
     run = {"run": [3, 4], "kept": "fit"}
     base = {"model": "m", "n_blocks": 6, "created_at": "2026-12-01"}

@@ -32,14 +32,30 @@ def test_smallest_run_reports_every_variant(tmp_path: Path, one_thread: None) ->
     llama = save_tiny_ptb("llama", tmp_path / "llama", n_blocks=10)
     gemma = save_tiny_ptb("gemma3_text", tmp_path / "gemma")  # 6 blocks, tied embeddings
     out = tmp_path / "repair.json"
-    args = ["--models", str(llama), str(gemma), "--methods", "random", "shortgpt",
-            "--budgets", "2", "--calib", "8x64", "--test", "2x128", "--json", str(out)]  # fmt: skip
+    args = [
+        "--models",
+        str(llama),
+        str(gemma),
+        "--methods",
+        "random",
+        "shortgpt",
+        "--budgets",
+        "2",
+        "--calib",
+        "8x64",
+        "--test",
+        "2x128",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [(r["model"], r["method"], r["blocks"]) for r in rows] == [
-        (str(llama), "random", 2), (str(llama), "shortgpt", 2),
-        (str(gemma), "random", 2), (str(gemma), "shortgpt", 2),
-    ]  # fmt: skip
+        (str(llama), "random", 2),
+        (str(llama), "shortgpt", 2),
+        (str(gemma), "random", 2),
+        (str(gemma), "shortgpt", 2),
+    ]
     blocks, form = {str(llama): 10, str(gemma): 6}, {str(llama): "full", str(gemma): "normed"}
     for model in blocks:
         assert len({r["dense"] for r in rows if r["model"] == model}) == 1

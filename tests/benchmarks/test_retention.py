@@ -22,8 +22,13 @@ def test_retention_evaluates_each_pick_as_its_row_was_distilled() -> None:
     from pipeline.spec.parse import load_spec
 
     spec = load_spec(REPO / "jobs" / "quality.yaml")
-    spec = dataclasses.replace(spec, methods=(MethodSpec("streamline", repair_distill=2),
-                                              MethodSpec("window", repair_distill=2)))  # fmt: skip
+    spec = dataclasses.replace(
+        spec,
+        methods=(
+            MethodSpec("streamline", repair_distill=2),
+            MethodSpec("window", repair_distill=2),
+        ),
+    )
     fits = [{"run": [1, 2], "kept": "distilled", "distilled": {"epochs": 3, "lr": 5e-5}}]
     picks = {
         4: {"method_label": "window+linear", "repair": "linear", "repair_fits": json.dumps(fits)},
@@ -44,8 +49,15 @@ def test_retention_table_reads_the_row_distilled_as_picked() -> None:
     acc = {f"acc_{t}": 50.0 for t in TASKS} | {f"n_{t}": 500 for t in TASKS}
     fits = json.dumps([{"run": [1, 2], "distilled": {"epochs": 2, "lr": 1e-4}}])
     dense = {"method": "dense", "method_label": "dense", "budget": 0, **acc}
-    old = {"method": "window", "method_label": "window+linear", "budget": 4, "n_blocks": 30,
-           **acc, "acc_arc_easy": 30.0, "created_at": "2026-12-01"}  # fmt: skip
+    old = {
+        "method": "window",
+        "method_label": "window+linear",
+        "budget": 4,
+        "n_blocks": 30,
+        **acc,
+        "acc_arc_easy": 30.0,
+        "created_at": "2026-12-01",
+    }
     new = old | {"acc_arc_easy": 40.0, "repair_fits": fits, "created_at": "2026-12-02"}
     for rows in ([dense, new, old], [dense, old, new]):
         line = table("m", {4: new}, rows)[-1]

@@ -5,8 +5,8 @@ page. Timings are checked for what they are made of, never for how large they ar
 another test process a 10-block forward is as slow as it likes, and the rule then fails the
 run (the last test holds that on set figures). The memory section's two child interpreters
 and the Ray section's cluster and actors cost more to start than the suite's share for this
-file (about 14 s and 11 s more): the memory child's code runs here in-process instead, and
-the Ray section is not run."""
+file (about 14 s and 11 s more): the memory child's code runs in-process instead
+(tests/benchmarks/test_overheads.py), and the Ray section is not run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch
 
 from lorp import available_methods, get_method
 from tests.helpers.benchmark_scripts import load_benchmark
-from tests.helpers.paths import REPO
 
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
@@ -61,8 +60,11 @@ def test_tiny_run_measures_every_in_process_section(
     assert f["capture_overhead"] == max(f["tiny.capture_overhead"], f["wide_d128.capture_overhead"])
     assert f["vs_usual_speedup"] == min(f["tiny.vs_usual_speedup"], f["wide_d128.vs_usual_speedup"])
     # 5: every method that selects from S alone, at every N.
-    timed = [m for m in available_methods()
-             if not (get_method(m).needs_evaluator or get_method(m).needs_repair)]  # fmt: skip
+    timed = [
+        m
+        for m in available_methods()
+        if not (get_method(m).needs_evaluator or get_method(m).needs_repair)
+    ]
     assert {"lorp", "shortgpt", "streamline"} <= set(timed)
     for n in (32, 64, 128):
         for m in [*timed, "spectral_clustering_k4"]:
@@ -100,8 +102,10 @@ def test_a_speedup_above_the_bound_fails_the_run_and_keeps_the_page(
     keeps its old figures; at the bound (+5%) it passes."""
     run = load_script()
     page = page_with_markers(tmp_path / "benchmarks.md")
-    figures = {"prefill_speedup.removed_3_of_30": 30 / 27 * 1.05,
-               "prefill_speedup.removed_6_of_30": 30 / 24 * 1.06}  # fmt: skip
+    figures = {
+        "prefill_speedup.removed_3_of_30": 30 / 27 * 1.05,
+        "prefill_speedup.removed_6_of_30": 30 / 24 * 1.06,
+    }
     [line] = run.speedup_violations(figures)
     assert line.startswith("prefill_speedup.removed_6_of_30 = 1.325x exceeds N/(N-k) = 1.250x")
     run.measure = lambda *args: figures  # the sections, as a broken timing would leave them
@@ -117,15 +121,3 @@ def test_a_speedup_above_the_bound_fails_the_run_and_keeps_the_page(
     text = page.read_text()
     assert "stale figures" not in text and text.endswith("after\n")
     assert "removed 6 of 30 (interleaved, median) | 1.312x" in text
-
-
-def test_the_memory_child_s_code_runs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], threads_back: None
-) -> None:
-    """The memory section's child is code in a string, which no linter reads: run here, in
-    this process, on the tiny model, it captures and prints its peak RSS in KiB."""
-    run = load_script()
-    model = run.tiny_model(tmp_path)
-    code = run.MEMORY_CHILD.format(root=str(REPO), model=model, samples=4, seq_len=32)
-    exec(compile(code, "memory_child", "exec"), {"__name__": "memory_child"})
-    assert int(capsys.readouterr().out.strip().splitlines()[-1]) > 100 * 1024

@@ -19,8 +19,19 @@ from benchmarks import shared_catalog  # noqa: E402
 
 def test_small_load_loses_nothing(tmp_path: Path) -> None:
     out, page = tmp_path / "shared.json", tmp_path / "page.md"
-    argv = ["--writers", "3", "--changes", "30", "--kill", "1", "--read-rows", "800",
-            "--pace", "0.05", "0.02"]  # fmt: skip
+    argv = [
+        "--writers",
+        "3",
+        "--changes",
+        "30",
+        "--kill",
+        "1",
+        "--read-rows",
+        "800",
+        "--pace",
+        "0.05",
+        "0.02",
+    ]
     assert shared_catalog.main([*argv, "--json", str(out), "--page", str(page)]) == 0
     r = json.loads(out.read_text())
     assert (r["writers"], r["changes_per_writer"], r["killed"]) == (3, 30, 1)

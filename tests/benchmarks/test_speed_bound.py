@@ -37,18 +37,36 @@ def test_every_condition_is_timed_beside_its_bound(tmp_path: Path, threads_back:
     model = save_tiny("llama", tmp_path / "tiny")
     out = tmp_path / "speed.json"
     timer = speed._time_ms
-    args = ["--model", str(model), "--removed", "1", "2", "--rounds", "10", "--seq-len", "16",
-            "--threads", "1", "--load-reps", "2", "--json", str(out)]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--removed",
+        "1",
+        "2",
+        "--rounds",
+        "10",
+        "--seq-len",
+        "16",
+        "--threads",
+        "1",
+        "--load-reps",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     assert speed._time_ms is timer
     rows = json.loads(out.read_text())
     per_k = ["copies", "file vs copy", "under load", "under load", "per block"]
     assert [(r["condition"], r["removed"]) for r in rows] == [
-        ("A/A copies", 0), ("A/A file vs copy", 0),
-        *[(c, 1) for c in per_k], *[(c, 2) for c in per_k],
-        ("group rounds (medians)", 1), ("group rounds (medians)", 2),
+        ("A/A copies", 0),
+        ("A/A file vs copy", 0),
+        *[(c, 1) for c in per_k],
+        *[(c, 2) for c in per_k],
+        ("group rounds (medians)", 1),
+        ("group rounds (medians)", 2),
         ("group rounds (medians)", 0),
-    ]  # fmt: skip
+    ]
     for r in rows:
         k = r["removed"]
         if r["condition"] == "per block":  # the same block on the same states

@@ -18,8 +18,10 @@ from benchmarks.storage import layouts, main  # noqa: E402
 
 
 def test_the_layouts_remove_a_quarter_as_one_run_and_as_single_blocks() -> None:
-    assert layouts(30, 0.25) == {"one run": tuple(range(11, 19)),
-                                 "spread": (7, 9, 11, 13, 15, 17, 19, 21)}  # fmt: skip
+    assert layouts(30, 0.25) == {
+        "one run": tuple(range(11, 19)),
+        "spread": (7, 9, 11, 13, 15, 17, 19, 21),
+    }
     assert layouts(6, 0.25) == {"one run": (2, 3), "spread": (1, 3)}
 
 
@@ -28,8 +30,16 @@ def test_manifests_are_small_and_pull_back_as_the_full_copy(tmp_path: Path) -> N
     page = tmp_path / "storage.md"
     page.write_text("# Storage\n")
     out = tmp_path / "storage.json"
-    args = ["--models", *map(str, models), "--work", str(tmp_path / "work"), "--json", str(out),
-            "--page", str(page)]  # fmt: skip
+    args = [
+        "--models",
+        *map(str, models),
+        "--work",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+        "--page",
+        str(page),
+    ]
     with torch_threads(1):
         code = main(args)
     result = json.loads(out.read_text())

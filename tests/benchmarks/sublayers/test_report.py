@@ -1,4 +1,4 @@
-"""benchmarks/sublayers_report.py: the equal-cost comparison (the best sub-block variant no
+"""benchmarks/sublayers/report.py: the equal-cost comparison (the best sub-block variant no
 costlier than the block's), the page it writes, and runs of one model merged."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.helpers.paths import REPO
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sublayers_report import (  # noqa: E402
+from benchmarks.sublayers.report import (  # noqa: E402
     BEGIN,
     END,
     compare,
@@ -30,11 +30,16 @@ DENSE = {
 
 def row(granularity: str, method: str, budget: int, prose: float, code: float, decode: float):  # type: ignore[no-untyped-def]
     return {
-        "granularity": granularity, "method": method, "budget": budget,
+        "granularity": granularity,
+        "method": method,
+        "budget": budget,
         "sublayers": ["attn.1", "mlp.1"] if granularity == "block" else ["attn.2"],
-        "ppl": {"prose": prose, "code": code}, "unrepaired": {"prose": 2 * prose, "code": 2 * code},
-        "kv_bytes_per_token": 256.0, "decode_bytes_4k": decode, "decode_bytes_4k_dense": 100.0,
-    }  # fmt: skip
+        "ppl": {"prose": prose, "code": code},
+        "unrepaired": {"prose": 2 * prose, "code": 2 * code},
+        "kv_bytes_per_token": 256.0,
+        "decode_bytes_4k": decode,
+        "decode_bytes_4k_dense": 100.0,
+    }
 
 
 def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_block() -> None:
@@ -55,9 +60,16 @@ def test_the_comparison_takes_the_best_sub_block_variant_no_costlier_than_the_bl
     assert (c["block_decode"], c["sub_block_decode"]) == (0.8, 0.79)
     c["block_zero_shot"] = {"acc_arc_easy": 40.0, "acc_copa": 60.0, "acc_avg": 50.0}  # 90%
     c["sub_block_zero_shot"] = {"acc_arc_easy": 50.0, "acc_copa": 54.0, "acc_avg": 52.0}  # 95%
-    result |= {"model": "m", "n_blocks": 6, "dtype": "float32", "seconds": 1,
-               "max_windows": 16, "loss_samples": 8, "comparison": out,
-               "methods": ["shortgpt", "lorp"]}  # fmt: skip
+    result |= {
+        "model": "m",
+        "n_blocks": 6,
+        "dtype": "float32",
+        "seconds": 1,
+        "max_windows": 16,
+        "loss_samples": 8,
+        "comparison": out,
+        "methods": ["shortgpt", "lorp"],
+    }
     text = page([result], SimpleNamespace(zero_shot=["arc_easy", "copa"], zero_shot_limit=200))
     assert "--zero-shot-limit 200 --loss-samples 8 --methods shortgpt lorp`" in text
     line = next(x for x in text.splitlines() if x.startswith("| 4 blocks"))
@@ -78,22 +90,44 @@ def test_a_mixed_variant_of_whole_blocks_competes_as_a_block_variant() -> None:
     (c,) = compare({"rows": rows, "dense": DENSE})
     assert c["block"] == ["mixed", "window", 4] and c["block_worst"] == 1.05
     assert c["sub_block"] == ["mixed", "sleb", 4] and c["sub_block_worst"] == 1.2
-    result = {"model": "m", "n_blocks": 6, "dtype": "float32", "max_windows": 16,
-              "loss_samples": 8, "rows": rows, "dense": DENSE, "comparison": [c]}  # fmt: skip
+    result = {
+        "model": "m",
+        "n_blocks": 6,
+        "dtype": "float32",
+        "max_windows": 16,
+        "loss_samples": 8,
+        "rows": rows,
+        "dense": DENSE,
+        "comparison": [c],
+    }
     text = page([result], SimpleNamespace(zero_shot=["arc_easy", "copa"], zero_shot_limit=200))
     line = next(x for x in text.splitlines() if x.startswith("| 2 blocks"))
     assert "| window, mixed 4 units (decode 0.800) | 1.050x |" in line and "| no |" in line
 
 
 def test_runs_at_other_block_budgets_merge_into_one_model_result() -> None:
-    settings = {"model": "m", "dtype": "float32", "max_windows": 8, "loss_samples": 8,
-                "sequential": False, "distill_epochs": 0, "zero_shot_limit": 50,
-                "dense": DENSE, "seconds": 5}  # fmt: skip
-    a = settings | {"rows": [row("block", "lorp", 4, 25.0, 12.0, 80.0)],
-                    "comparison": [{"blocks": 4}]}  # fmt: skip
-    b = settings | {"rows": [row("block", "lorp", 4, 99.0, 99.0, 80.0),
-                             row("block", "lorp", 2, 15.0, 6.0, 90.0)],
-                    "comparison": [{"blocks": 4, "x": 1}, {"blocks": 2}]}  # fmt: skip
+    settings = {
+        "model": "m",
+        "dtype": "float32",
+        "max_windows": 8,
+        "loss_samples": 8,
+        "sequential": False,
+        "distill_epochs": 0,
+        "zero_shot_limit": 50,
+        "dense": DENSE,
+        "seconds": 5,
+    }
+    a = settings | {
+        "rows": [row("block", "lorp", 4, 25.0, 12.0, 80.0)],
+        "comparison": [{"blocks": 4}],
+    }
+    b = settings | {
+        "rows": [
+            row("block", "lorp", 4, 99.0, 99.0, 80.0),
+            row("block", "lorp", 2, 15.0, 6.0, 90.0),
+        ],
+        "comparison": [{"blocks": 4, "x": 1}, {"blocks": 2}],
+    }
     out = merged(a, b, "b")
     assert [(r["budget"], r["ppl"]["prose"]) for r in out["rows"]] == [(4, 25.0), (2, 15.0)]
     assert out["comparison"] == [{"blocks": 2}, {"blocks": 4}] and out["seconds"] == 10
@@ -146,15 +180,24 @@ def test_a_rendered_run_is_recosted_by_today_s_decode_count(tmp_path) -> None:  
 
     stale = row("attention", "shortgpt", 2, 12.0, 4.4, 70.0)  # the best sub-block, once
     stale["sublayers"] = ["attn.1", "attn.3"]
-    rows = [row("block", "shortgpt", 1, 15.0, 5.0, 80.0), stale,
-            row("mlp", "shortgpt", 2, 20.0, 6.0, 79.0)]  # fmt: skip
+    rows = [
+        row("block", "shortgpt", 1, 15.0, 5.0, 80.0),
+        stale,
+        row("mlp", "shortgpt", 2, 20.0, 6.0, 79.0),
+    ]
     rows[0]["zero_shot"] = {"acc_arc_easy": 45.0, "acc_copa": 60.0}
     got = recosted({"model": str(path), "dtype": "float32", "rows": rows, "dense": DENSE})
     for r in got["rows"]:
         assert r["decode_bytes_4k"] == decode([parse_unit_label(x) for x in r["sublayers"]])
         assert r["decode_bytes_4k_dense"] == decode([])
-        assert r["ppl"] == next(x for x in rows if x["method"] == r["method"]
-                                and x["granularity"] == r["granularity"])["ppl"]  # fmt: skip
+        assert (
+            r["ppl"]
+            == next(
+                x
+                for x in rows
+                if x["method"] == r["method"] and x["granularity"] == r["granularity"]
+            )["ppl"]
+        )
     block = decode(block_units([1]))
     assert decode([2, 6]) > block  # two sliding attentions save less than a block
     c = got["comparison"][0]

@@ -1,4 +1,4 @@
-"""benchmarks/sublayer_pairs.py: one block's decode cost spent on an MLP and an attention of
+"""benchmarks/sublayers/pairs.py: one block's decode cost spent on an MLP and an attention of
 two other blocks; candidates scored by the held-out loss, on a tiny model."""
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ import sys
 import pytest
 import torch
 
-from lorp.methods.removal_loss import LossEvaluator
 from lorp.models.shape import ModelShape
 from lorp.models.sublayers import block_units
+from lorp.scoring.removal_loss import LossEvaluator
 from tests.helpers.paths import REPO
 from tests.helpers.tiny_models import tiny_model
 from tests.helpers.windows import token_windows
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sublayer_pairs import candidates, main, named, summary, unit_cost  # noqa: E402
-from benchmarks.sublayers import SelectionLosses  # noqa: E402
+from benchmarks.sublayers.costs import unit_cost  # noqa: E402
+from benchmarks.sublayers.losses import SelectionLosses  # noqa: E402
+from benchmarks.sublayers.pairs import candidates, main, named, summary  # noqa: E402
 
 
 def test_pairs_are_an_mlp_and_an_attention_of_two_blocks_costing_one_block() -> None:
@@ -49,15 +50,29 @@ def test_pairs_are_an_mlp_and_an_attention_of_two_blocks_costing_one_block() -> 
 
 
 def test_the_summary_names_each_side_s_best_and_a_missing_pair() -> None:
-    dense = {"ppl": {"prose": 10.0, "code": 4.0}, "decode_bytes_4k": 100.0,
-             "zero_shot": {"acc_arc_easy": 50.0, "acc_copa": 60.0, "acc_avg": 55.0}}  # fmt: skip
-    block = {"sublayers": ["attn.11", "mlp.11"], "ppl": {"prose": 10.3, "code": 4.2},
-             "decode_bytes_4k": 97.0,
-             "zero_shot": {"acc_arc_easy": 45.0, "acc_copa": 60.0}}  # fmt: skip
-    pair = {"sublayers": ["mlp.10", "attn.11"], "ppl": {"prose": 10.2, "code": 4.4},
-            "decode_bytes_4k": 97.0}  # fmt: skip
-    result = {"model": "m", "dense": dense, "blocks": [block], "pairs": [pair],
-              "best": {"blocks": block["sublayers"], "pairs": pair["sublayers"]}}  # fmt: skip
+    dense = {
+        "ppl": {"prose": 10.0, "code": 4.0},
+        "decode_bytes_4k": 100.0,
+        "zero_shot": {"acc_arc_easy": 50.0, "acc_copa": 60.0, "acc_avg": 55.0},
+    }
+    block = {
+        "sublayers": ["attn.11", "mlp.11"],
+        "ppl": {"prose": 10.3, "code": 4.2},
+        "decode_bytes_4k": 97.0,
+        "zero_shot": {"acc_arc_easy": 45.0, "acc_copa": 60.0},
+    }
+    pair = {
+        "sublayers": ["mlp.10", "attn.11"],
+        "ppl": {"prose": 10.2, "code": 4.4},
+        "decode_bytes_4k": 97.0,
+    }
+    result = {
+        "model": "m",
+        "dense": dense,
+        "blocks": [block],
+        "pairs": [pair],
+        "best": {"blocks": block["sublayers"], "pairs": pair["sublayers"]},
+    }
     lines = summary(result).splitlines()
     assert lines == [
         "m best of blocks: attn.11, mlp.11: 1.050x (decode at 4k 0.970, 95.0% zero-shot)",
@@ -76,8 +91,10 @@ def test_a_count_below_one_is_refused_in_one_line(capsys) -> None:  # type: igno
 def test_named_sets_go_to_their_side_and_bad_ones_are_refused(capsys) -> None:  # type: ignore[no-untyped-def]
     found = named(["attn.11,mlp.11", "mlp.10,attn.11", "mlp.3,attn.4,attn.3,mlp.4"])
     assert found["blocks"] == [(22, 23), (6, 7, 8, 9)] and found["pairs"] == [(21, 22)]
-    for only, says in ((["attn.11,mlp.11"], "needs whole blocks and a pair"),
-                       (["attn.11,mlp.11", "mlp.x"], "--only: sub-layer 'mlp.x'")):  # fmt: skip
+    for only, says in (
+        (["attn.11,mlp.11"], "needs whole blocks and a pair"),
+        (["attn.11,mlp.11", "mlp.x"], "--only: sub-layer 'mlp.x'"),
+    ):
         with pytest.raises(SystemExit):
             main(["--model", "m", "--only", *only])
         assert says in capsys.readouterr().err

@@ -1,17 +1,25 @@
-"""The report half of `benchmarks/sublayers.py`: the equal-cost comparison of its measured
-rows, runs of one model merged, and the results page it writes."""
+"""The report half of `benchmarks/sublayers/run.py`: the equal-cost comparison of its
+measured rows, runs of one model merged, and the results page it writes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-BEGIN, END = "<!-- sublayers:begin -->", "<!-- sublayers:end -->"
-DOMAINS = {"prose": "lee", "code": "code"}
+from benchmarks.pages import markers, replace_section
+from benchmarks.sublayers.costs import unit_cost
+from benchmarks.sublayers.data import DOMAINS
 
-
-SETTINGS = ("model", "dtype", "max_windows", "loss_samples", "sequential", "distill_epochs",
-            "zero_shot_limit")  # fmt: skip
+BEGIN, END = markers("sublayers")
+SETTINGS = (
+    "model",
+    "dtype",
+    "max_windows",
+    "loss_samples",
+    "sequential",
+    "distill_epochs",
+    "zero_shot_limit",
+)
 """What two runs of a model must share to be shown as one (the dense figures too)."""
 
 
@@ -23,14 +31,19 @@ def merged(a: dict[str, Any], b: dict[str, Any], where: str) -> dict[str, Any]:
         if not close_enough(a.get(key), b.get(key)):
             raise SystemExit(f"--also {where}: {key} differs ({a.get(key)!r} vs {b.get(key)!r})")
     keys = {(r["granularity"], r["method"], r["budget"]) for r in a["rows"]}
-    rows = a["rows"] + [r for r in b["rows"]
-                        if (r["granularity"], r["method"], r["budget"]) not in keys]  # fmt: skip
+    rows = a["rows"] + [
+        r for r in b["rows"] if (r["granularity"], r["method"], r["budget"]) not in keys
+    ]
     have = {c["blocks"] for c in a["comparison"]}
     comparison = a["comparison"] + [c for c in b["comparison"] if c["blocks"] not in have]
     comparison.sort(key=lambda c: c["blocks"])
     parts = [*(a.get("parts") or [block_budgets(a)]), block_budgets(b)]
-    return a | {"rows": rows, "comparison": comparison, "seconds": a["seconds"] + b["seconds"],
-                "parts": parts}  # fmt: skip
+    return a | {
+        "rows": rows,
+        "comparison": comparison,
+        "seconds": a["seconds"] + b["seconds"],
+        "parts": parts,
+    }
 
 
 def close_enough(a: Any, b: Any, rel: float = 1e-5) -> bool:
@@ -74,8 +87,11 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for b in sorted({r["budget"] for r in rows if r["granularity"] == "block"}):
         blocks = [r for r in rows if r["granularity"] == "block" and r["budget"] == b]
-        blocks += [r for r in rows if whole_blocks(r) and r["granularity"] != "block"
-                   and len(r["sublayers"]) == 2 * b]  # fmt: skip
+        blocks += [
+            r
+            for r in rows
+            if whole_blocks(r) and r["granularity"] != "block" and len(r["sublayers"]) == 2 * b
+        ]
         if not blocks:
             continue
         best_block = min(blocks, key=lambda r: worst(r, dense))
@@ -107,27 +123,23 @@ def recosted(result: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from benchmarks.sublayers import CONTEXT, decode_bytes
     from lorp.models.loading import materialize
     from lorp.models.shape import ModelShape
-    from lorp.models.sublayers import parse_unit_label, sublayer_parameters
+    from lorp.models.sublayers import parse_unit_label
 
     config = AutoConfig.from_pretrained(materialize(result["model"]))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    shape = ModelShape.from_config(config.to_dict())
-    params = sum(p.numel() for p in model.parameters())
-
-    def decode(units: list[int]) -> float:
-        left = params - sublayer_parameters(model, units)
-        return decode_bytes(shape, units, left, result["dtype"], CONTEXT)
-
+    decode = unit_cost(model, ModelShape.from_config(config.to_dict()), result["dtype"])
     dense = decode([])
     rows = [
-        r | {"decode_bytes_4k": decode([parse_unit_label(x) for x in r["sublayers"]]),
-             "decode_bytes_4k_dense": dense}
+        r
+        | {
+            "decode_bytes_4k": decode([parse_unit_label(x) for x in r["sublayers"]]),
+            "decode_bytes_4k_dense": dense,
+        }
         for r in result["rows"]
-    ]  # fmt: skip
+    ]
     out = result | {"rows": rows}
     out["comparison"] = compare(out)
     for c in out["comparison"]:  # the zero-shot the compared rows were measured with
@@ -160,8 +172,11 @@ def model_table(result: dict[str, Any]) -> list[str]:
             else "-"
         )
         dec = r["decode_bytes_4k"] / r["decode_bytes_4k_dense"]
-        names = ", ".join(r["sublayers"]) if r["granularity"] != "block" else (
-            ", ".join(sorted({s.split(".")[1] for s in r["sublayers"]}, key=int)))  # fmt: skip
+        names = (
+            ", ".join(r["sublayers"])
+            if r["granularity"] != "block"
+            else (", ".join(sorted({s.split(".")[1] for s in r["sublayers"]}, key=int)))
+        )
         out.append(
             f"| {r['granularity']} | {r['method']} | {r['budget']} | {ratios[0]:.3f}x | "
             f"{ratios[1]:.3f}x | {un} | {r['kv_bytes_per_token']:.0f} B | {dec:.3f} | "
@@ -224,7 +239,7 @@ def page(results: list[dict[str, Any]], args: Any) -> str:
     ]
     for r in results:
         commands = [
-            f"`python benchmarks/sublayers.py --models {r['model']} --max-windows "
+            f"`python benchmarks/sublayers/run.py --models {r['model']} --max-windows "
             f"{r['max_windows']} --block-budgets {' '.join(map(str, budgets))} "
             f"--zero-shot-limit {r.get('zero_shot_limit', args.zero_shot_limit)} "
             f"--loss-samples {r['loss_samples']}"
@@ -255,18 +270,12 @@ SECTIONS = {"main": "The tables", "small": "At one and two blocks' cost"}
 one at the smallest budgets, run separately with more zero-shot items."""
 
 
-def markers(section: str) -> tuple[str, str]:
-    if section == "main":
-        return BEGIN, END
-    return f"<!-- sublayers-{section}:begin -->", f"<!-- sublayers-{section}:end -->"
+def section_markers(section: str) -> tuple[str, str]:
+    return (BEGIN, END) if section == "main" else markers(f"sublayers-{section}")
 
 
 def write_page(path: Path, text: str, section: str = "main") -> None:
     """`text` between `section`'s markers on the page (appended under its heading the first
     time); the rest of the page as it was."""
-    from benchmarks.run import replace_section
-
-    if not path.exists():
-        path.write_text("# Sub-layers, measured\n")
-    begin, end = markers(section)
-    replace_section(path, begin, end, text, SECTIONS[section])
+    begin, end = section_markers(section)
+    replace_section(path, begin, end, text, SECTIONS[section], "# Sub-layers, measured\n")

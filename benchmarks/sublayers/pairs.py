@@ -1,12 +1,12 @@
 """One block's decode cost spent on one MLP and one attention of two other blocks, against
 the best single blocks: both sides chosen by the same held-out loss, repaired the same way.
 
-    python benchmarks/sublayer_pairs.py --model qwen2.5-coder-0.5b [--top 5] [--repair 4]
+    python benchmarks/sublayers/pairs.py --model qwen2.5-coder-0.5b [--top 5] [--repair 4]
         [--max-windows 16] [--zero-shot-limit 500] [--out runs/sublayer-pairs]
-    python benchmarks/sublayer_pairs.py --model qwen2.5-coder-0.5b
+    python benchmarks/sublayers/pairs.py --model qwen2.5-coder-0.5b
         --only attn.11,mlp.11 mlp.10,attn.11 [--distill-epochs 2] --out runs/pairs-distilled
 
-Why. The grid's mixed search (`benchmarks/sublayers.py`, SLEB over units) counts every
+Why. The grid's mixed search (`benchmarks/sublayers/run.py`, SLEB over units) counts every
 unit alike, so at one block's cost it removes attentions, the cheapest units, until
 their savings add up: six on Qwen2.5-Coder. An MLP and an attention cost exactly one
 block (its MLP weights, its attention weights and KV cache) where the attention's layer
@@ -36,21 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sublayer_data import prepared  # noqa: E402
-from benchmarks.sublayers import CONTEXT, SelectionLosses, decode_bytes  # noqa: E402
-
-
-def unit_cost(model: Any, shape: Any, dtype: str) -> Any:
-    """units -> predicted decode bytes per token at 4k of the model without them."""
-    from lorp.models.sublayers import sublayer_parameters
-
-    dense = sum(p.numel() for p in model.parameters())
-    return lambda units: decode_bytes(
-        shape, list(units), dense - sublayer_parameters(model, units), dtype, CONTEXT
-    )
+from benchmarks.sublayers.costs import unit_cost  # noqa: E402
+from benchmarks.sublayers.data import Prepared, maps, prepared  # noqa: E402
+from benchmarks.sublayers.losses import SelectionLosses  # noqa: E402
+from benchmarks.sublayers.report import mean_zero_shot, whole_blocks  # noqa: E402
 
 
 def candidates(model: Any, shape: Any, score: Any, top: int, dtype: str) -> dict[str, Any]:
@@ -81,7 +73,6 @@ def candidates(model: Any, shape: Any, score: Any, top: int, dtype: str) -> dict
 def named(only: list[str]) -> dict[str, Any]:
     """`--only`'s unit sets ("attn.11,mlp.11") as `candidates` gives them, unscored: sets of
     whole blocks on the block side, the rest on the pair side."""
-    from benchmarks.sublayers_report import whole_blocks
     from lorp.models.sublayers import parse_unit_label
 
     sets = [tuple(sorted(parse_unit_label(x) for x in s.split(","))) for s in only]
@@ -94,22 +85,22 @@ def named(only: list[str]) -> dict[str, Any]:
 
 
 def measured(
-    model: Any, units: tuple[int, ...], repair: Any, ppl: Any, cost: Any, zero_shot: Any = None
-) -> dict:
-    """A repaired copy of `model` without `units`: its perplexity per domain and cost (and
-    its zero-shot, given `zero_shot`)."""
+    setup: Prepared, args: Any, units: tuple[int, ...], cost: Any, zero_shot: bool
+) -> dict[str, Any]:
+    """A repaired copy of the model without `units`: its perplexity per domain and cost
+    (and its zero-shot, where `zero_shot`)."""
     from lorp.models.sublayers import unit_label
 
-    variant = copy.deepcopy(model)
-    fits = repair(variant, list(units))
+    variant = copy.deepcopy(setup.model)
+    fits = setup.repair(variant, list(units), distill_epochs=args.distill_epochs)
     row = {
         "sublayers": [unit_label(u) for u in units],
-        "ppl": ppl(variant),
+        "ppl": setup.ppl(variant),
         "decode_bytes_4k": cost(units),
-        "maps": {k: sum(f.kept == k for f in fits) for k in ("fit", "unrepaired", "distilled")},
+        "maps": maps(fits),
     }
-    if zero_shot is not None:
-        row["zero_shot"] = zero_shot(variant)
+    if zero_shot:
+        row["zero_shot"] = setup.zero_shot(variant, args.zero_shot, args.zero_shot_limit)
     return row
 
 
@@ -118,68 +109,71 @@ def worst(row: dict[str, Any], dense: dict[str, float]) -> float:
 
 
 def measure(alias: str, args: Any) -> dict[str, Any]:
-    from lorp.models.perplexity import perplexity
-    from lorp.models.sublayers import parse_unit_label
-    from lorp.repair.sublayer_repair import repair_sublayers
-    from pipeline.evaluation.zero_shot import hf_zero_shot
-
     start = time.perf_counter()
     setup = prepared(alias, args)
-    model, tok, shape, evals = setup.model, setup.tok, setup.shape, setup.evals
-    fit, held, skip = setup.fit, setup.held, setup.skip
-
-    def ppl(m: Any) -> dict[str, float]:
-        return {d: perplexity(m, w, batch_size=4) for d, w in evals.items()}
-
-    def repair(m: Any, units: list[int]) -> Any:
-        return repair_sublayers(
-            m, units, fit, held=held, skip_prefix=skip, distill_epochs=args.distill_epochs
-        )
-
-    def zero_shot(m: Any) -> dict[str, float]:
-        return hf_zero_shot(m, tok, list(args.zero_shot), limit=args.zero_shot_limit)
-
-    dense = ppl(model)
+    model, shape = setup.model, setup.shape
+    dense = setup.ppl(model)
     losses = SelectionLosses(model, setup.held_windows, args.select_dtype)
     if args.only:  # the named sets, each scored on zero-shot as it is measured
-        found, each = named(args.only), zero_shot if args.zero_shot_limit else None
+        found = named(args.only)
     else:
-        found, each = candidates(model, shape, losses.by("nll"), args.top, args.dtype), None
+        found = candidates(model, shape, losses.by("nll"), args.top, args.dtype)
     print(f"{alias}: {losses.evaluated} losses ({time.perf_counter() - start:.0f} s)", flush=True)
     cost = unit_cost(model, shape, args.dtype)
-    sides: dict[str, list[dict[str, Any]]] = {}
-    for side in ("blocks", "pairs"):
-        todo = found[side][: args.repair]
-        sides[side] = [measured(model, u, repair, ppl, cost, each) for u in todo]
-        for u, row in zip(todo, sides[side], strict=True):
-            row["loss"] = found["loss"].get(u)
-            print(f"  {row['sublayers']}: {worst(row, dense):.4f}x", flush=True)
+    sides = measured_sides(setup, args, found, cost, dense)
     best = {"blocks": min(sides["blocks"], key=lambda r: worst(r, dense))}
     cap = best["blocks"]["decode_bytes_4k"]  # a pair may cost no more than the block it beats
     fair = [r for r in sides["pairs"] if r["decode_bytes_4k"] <= cap]
     if fair:
         best["pairs"] = min(fair, key=lambda r: worst(r, dense))
     result: dict[str, Any] = {
-        "model": alias, "dtype": args.dtype, "max_windows": args.max_windows,
-        "loss_samples": args.loss_samples, "top": args.top, "repair": args.repair,
-        "dense": {"ppl": dense, "decode_bytes_4k": cost(())}, **sides,
-        "selection_losses": losses.evaluated, "only": args.only,
+        "model": alias,
+        "dtype": args.dtype,
+        "max_windows": args.max_windows,
+        "loss_samples": args.loss_samples,
+        "top": args.top,
+        "repair": args.repair,
+        "dense": {"ppl": dense, "decode_bytes_4k": cost(())},
+        **sides,
+        "selection_losses": losses.evaluated,
+        "only": args.only,
         "distill_epochs": args.distill_epochs,
-    }  # fmt: skip
+    }
     if args.zero_shot_limit:
-        result["dense"]["zero_shot"] = zero_shot(model)
-        for row in [r for r in best.values() if "zero_shot" not in r]:
-            variant = copy.deepcopy(model)
-            repair(variant, [parse_unit_label(x) for x in row["sublayers"]])
-            row["zero_shot"] = zero_shot(variant)
+        best_zero_shot(setup, args, result["dense"], best)
     result["best"] = {s: best[s]["sublayers"] for s in best}
     result["seconds"] = round(time.perf_counter() - start)
     return result
 
 
-def retention(scores: dict[str, float], dense: dict[str, float]) -> float:
-    tasks = [t for t in dense if t.startswith("acc_") and t != "acc_avg"]
-    return sum(scores[t] / dense[t] for t in tasks) / len(tasks)
+def measured_sides(
+    setup: Prepared, args: Any, found: dict[str, Any], cost: Any, dense: dict[str, float]
+) -> dict[str, list[dict[str, Any]]]:
+    """The `--repair` best blocks and pairs `found` holds, each repaired and measured (on
+    zero-shot too where `--only` named them), with its selection loss."""
+    each = bool(args.only and args.zero_shot_limit)
+    sides: dict[str, list[dict[str, Any]]] = {}
+    for side in ("blocks", "pairs"):
+        todo = found[side][: args.repair]
+        sides[side] = [measured(setup, args, u, cost, each) for u in todo]
+        for u, row in zip(todo, sides[side], strict=True):
+            row["loss"] = found["loss"].get(u)
+            print(f"  {row['sublayers']}: {worst(row, dense):.4f}x", flush=True)
+    return sides
+
+
+def best_zero_shot(
+    setup: Prepared, args: Any, dense: dict[str, Any], best: dict[str, dict[str, Any]]
+) -> None:
+    """Dense's zero-shot, and each side's best's where it was not measured with it."""
+    from lorp.models.sublayers import parse_unit_label
+
+    dense["zero_shot"] = setup.zero_shot(setup.model, args.zero_shot, args.zero_shot_limit)
+    for row in [r for r in best.values() if "zero_shot" not in r]:
+        variant = copy.deepcopy(setup.model)
+        units = [parse_unit_label(x) for x in row["sublayers"]]
+        setup.repair(variant, units, distill_epochs=args.distill_epochs)
+        row["zero_shot"] = setup.zero_shot(variant, args.zero_shot, args.zero_shot_limit)
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -193,7 +187,7 @@ def summary(result: dict[str, Any]) -> str:
             continue
         row = next(r for r in result[side] if r["sublayers"] == result["best"][side])
         zs = row.get("zero_shot")
-        z = f", {100 * retention(zs, dense['zero_shot']):.1f}% zero-shot" if zs else ""
+        z = f", {100 * mean_zero_shot(zs, dense['zero_shot']):.1f}% zero-shot" if zs else ""
         dec = row["decode_bytes_4k"] / dense["decode_bytes_4k"]
         out.append(
             f"{result['model']} best of {side}: {', '.join(row['sublayers'])}: "
@@ -217,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-shot-limit", type=int, default=500, help="0: no zero-shot")
     p.add_argument("--distill-epochs", type=int, default=0, help="repair: then distilled")
     p.add_argument(
-        "--only", nargs="*", metavar="UNITS",
+        "--only",
+        nargs="*",
+        metavar="UNITS",
         help='measure these unit sets instead of searching ("attn.11,mlp.11 mlp.10,attn.11")',
-    )  # fmt: skip
+    )
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "sublayer-pairs")
     args = p.parse_args(argv)
     for name in ("top", "repair", "max_windows"):
