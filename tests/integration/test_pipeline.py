@@ -26,6 +26,7 @@ from pipeline.spec.parse import parse_spec
 from pipeline.stages.calibration import read_shard, write_shards
 from pipeline.stages.capture import distributed_capture, start_capture_workers
 from pipeline.stages.statistics import load_shards
+from tests.helpers.cli_runner import lorp
 from tests.helpers.job_specs import tiny_job, write_job
 from tests.helpers.progress_lines import progress_lines
 from tests.helpers.tiny_models import save_tiny_ptb
@@ -172,11 +173,13 @@ def test_grid_captures_once_records_everything_resumes_and_shares_S(
     assert (renamed.captured, renamed.cached) == (0, 1)
 
 
-def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -> None:
+def test_lorp_run_talks_records_reevaluates_and_merges(ray_cluster, models, tmp_path: Path) -> None:
     """The product command in its own process (embedded Ray): a line per point while
     `lorp status` follows the run; dense and pruned variants evaluated, timed and
     recorded alike in the catalog and MLflow; a changed evaluation setting re-evaluates
-    every point from the cached S; `lorp catalog merge` unions catalogs by grid key."""
+    every point from the cached S; `lorp catalog merge` unions catalogs by grid key. The
+    later commands run in this process (`lorp.cli:main`, on the module's Ray): their own
+    process would add nothing the first run has not shown."""
     from pipeline.events.status import run_status
 
     ev = {"perplexity": ["ptb"], "seq_len": 48, "max_windows": 2, "speed": True}
@@ -214,7 +217,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert all("ppl_ptb" in ln and "left, ETA" in ln for ln in lines)
     assert "[3/3]" in lines[-1] and "0 left" in lines[-1]
 
-    status = subprocess.run([LORP, "status", str(run_dir)], capture_output=True, text=True)
+    status = lorp("status", str(run_dir))
     assert status.returncode == 0, status.stderr
     assert "finished" in status.stdout and "3 done, 0 failed, 0 left of 3" in status.stdout
 
@@ -234,11 +237,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert all(r["speed_runs"] >= 6 and r["speedup_low"] <= r["speedup_high"] for r in rows)
 
     # --force-speed: the points stay, their speed is timed again into the same rows/runs
-    timed = subprocess.run(
-        [LORP, "run", "-q", "--force-speed", str(write_job(tmp_path, spec))],
-        capture_output=True,
-        text=True,
-    )
+    timed = lorp("run", "-q", "--force-speed", str(write_job(tmp_path, spec)))
     assert timed.returncode == 0, timed.stderr[-3000:]
     assert "0 done, 3 already done" in timed.stdout, timed.stdout
     retimed = {r["grid_key"]: r for r in read_catalog(run_dir / "catalog")}
@@ -256,9 +255,7 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     write_catalog(tmp_path / "before.parquet", read_catalog(run_dir / "catalog"))
 
     spec["evaluation"] = ev | {"max_windows": 3, "speed": False}
-    again = subprocess.run(
-        [LORP, "run", "-q", str(write_job(tmp_path, spec))], capture_output=True, text=True
-    )
+    again = lorp("run", "-q", str(write_job(tmp_path, spec)))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "3 done, 0 already done" in again.stdout and "from cache 1" in again.stdout
     assert not re.search(r"\[\d/3\]", again.stderr)  # --quiet
@@ -273,20 +270,14 @@ def test_lorp_run_talks_records_reevaluates_and_merges(models, tmp_path: Path) -
     assert {r.info.run_id for r in runs} == {r["mlflow_run_id"] for r in after.values()}
 
     merged = tmp_path / "org.parquet"
-    out = subprocess.run(
-        [
-            LORP,
-            "catalog",
-            "merge",
-            str(tmp_path / "before.parquet"),
-            str(run_dir / "catalog"),
-            str(run_dir / "catalog"),
-            "--out",
-            str(merged),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = lorp(
+        "catalog",
+        "merge",
+        str(tmp_path / "before.parquet"),
+        str(run_dir / "catalog"),
+        str(run_dir / "catalog"),
+        "--out",
+        str(merged),
     )
     assert out.returncode == 0, out.stderr
     keys = [r["grid_key"] for r in read_catalog(merged)]
