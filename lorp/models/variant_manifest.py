@@ -147,14 +147,15 @@ def _changed_tensors(
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from lorp.models.architectures import architecture_for
+    from lorp.models.architectures import tied_embeddings
+    from lorp.models.disk_names import model_of
     from lorp.models.safetensors_index import tensor_index
 
-    text = AutoConfig.from_pretrained(str(base_dir)).get_text_config()
+    model = model_of(AutoConfig.from_pretrained(str(base_dir)))
     index = tensor_index(base_dir)
-    tied = bool(text.tie_word_embeddings) and "lm_head.weight" not in index
+    tied = tied_embeddings(model) and "lm_head.weight" not in index
     out = {}
-    for key, fn in changes(index, architecture_for(text.model_type), tied).items():
+    for key, fn in changes(index, model, tied).items():
         with safe_open(str(index[key].file), framework="pt") as f:
             t = f.get_tensor(key)
         if t.is_floating_point():
