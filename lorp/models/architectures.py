@@ -243,6 +243,8 @@ def architecture_for(config: Any) -> Architecture:
     if key is not None and key in _FOR_CONFIG:
         return _FOR_CONFIG[key]
     model_type = str(getattr(text_config(config), "model_type", "<none>"))
+    if getattr(config, "is_encoder_decoder", False):  # its causal LM keeps the decoder only
+        raise UnsupportedArchitectureError(model_type, "it is an encoder-decoder model")
     try:
         arch = read_architecture(skeleton(config, model_class(config)))
     except UnsupportedArchitectureError:

@@ -103,6 +103,9 @@ class BlockLayout:
     """Token and channel mixing read the same normed input: no state lies between."""
     additive: bool = True
     """The block's output is its input plus its branches' (scaled) outputs."""
+    unread: tuple[str, ...] = ()
+    """Children with weights that are neither a norm nor a branch lorp reads (BART's
+    inline `fc1`, `fc2`): what the block adds is not known, so it is not repaired."""
 
     @property
     def token_mixers(self) -> tuple[Branch, ...]:
@@ -132,11 +135,19 @@ class BlockLayout:
             return "+".join(dict.fromkeys(self.kinds)) or "empty"
         return f"{tokens}+moe" if moe else tokens
 
+    def unreadable(self) -> str | None:
+        """Why what the block adds is not known (one line), or None."""
+        if not self.additive:
+            return "its output is not its input plus its branches' outputs"
+        if self.unread:
+            return f"it holds weights lorp cannot read as a branch ({', '.join(self.unread)})"
+        return None
+
     def splittable(self) -> str | None:
         """Why the block cannot be split into its token and its channel mixing (one line),
         or None: it can (one branch each, run one after the other, adding to the stream)."""
-        if not self.additive:
-            return "its output is not its input plus its branches' outputs"
+        if self.unreadable():
+            return self.unreadable()
         if len(self.token_mixers) != 1 or len(self.channel_mixers) != 1:
             what = "+".join(self.kinds) or "nothing"
             return f"its block is {what}, not one token mixer then one channel mixer"
@@ -217,7 +228,7 @@ def post_norms(block: nn.Module) -> dict[str, str]:
 def read_block(block: nn.Module, model_type: str = "") -> BlockLayout:
     """The layout of one block (module docstring)."""
     norms = post_norms(block)
-    branches = []
+    branches, unread = [], []
     for name, child in block.named_children():
         if isinstance(child, Removed):  # a removed sub-layer keeps its place and its kind
             group = "token" if child.kind in TOKEN_KINDS else "channel"
@@ -229,6 +240,7 @@ def read_block(block: nn.Module, model_type: str = "") -> BlockLayout:
             continue
         kind = branch_kind(child, name)
         if kind is None:
+            unread.append(name)
             continue
         group = "token" if kind in TOKEN_KINDS else "channel"
         branches.append(
@@ -239,7 +251,7 @@ def read_block(block: nn.Module, model_type: str = "") -> BlockLayout:
     pre_norms = [n for n in pre_norms if n not in post]
     tokens = [b for b in branches if b.mixes_tokens]
     parallel = bool(tokens) and len(tokens) < len(branches) and len(pre_norms) == 1
-    return BlockLayout(tuple(branches), parallel, model_type not in NOT_ADDITIVE)
+    return BlockLayout(tuple(branches), parallel, model_type not in NOT_ADDITIVE, tuple(unread))
 
 
 def _scale(block: nn.Module, kind: str) -> str | None:

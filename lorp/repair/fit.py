@@ -70,7 +70,9 @@ def check_repairable(model: nn.Module, layers: Sequence[int]) -> list[Run]:
 def check_stage(model: nn.Module, k: int) -> None:
     """RepairRefused unless a map on block k's last stage folds exactly
     (`lorp.models.blocks.Stage`)."""
-    refused = architecture_of(model).repair_refusal or block_stage(model, k).refusal()
+    arch = architecture_of(model)
+    layout = arch.layout(decoder_blocks(model)[k])
+    refused = arch.repair_refusal or layout.unreadable() or block_stage(model, k).refusal()
     if refused is not None:
         raise RepairRefused(f"block {k}: {refused}")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from lorp import Selection
 from lorp.locality.similarity_stats import FORMAT_VERSION
+from lorp.models.disk_names import DiskLayout
 from lorp.models.loading import Kind, hub_revision
 from lorp.models.memory import Decision
 from lorp.repair.maps import MAX_ROUNDS
@@ -65,6 +66,13 @@ class ModelPlan:
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     """What the model is calibrated on: the job's calibration, with the model's own text
     where it names one (`JobSpec.calibration_for`)."""
+    block_prefix: str = "model.layers."
+    """Where its checkpoint's files keep its text blocks (`lorp.models.disk_names`)."""
+    streaming_refusal: str | None = None
+    """Why it cannot be streamed (a mixture of experts), or None."""
+
+    def disk_layout(self) -> DiskLayout:
+        return DiskLayout(self.block_prefix, self.n_blocks)
 
     def budgets_for(self, granularity: str) -> tuple[int, ...]:
         """The budgets of `granularity`: block counts, or its unit counts."""

@@ -7,6 +7,7 @@ created. Pure: no Ray, no MLflow.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         mref = parse_model_ref(m.ref)
         path = materialize(mref, allow_pickle=m.allow_pickle)
         config = read_config(path)
-        family = architecture_for(str(config.get("model_type"))).family
+        read = read_model(path, m)
         fingerprint = fingerprint_checkpoint(path)
     except ValueError as exc:
         raise SpecError(f"models[{i}].ref: {exc}") from None
@@ -76,14 +77,14 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         except ValueError as exc:
             raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
     resolved = tuple(sorted(set(budgets)))
-    tied = _tied_embeddings(path, m) if "linear" in spec.repair else False
+    tied = read.tied if "linear" in spec.repair else False
     units = _unit_budgets(spec.budgets, spec.granularity, m, n)
     return ModelPlan(
         m,
         path,
         fingerprint,
         n,
-        family,
+        read.family,
         resolved,
         mref.ref,
         mref.kind,
@@ -91,6 +92,8 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         unit_budgets=units,
         not_servable=_not_servable(config) if spec.sublayers else None,
         calibration=spec.calibration_for(m),
+        block_prefix=read.block_prefix,
+        streaming_refusal=read.streaming_refusal,
     )
 
 
@@ -124,12 +127,33 @@ def _unit_budgets(
     return tuple(out)
 
 
-def _tied_embeddings(path: Path, m: ModelSpec) -> bool:
-    """From the model's config class (config.json may leave it to the class default)."""
-    from transformers import AutoConfig
+@dataclass(frozen=True)
+class ModelRead:
+    """What planning reads of a checkpoint's model, built on the meta device from its
+    config (`lorp.models.architectures.architecture_for`): no weight is read."""
 
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=m.trust_remote_code)
-    return bool(getattr(config, "tie_word_embeddings", False))
+    family: str
+    tied: bool
+    """Its LM head is its input embeddings (a repair run from block 0 cannot fold)."""
+    block_prefix: str
+    """Where its files keep its text blocks (`lorp.models.disk_names`)."""
+    streaming_refusal: str | None
+    """Why it cannot be streamed, or None."""
+
+
+def read_model(path: Path, m: ModelSpec) -> ModelRead:
+    """The model of checkpoint `path` read from its config; ValueError (one line) where
+    lorp cannot prune its family, naming what is missing."""
+    from lorp.models.architectures import tied_embeddings
+    from lorp.models.disk_names import disk_layout, model_of
+    from lorp.models.loading import load_config
+    from lorp.models.streaming import streaming_refusal
+
+    config = load_config(path, m.trust_remote_code)
+    family = architecture_for(config).family
+    model = model_of(config)
+    prefix = disk_layout(model).block_prefix
+    return ModelRead(family, tied_embeddings(model), prefix, streaming_refusal(config))
 
 
 def _check_context(

@@ -119,7 +119,7 @@ def _sublayer_line(plan: ModelPlan) -> str:
 
 
 def _describe(outline: ModelOutline, plan: ModelPlan) -> None:
-    size = weight_size(tensor_index(plan.path), parse_dtype(plan.spec.dtype))
+    size = weight_size(tensor_index(plan.path), parse_dtype(plan.spec.dtype), plan.disk_layout())
     outline.family, outline.n_blocks = plan.family, plan.n_blocks
     outline.weights_gib = round(size.total / 2**30, 3)
     outline.dtype = plan.spec.dtype
