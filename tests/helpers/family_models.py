@@ -201,3 +201,15 @@ def _scale(module: torch.nn.Module, scale: float) -> None:
         for name, p in module.named_parameters():
             if p.ndim >= 2 and "embed" not in name:
                 p.mul_(scale)
+
+
+def save_family_ptb(model_type: str, path: Any, seed: int = 0, **overrides: Any) -> Any:
+    """A tiny `model_type` model whose vocabulary is PTB's, with its tokenizer: a real
+    checkpoint directory a whole job (calibration, capture, evaluation) can run on."""
+    from tests.helpers.tiny_models import ptb_tokenizer
+
+    tokenizer = ptb_tokenizer()
+    model = family_model(model_type, seed, vocab_size=len(tokenizer), **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
