@@ -118,7 +118,10 @@ def read_config(path: Path) -> dict[str, Any]:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {str(path / 'config.json')!r}: {exc}") from None
-    return config.get("text_config") or config
+    text = config.get("text_config") or config
+    if "num_hidden_layers" not in text:  # a property its class derives (Nemotron-H's)
+        text["num_hidden_layers"] = int(text_config(load_config(path)).num_hidden_layers)
+    return text
 
 
 def load_config(path: Path, trust_remote_code: bool = False) -> Any:

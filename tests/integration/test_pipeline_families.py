@@ -54,6 +54,12 @@ def test_every_model_is_pruned_repaired_and_recorded(job: dict[str, Any]) -> Non
         assert set(mine) == {"dense", "shortgpt", "shortgpt+linear"}
         repaired = mine["shortgpt+linear"]
         assert repaired["pruned_layers"] == mine["shortgpt"]["pruned_layers"]
+        kinds = ["attention+moe" for _ in repaired["pruned_layers"]]
+        assert repaired["removed_kinds"] == kinds and mine["dense"]["removed_kinds"] is None
+        assert {r["experts"] for r in mine.values()} == {4}
+        # a token runs through 2 of the 4 experts of each MoE layer: less than every weight
+        assert mine["dense"]["active_params"] < mine["dense"]["params"]
+        assert repaired["active_params"] < mine["dense"]["active_params"]
         assert repaired["repair_kept"].startswith("1/1 runs") or repaired["repair_gate"]
         assert all(r["model_uri"] for r in mine.values())
 
