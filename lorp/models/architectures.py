@@ -211,10 +211,15 @@ def tied_embeddings(model: nn.Module) -> bool:
 
 
 def skeleton(config: Any, model_class: type | None = None) -> nn.Module:
-    """`config`'s model on the meta device: its modules, no weights."""
+    """`config`'s model on the meta device: its modules, no weights (nor the init
+    functions' calls on them, which would take most of the time)."""
+    from transformers.initialization import no_init_weights
+
     build = model_class._from_config if model_class is not None else _causal_lm  # type: ignore[attr-defined]
-    with torch.device("meta"):
-        return build(copy.deepcopy(config))
+    with torch.device("meta"), no_init_weights():
+        model = build(copy.deepcopy(config))
+    model.tie_weights()  # init_weights ties them, and no_init_weights skips it
+    return model
 
 
 def _causal_lm(config: Any) -> nn.Module:

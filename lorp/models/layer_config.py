@@ -30,11 +30,15 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 INDEX_LISTS = ("mlp_only_layers", "moe_layers", "attn_layer_indices", "full_attn_idxs")
-BOTTOM_COUNTS = ("first_k_dense_replace", "max_window_layers", "moe_layer_start_index")
+BOTTOM_COUNTS = (
+    "first_k_dense_replace",
+    "max_window_layers",
+    "moe_layer_start_index",
+    "num_dense_layers",
+)
 BOTTOM_INDICES = ("moe_layer_end_index",)
 SPARSE_STEPS = {"decoder_sparse_step": "mlp_only_layers"}
 """A step field -> the index list that states the same layers explicitly."""
@@ -137,13 +141,20 @@ def rewritten(config: Any, kept: Sequence[int], n: int) -> Any:
     return out
 
 
-def check_cut(config: Any, kept: Sequence[int], model_class: type | None = None) -> Any:
+def check_cut(
+    config: Any,
+    kept: Sequence[int],
+    model_class: type | None = None,
+    before: Sequence[nn.Module] | None = None,
+) -> Any:
     """The rewritten config, once its model's blocks are the kept ones (module
     docstring); `CutRefused` otherwise. `model_class`: the class the checkpoint loads as
-    (default: the causal LM transformers maps the config to)."""
+    (default: the causal LM transformers maps the config to); `before`: `config`'s
+    `skeleton_blocks`, where the caller checks many cuts of one config."""
     n = int(text_config(config).num_hidden_layers)
     new = rewritten(config, kept, n)
-    before, after = skeleton_blocks(config, model_class), skeleton_blocks(new, model_class)
+    before = before if before is not None else skeleton_blocks(config, model_class)
+    after = skeleton_blocks(new, model_class)
     for position, i in enumerate(kept):
         a, b = block_signature(before[i]), block_signature(after[position])
         if a != b:
@@ -153,17 +164,9 @@ def check_cut(config: Any, kept: Sequence[int], model_class: type | None = None)
 
 def skeleton_blocks(config: Any, model_class: type | None = None) -> nn.ModuleList:
     """The decoder blocks of `config`'s model, built on the meta device (no weights)."""
-    from lorp.models.architectures import decoder_blocks
+    from lorp.models.architectures import decoder_blocks, skeleton
 
-    if model_class is None:
-        from transformers import AutoModelForCausalLM
-
-        build = AutoModelForCausalLM.from_config
-    else:
-        build = model_class._from_config  # type: ignore[attr-defined]
-    with torch.device("meta"):
-        model = build(copy.deepcopy(config))
-    return decoder_blocks(model)
+    return decoder_blocks(skeleton(config, model_class))
 
 
 SETTINGS = (bool, int, float, str)

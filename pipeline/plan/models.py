@@ -14,7 +14,7 @@ from typing import Any
 from lorp.methods import resolve_budget, validate_options
 from lorp.models.architectures import architecture_for
 from lorp.models.loading import materialize, parse_model_ref, read_config
-from pipeline.plan.grid import ModelPlan
+from pipeline.plan.grid import FamilyLimits, ModelPlan
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
@@ -94,6 +94,7 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         calibration=spec.calibration_for(m),
         block_prefix=read.block_prefix,
         streaming_refusal=read.streaming_refusal,
+        limits=read.limits,
     )
 
 
@@ -139,6 +140,7 @@ class ModelRead:
     """Where its files keep its text blocks (`lorp.models.disk_names`)."""
     streaming_refusal: str | None
     """Why it cannot be streamed, or None."""
+    limits: FamilyLimits = FamilyLimits()
 
 
 def read_model(path: Path, m: ModelSpec) -> ModelRead:
@@ -153,7 +155,19 @@ def read_model(path: Path, m: ModelSpec) -> ModelRead:
     family = architecture_for(config).family
     model = model_of(config)
     prefix = disk_layout(model).block_prefix
-    return ModelRead(family, tied_embeddings(model), prefix, streaming_refusal(config))
+    limits = family_limits(config, model)
+    return ModelRead(family, tied_embeddings(model), prefix, streaming_refusal(config), limits)
+
+
+def family_limits(config: Any, model: Any) -> FamilyLimits:
+    """What the family of `config` (whose model on the meta device is `model`) cannot
+    take (`lorp.models.coverage`): one more model built on the meta device, for the cut."""
+    from lorp.models.architectures import decoder_blocks
+    from lorp.models.coverage import cut_refusals, repair_refusal, split_refusal
+
+    blocks = decoder_blocks(model)
+    cut = cut_refusals(config, blocks, [1]).get(1) if len(blocks) > 2 else None
+    return FamilyLimits(cut, repair_refusal(model), split_refusal(model))
 
 
 def _check_context(

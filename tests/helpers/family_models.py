@@ -6,6 +6,7 @@ blocks mixed, Mamba and attention blocks mixed)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -157,12 +158,15 @@ HYBRIDS: dict[str, dict[str, Any]] = {
     },
 }
 FAMILIES = DENSE | MIXTURES | HYBRIDS
-"""Every decoder family the fleet tests build, by `model_type`."""
+"""Every decoder family the fleet tests prune end to end, by `model_type`."""
+REFUSED: dict[str, dict[str, Any]] = {"minimax": MOE | {"num_local_experts": 4}}
+"""Families lorp refuses in part, which tests build to see the refusals."""
+CONFIGS = FAMILIES | REFUSED
 
 
 def family_config(model_type: str, **overrides: Any):  # type: ignore[no-untyped-def]
     """A tiny config of `model_type` from its transformers config class."""
-    return AutoConfig.for_model(model_type, **(BASE | FAMILIES[model_type] | overrides))
+    return AutoConfig.for_model(model_type, **(BASE | CONFIGS[model_type] | overrides))
 
 
 def family_model(model_type: str, seed: int = 0, scale: float = 4.0, **overrides: Any):  # type: ignore[no-untyped-def]
@@ -175,24 +179,57 @@ def family_model(model_type: str, seed: int = 0, scale: float = 4.0, **overrides
     return model.eval()
 
 
-def multimodal_gemma3(seed: int = 0, scale: float = 4.0):  # type: ignore[no-untyped-def]
-    """A tiny Gemma 3 with its vision tower (`Gemma3ForConditionalGeneration`)."""
-    config = AutoConfig.for_model(
-        "gemma3",
-        text_config=BASE | {"sliding_window": 16, "sliding_window_pattern": 2},
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 28,
-            "patch_size": 14,
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+PATCHES = {"num_hidden_layers": 1, "image_size": 28, "patch_size": 14}
+MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
+QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+MULTIMODAL: dict[str, dict[str, Any]] = {
+    "gemma3": {
+        "text_config": BASE | {"sliding_window": 16, "sliding_window_pattern": 2},
+        "vision_config": VISION | PATCHES,
+        "mm_tokens_per_image": 4,
+    },
+    "mistral3": {"text_config": BASE, "vision_config": VISION | PATCHES | {"head_dim": 16}},
+    "llama4": {
+        "text_config": BASE
+        | {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 128,
+            "interleave_moe_layer_step": 2,
         },
-        mm_tokens_per_image=4,
-    )
+        "vision_config": VISION
+        | PATCHES
+        | {"vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
+    },
+    "qwen2_5_vl": {
+        "text_config": BASE | MROPE,
+        "vision_config": QWEN_VISION | {"out_hidden_size": 64, "fullatt_block_indexes": [0]},
+    },
+    "qwen3_vl": {
+        "text_config": BASE | MROPE,
+        "vision_config": QWEN_VISION
+        | {"out_hidden_size": 64, "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
+    },
+}
+"""Multimodal wrappers whose text tower is pruned: a tiny vision tower (one layer) beside
+a 4-block decoder (Llama 4's text tower: experts every 2nd block)."""
+
+
+def multimodal_config(model_type: str):  # type: ignore[no-untyped-def]
+    """A tiny config of the multimodal wrapper `model_type` (`MULTIMODAL`)."""
+    fields = copy.deepcopy(MULTIMODAL[model_type])  # transformers writes into sub-config dicts
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def multimodal_model(model_type: str, seed: int = 0, scale: float = 4.0):  # type: ignore[no-untyped-def]
+    """A tiny `model_type` with its vision tower (`AutoModelForImageTextToText`), its text
+    tower's matrices scaled as `family_model`'s are."""
+    from lorp.models.architectures import decoder_stack
+
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    _scale(model.model.language_model, scale)
+    model = AutoModelForImageTextToText.from_config(multimodal_config(model_type))
+    _scale(decoder_stack(model), scale)
     return model.eval()
 
 

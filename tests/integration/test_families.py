@@ -19,7 +19,14 @@ from lorp.models.layer_config import CutRefused
 from lorp.models.loading import load_model
 from lorp.models.surgery import drop_layers, save_pruned
 from lorp.repair.prune_and_repair import prune_and_repair
-from tests.helpers.family_models import DENSE, HYBRIDS, MIXTURES, family_model
+from tests.helpers.family_models import (
+    DENSE,
+    HYBRIDS,
+    MIXTURES,
+    MULTIMODAL,
+    family_model,
+    multimodal_model,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -80,27 +87,28 @@ def test_a_cut_a_family_cannot_state_is_refused_in_one_line_before_anything_chan
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_a_multimodal_gemma3_loses_text_blocks_and_keeps_its_vision_tower(
-    tmp_path: Path,
+@pytest.mark.parametrize("model_type", list(MULTIMODAL))
+def test_a_multimodal_model_loses_text_blocks_and_keeps_its_vision_tower(
+    model_type: str, tmp_path: Path
 ) -> None:
-    """The text tower is pruned and repaired; the checkpoint reloads as
-    Gemma3ForConditionalGeneration, its vision tower and projector byte-identical."""
-    from transformers import Gemma3ForConditionalGeneration
-
-    from tests.helpers.family_models import multimodal_gemma3
-
-    multimodal_gemma3().save_pretrained(tmp_path / "dense")
+    """The text tower is pruned and repaired; the checkpoint reloads as the same class
+    (`Gemma3ForConditionalGeneration`, ...), everything but its text tower byte-identical."""
+    model = multimodal_model(model_type)
+    cls = type(model)
+    model.save_pretrained(tmp_path / "dense")
     lm = load_model(str(tmp_path / "dense"), with_tokenizer=False)
-    assert type(lm.model) is Gemma3ForConditionalGeneration and lm.n_blocks == 4
-    vision = {k: v.clone() for k, v in lm.model.state_dict().items() if "language_model" not in k}
+    assert type(lm.model) is cls and lm.n_blocks == 4
+    tower = "language_model.model." if model_type == "llama4" else "language_model."
+    others = {k: v.clone() for k, v in lm.model.state_dict().items() if tower not in k}
     x = windows()
     stats = capture_stats(lm.model, x.split(4), progress=False)
     layers = list(select_layers(stats, 1, method="shortgpt").layers)
-    prune_and_repair(lm.model, x, layers, sequential=False)
+    fits = prune_and_repair(lm.model, x, layers, sequential=False)
+    assert fits and all(f.residual < f.unrepaired for f in fits)
     save_pruned(lm.model, None, tmp_path / "pruned", {"method": "shortgpt"})
-    reloaded = Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "pruned")).eval()
-    assert reloaded.config.text_config.num_hidden_layers == 3
+    reloaded = cls.from_pretrained(str(tmp_path / "pruned")).eval()
+    assert reloaded.config.get_text_config(decoder=True).num_hidden_layers == 3
     state = reloaded.state_dict()
-    assert vision.keys() == {k for k in state if "language_model" not in k}
-    assert all(torch.equal(state[k], v) for k, v in vision.items())
+    assert others.keys() == {k for k in state if tower not in k}
+    assert all(torch.equal(state[k], v) for k, v in others.items())
     assert relative(logits(reloaded, x), logits(lm.model, x)) < 1e-5

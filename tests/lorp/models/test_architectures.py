@@ -24,7 +24,7 @@ from lorp.models.architectures import (
     tied_embeddings,
 )
 from lorp.models.surgery import drop_layers
-from tests.helpers.family_models import BASE, family_model, multimodal_gemma3
+from tests.helpers.family_models import BASE, family_model, multimodal_model
 
 
 class FleetConfig(LlamaConfig):
@@ -95,7 +95,7 @@ def test_the_stack_its_blocks_and_its_final_norm_are_read(
 
 
 def test_a_multimodal_models_decoder_is_its_text_tower() -> None:
-    model = multimodal_gemma3()
+    model = multimodal_model("gemma3")
     arch = architecture_of(model)
     assert arch.decoder_path == "model.language_model" and arch.multimodal
     assert decoder_blocks(model) is model.model.language_model.layers

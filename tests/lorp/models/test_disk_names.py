@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lorp.models.disk_names import DiskLayout, disk_layout, disk_names, model_of
 from lorp.models.safetensors_index import tensor_index
-from tests.helpers.family_models import family_config, family_model, multimodal_gemma3
+from tests.helpers.family_models import family_config, family_model, multimodal_model
 
 
 def test_a_bank_is_named_one_tensor_per_expert_as_save_pretrained_writes_it(
@@ -23,7 +23,7 @@ def test_a_bank_is_named_one_tensor_per_expert_as_save_pretrained_writes_it(
 def test_where_each_family_keeps_its_text_blocks() -> None:
     assert disk_layout(model_of(family_config("llama"))) == DiskLayout("model.layers.", 4)
     assert disk_layout(model_of(family_config("nemotron_h"))).block_prefix == "backbone.layers."
-    gemma = disk_layout(model_of(multimodal_gemma3().config))
+    gemma = disk_layout(model_of(multimodal_model("gemma3").config))
     assert gemma.block_prefix == "language_model.model.layers."
     assert gemma.split("vision_tower.encoder.layers.0.mlp.fc1.weight") is None
     assert gemma.split("language_model.model.layers.3.mlp.down_proj.weight") == (

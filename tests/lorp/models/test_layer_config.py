@@ -12,7 +12,7 @@ from lorp.models.layer_config import (
     rewrite_layers,
     text_config,
 )
-from tests.helpers.family_models import family_config, multimodal_gemma3
+from tests.helpers.family_models import family_config, multimodal_model
 
 
 def test_lists_index_lists_and_bottom_counts_are_rewritten_over_the_kept_blocks() -> None:
@@ -64,7 +64,7 @@ def test_a_cut_the_config_cannot_describe_is_refused_and_one_that_keeps_the_phas
 
 
 def test_a_multimodal_cut_rewrites_its_text_config_and_leaves_its_vision_config() -> None:
-    config = multimodal_gemma3().config
+    config = multimodal_model("gemma3").config
     new = check_cut(config, [0, 3])
     assert text_config(new).num_hidden_layers == 2 and len(text_config(new).layer_types) == 2
     assert new.vision_config.to_dict() == config.vision_config.to_dict()
