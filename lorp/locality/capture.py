@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lorp.experts.saliency import ExpertRecorder
 from lorp.locality.similarity import normalize_states, token_selection
 from lorp.locality.similarity_stats import SimilarityStats
 from lorp.models.architectures import (
@@ -134,6 +135,7 @@ def capture_stats(
     total: int | None = None,
     skip_prefix: int = 0,
     sublayers: bool = False,
+    experts: bool = False,
 ) -> SimilarityStats:
     """Run `batches` (token tensors [B, T], or dicts with input_ids and attention_mask)
     through the decoder stack of `model` and return the similarity statistics.
@@ -142,7 +144,9 @@ def capture_stats(
     normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded;
     so are the first `skip_prefix` real tokens of each sequence (1 for BOS windows,
     `lorp.data.windows.prepend_bos`), from S only. `sublayers`: the 2N + 1 sub-layer
-    boundaries instead of the N + 1 block boundaries (module docstring).
+    boundaries instead of the N + 1 block boundaries (module docstring). `experts`: the
+    routed experts' sums over the same tokens in the same pass, as `stats.experts`
+    (`lorp.experts.saliency`; ValueError for a model without experts).
     """
     blocks = decoder_blocks(model)
     n = len(blocks)
@@ -156,6 +160,7 @@ def capture_stats(
     )
     rec = _Recorder(step * n + 1, skip_prefix)
     handles = _hook_states(model, rec, sublayers)
+    recorder = ExpertRecorder(model).attach() if experts else None
     start = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -167,6 +172,8 @@ def capture_stats(
                 if attention_mask is not None:
                     attention_mask = attention_mask.to(device)
                 rec.start(input_ids, attention_mask)
+                if recorder is not None:
+                    recorder.keep = rec.keep
                 if not forward_until_stopped(model, input_ids, attention_mask):
                     raise RuntimeError("the last block never ran: cannot capture its output")
                 stats.add_normalized(rec.buf, last=rec.last_buf)
@@ -174,6 +181,9 @@ def capture_stats(
     finally:
         for handle in handles:
             handle.remove()
+        if recorder is not None:
+            recorder.detach()
+    stats.experts = recorder.stats if recorder is not None else None
     log.info(
         "captured %d tokens over %d blocks in %.1f s", stats.tokens, n, time.perf_counter() - start
     )
