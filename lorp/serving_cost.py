@@ -61,19 +61,25 @@ def prefill_flops_per_token(
 
 
 def kv_bytes_per_token(shape: ModelShape, kept: Sequence[int], dtype_bytes: int) -> int:
-    """K and V of one token in every block of `kept` (the blocks that keep attention)."""
-    return len(kept) * 2 * shape.kv_heads * shape.head_dim * dtype_bytes
+    """K and V of one token in every block of `kept` that attends (the blocks that keep
+    attention; a hybrid's Mamba, linear-attention and convolution blocks keep none)."""
+    attending = sum(1 for b in kept if shape.has_kv(b))
+    return attending * 2 * shape.kv_heads * shape.head_dim * dtype_bytes
 
 
 def decode_bytes_per_token(
     shape: ModelShape, kept: Sequence[int], params: int, dtype_bytes: int, context: int
 ) -> int:
-    """Weights read once (an untied embedding table: one row) and the KV cache of the
-    keys each kept block attends to at `context`: the whole context, or its window."""
+    """Weights read once (an untied embedding table: one row; a mixture of experts: the
+    experts a token runs through), the KV cache of the keys each kept block attends to
+    at `context` (the whole context, or its window), and the recurrent state each kept
+    Mamba, linear-attention or convolution block reads and writes."""
     unread = 0 if shape.tied else (shape.vocab - 1) * shape.hidden
-    weights = (params - unread) * dtype_bytes
-    keys = sum(min(context, shape.windows[b] or context) for b in kept)
-    return weights + keys * kv_bytes_per_token(shape, [0], dtype_bytes)
+    weights = (params - unread - shape.idle_expert_params(kept)) * dtype_bytes
+    keys = sum(min(context, shape.windows[b] or context) for b in kept if shape.has_kv(b))
+    per_key = 2 * shape.kv_heads * shape.head_dim * dtype_bytes
+    state = sum(shape.state[b] for b in kept) * dtype_bytes if shape.state else 0
+    return weights + keys * per_key + 2 * state
 
 
 def cost_columns(

@@ -29,16 +29,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lorp.experts.saliency import ExpertRecorder
 from lorp.locality.similarity import normalize_states, token_selection
 from lorp.locality.similarity_stats import SimilarityStats
 from lorp.models.architectures import (
     StopForward,
-    architecture_of,
     decoder_blocks,
     forward_until_stopped,
 )
 from lorp.models.streaming import device_of
-from lorp.models.sublayers import attention_site
+from lorp.models.sublayers import check_splittable, unit_sites
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,11 @@ class _Recorder:
         self.last_buf[index] = last
 
 
-def _hook_states(
-    blocks: nn.ModuleList, rec: _Recorder, sublayers: bool, post_attn: str | None
-) -> list[Any]:
+def _hook_states(model: nn.Module, rec: _Recorder, sublayers: bool) -> list[Any]:
     """Hooks storing every state `rec` records: each block's input (state i, or 2i with
-    `sublayers`, which adds its input plus what its attention site adds as 2i + 1) and
+    `sublayers`, which adds its input plus what its token mixing adds as 2i + 1) and
     the last block's output, which stops the forward."""
+    blocks = decoder_blocks(model)
     n, step = len(blocks), 2 if sublayers else 1
     block_input: list[torch.Tensor] = []  # sublayers: the current block's input
 
@@ -100,10 +99,10 @@ def _hook_states(
 
         return hook
 
-    def attention_hook(index: int):  # type: ignore[no-untyped-def]
+    def attention_hook(index: int, scale: float):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             added = output[0] if isinstance(output, tuple | list) else output
-            rec.store(2 * index + 1, block_input[0] + added)
+            rec.store(2 * index + 1, block_input[0] + scale * added.view_as(block_input[0]))
 
         return hook
 
@@ -117,10 +116,10 @@ def _hook_states(
         for i, block in enumerate(blocks)
     ]
     if sublayers:
-        handles += [
-            attention_site(block, post_attn).register_forward_hook(attention_hook(i))
-            for i, block in enumerate(blocks)
-        ]
+        check_splittable(model)  # one token mixer, then one channel mixer, per block
+        for i in range(n):
+            ((site, scale),) = unit_sites(model, 2 * i, blocks)
+            handles.append(site.register_forward_hook(attention_hook(i, scale)))
     handles.append(blocks[n - 1].register_forward_hook(last_hook, with_kwargs=True))
     return handles
 
@@ -136,6 +135,7 @@ def capture_stats(
     total: int | None = None,
     skip_prefix: int = 0,
     sublayers: bool = False,
+    experts: bool = False,
 ) -> SimilarityStats:
     """Run `batches` (token tensors [B, T], or dicts with input_ids and attention_mask)
     through the decoder stack of `model` and return the similarity statistics.
@@ -144,7 +144,9 @@ def capture_stats(
     normalisation is always float32 or wider. Padding (attention_mask == 0) is excluded;
     so are the first `skip_prefix` real tokens of each sequence (1 for BOS windows,
     `lorp.data.windows.prepend_bos`), from S only. `sublayers`: the 2N + 1 sub-layer
-    boundaries instead of the N + 1 block boundaries (module docstring).
+    boundaries instead of the N + 1 block boundaries (module docstring). `experts`: the
+    routed experts' sums over the same tokens in the same pass, as `stats.experts`
+    (`lorp.experts.saliency`; ValueError for a model without experts).
     """
     blocks = decoder_blocks(model)
     n = len(blocks)
@@ -157,8 +159,8 @@ def capture_stats(
         extra={**(extra or {}), **({"sublayers": True} if sublayers else {})},
     )
     rec = _Recorder(step * n + 1, skip_prefix)
-    post_attn = architecture_of(model).post_attn_norm if sublayers else None
-    handles = _hook_states(blocks, rec, sublayers, post_attn)
+    handles = _hook_states(model, rec, sublayers)
+    recorder = ExpertRecorder(model).attach() if experts else None
     start = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -170,6 +172,8 @@ def capture_stats(
                 if attention_mask is not None:
                     attention_mask = attention_mask.to(device)
                 rec.start(input_ids, attention_mask)
+                if recorder is not None:
+                    recorder.keep = rec.keep
                 if not forward_until_stopped(model, input_ids, attention_mask):
                     raise RuntimeError("the last block never ran: cannot capture its output")
                 stats.add_normalized(rec.buf, last=rec.last_buf)
@@ -177,6 +181,9 @@ def capture_stats(
     finally:
         for handle in handles:
             handle.remove()
+        if recorder is not None:
+            recorder.detach()
+    stats.experts = recorder.stats if recorder is not None else None
     log.info(
         "captured %d tokens over %d blocks in %.1f s", stats.tokens, n, time.perf_counter() - start
     )

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lorp.atomic import atomic_file
+from lorp.experts.stats import ExpertStats
 from lorp.locality.similarity import (
     LayerSimilarity,
     NonFiniteActivationError,
@@ -59,6 +60,9 @@ class SimilarityStats:
         self._sum: torch.Tensor = torch.zeros(L, L, dtype=torch.float64)
         self._last_sum: torch.Tensor = torch.zeros(L, L, dtype=torch.float64)
         self._last_angle: torch.Tensor = torch.zeros(L, L, dtype=torch.float64)
+        self.experts: ExpertStats | None = None
+        """The routed experts' sums over the same tokens, where the capture took them
+        (`lorp.experts.saliency`)."""
 
     @property
     def n_states(self) -> int:
@@ -154,6 +158,10 @@ class SimilarityStats:
         out._last_angle = self._last_angle.cpu() + other._last_angle.cpu()
         out.tokens = self.tokens + other.tokens
         out.sequences = self.sequences + other.sequences
+        if (self.experts is None) != (other.experts is None):
+            raise ValueError("cannot merge stats with and without expert statistics")
+        if self.experts is not None and other.experts is not None:
+            out.experts = self.experts.merge(other.experts)
         return out
 
     def _lacks_last_token(self) -> bool:
@@ -281,6 +289,7 @@ class SimilarityStats:
                 last_angular=self.last_angular_sum,
                 sequences=np.int64(self.sequences),
                 metadata=np.array(json.dumps(self.metadata(), sort_keys=True)),
+                **(self.experts.arrays() if self.experts is not None else {}),
             )
         return path
 
@@ -307,6 +316,7 @@ class SimilarityStats:
             for k in ("gram", "last_gram", "last_angular")
         )
         out.tokens, out.sequences = int(arrays["tokens"]), int(arrays["sequences"])
+        out.experts = ExpertStats.from_arrays(arrays)
         return out
 
     # Ray and multiprocessing ship stats between processes: always as host memory.
@@ -336,6 +346,7 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             if version != FORMAT_VERSION:
                 raise _VersionError(version)
             arrays = {key: z[key] for key in _NPZ_KEYS}
+            arrays |= {key: z[key] for key in z.files if key.startswith("experts_")}
     except _VersionError as exc:
         raise ValueError(
             f"{str(path)!r}: unsupported format_version {exc.version!r} (this lorp reads "

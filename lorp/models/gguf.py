@@ -18,7 +18,7 @@ import torch
 
 from lorp.atomic import atomic_dir, atomic_file
 from lorp.cache import cache_root
-from lorp.models.architectures import architecture_for
+from lorp.models.architectures import architecture_of
 from lorp.models.surgery import clear_gguf_quantizer
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _write_converted(gguf: Path, name: str | None, tmp: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
-    architecture_for(model.config.model_type)  # refuse unsupported families early
+    architecture_of(model)  # refuse unsupported families early
     tokenizer = AutoTokenizer.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, **gguf_tokenizer_flags(gguf)
     )

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from lorp.models.architectures import architecture_for
+from lorp.models.architectures import architecture_for, model_class, text_config
 from lorp.models.fingerprint import fingerprint_checkpoint
 from lorp.models.gguf import convert_gguf
 from lorp.models.packaged import PACKAGED_MODELS, packaged_gguf
@@ -118,7 +118,25 @@ def read_config(path: Path) -> dict[str, Any]:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {str(path / 'config.json')!r}: {exc}") from None
-    return config.get("text_config") or config
+    text = config.get("text_config") or config
+    if "num_hidden_layers" not in text:  # a property its class derives (Nemotron-H's)
+        text["num_hidden_layers"] = int(text_config(load_config(path)).num_hidden_layers)
+    return text
+
+
+def load_config(path: Path, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's transformers config; one line naming the file when it cannot be
+    read (an unknown model_type among them)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read {str(path / 'config.json')!r}: {first_line(exc)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def read_model_type(path: Path) -> str:
@@ -142,11 +160,11 @@ class LoadedModel:
 
     @property
     def n_blocks(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        return int(text_config(self.model.config).num_hidden_layers)
 
     @property
     def max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
+        return getattr(text_config(self.model.config), "max_position_embeddings", None)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -178,7 +196,9 @@ def load_model(
 
     torch_dtype = parse_dtype(dtype)
     path = materialize(ref, allow_pickle=allow_pickle)
-    architecture_for(read_model_type(path))  # one-line error before any weight is read
+    config = load_config(path, trust_remote_code)
+    architecture_for(config)  # one-line error before any weight is read
+    cls = model_class(config) or AutoModelForCausalLM  # a multimodal model keeps its towers
     if streamed:
         from lorp.models.streaming import build_streamed
 
@@ -186,7 +206,7 @@ def load_model(
             path, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, head=head
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = cls.from_pretrained(
             str(path),
             dtype=torch_dtype,
             trust_remote_code=trust_remote_code,

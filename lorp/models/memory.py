@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from lorp.models.perplexity import NLL_CHUNK
 from lorp.models.safetensors_index import DTYPE_NAMES, FLOATS, TensorEntry, block_of
+
+if TYPE_CHECKING:
+    from lorp.models.disk_names import DiskLayout
 from lorp.models.shape import ModelShape
 
 GIB = 1024**3
@@ -72,8 +75,12 @@ class WeightSize:
         return self.vectors
 
 
-def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightSize:
-    """Bytes per part of the checkpoint `index` (see `tensor_index`) loaded as `dtype`."""
+def weight_size(
+    index: Mapping[str, TensorEntry], dtype: torch.dtype, layout: DiskLayout | None = None
+) -> WeightSize:
+    """Bytes per part of the checkpoint `index` (see `tensor_index`) loaded as `dtype`.
+    `layout`: where the files keep the text blocks (`lorp.models.disk_names`; default: any
+    `layers.<i>.`), so another tower's blocks count as the model's other tensors."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_block: dict[int, int] = {}
     per_module: dict[str, int] = {}
@@ -88,7 +95,7 @@ def weight_size(index: Mapping[str, TensorEntry], dtype: torch.dtype) -> WeightS
         else:
             module = key.rpartition(".")[0]
             per_module[module] = per_module.get(module, 0) + nbytes
-        b = block_of(key)
+        b = layout.block_of(key) if layout is not None else block_of(key)
         if b is not None:
             per_block[b] = per_block.get(b, 0) + nbytes
         elif "embed_tokens" in key:

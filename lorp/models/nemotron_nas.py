@@ -35,9 +35,12 @@ from torch import nn
 
 from lorp.atomic import atomic_dir
 from lorp.models.architectures import decoder_blocks
-from lorp.models.sublayers import ATTENTION, MLP, Removed, check_units, unit_label
+from lorp.models.sublayers import Removed, check_units, unit_label
 
 log = logging.getLogger(__name__)
+
+ATTENTION, MLP = "self_attn", "mlp"
+"""The sub-layers of the Llama and Qwen2 blocks this form is written for."""
 
 CODE_DIR = Path(__file__).with_name("nemotron_nas_code")
 CODE_FILES = ("configuration_decilm.py", "modeling_decilm.py")
@@ -190,6 +193,7 @@ def write_sublayer_files(
     default each tensor keeps the checkpoint's)."""
     from transformers import AutoConfig
 
+    from lorp.models.disk_names import DiskLayout
     from lorp.models.file_surgery import copy_side_files, write_shards
     from lorp.models.safetensors_index import tensor_index
 
@@ -212,7 +216,8 @@ def write_sublayer_files(
     folds = {k: (lambda t, v=v: v.to(t.dtype)) for k, v in (changed or {}).items()}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         n = int(config["num_hidden_layers"])
-        write_shards(tmp, index, {b: b for b in range(n)}, folds, dtype)
+        layout = DiskLayout("model.layers.", n)  # the Llama and Qwen2 forms it writes
+        write_shards(tmp, index, layout, {b: b for b in range(n)}, folds, dtype)
         _write_form(tmp, config, wanted, provenance)
         copy_side_files(src, tmp, source)
     log.info("wrote a sub-layer variant (%d removed) to %s from %s's files", len(wanted), out, src)

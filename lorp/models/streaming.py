@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorp.models.architectures import architecture_for, decoder_blocks
-from lorp.models.safetensors_index import TORCH_DTYPES, TensorEntry, split_block_key, tensor_index
+from lorp.models.architectures import architecture_for, decoder_blocks, model_class, skeleton
+from lorp.models.disk_names import DiskLayout, disk_layout
+from lorp.models.safetensors_index import TORCH_DTYPES, TensorEntry, tensor_index
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,21 @@ class BlockStreamer:
     """Reads the checkpoint's matrices on demand, one module's at a time."""
 
     def __init__(
-        self, model: nn.Module, index: dict[str, TensorEntry], dtype: torch.dtype, device: str
+        self,
+        model: nn.Module,
+        index: dict[str, TensorEntry],
+        dtype: torch.dtype,
+        device: str,
+        layout: DiskLayout | None = None,
     ) -> None:
+        """`layout`: where the files keep the text blocks (default: read from `model`)."""
         # Weakly: the model holds the streamer, and a cycle would keep a finished point's
         # resident weights alive until the garbage collector next runs.
         self._model = weakref.ref(model)
         self.dtype = dtype
         self.device = torch.device(device)
         self.blocks = list(decoder_blocks(model))
+        self.layout = layout if layout is not None else disk_layout(model)
         self.units: dict[int, Unit] = {}
         """id(module) -> its unit."""
         self.vectors: list[tuple[nn.Module, str, TensorEntry]] = []
@@ -99,7 +107,7 @@ class BlockStreamer:
             self._assign(model, key, entry)
 
     def _assign(self, model: nn.Module, key: str, entry: TensorEntry) -> None:
-        split = split_block_key(key)
+        split = self.layout.split(key)
         if split is None:
             root, path = model, key
         else:
@@ -270,11 +278,17 @@ def build_streamed(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    architecture_for(getattr(config, "model_type", "<none>"))
+    refused = streaming_refusal(config)
+    if refused is not None:
+        raise ValueError(refused)
+    cls = model_class(config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        if cls is not None:
+            model = cls._from_config(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code
+            )
     index = tensor_index(path)
     if not head:
         index = {k: e for k, e in index.items() if not k.startswith("lm_head.")}
@@ -284,6 +298,21 @@ def build_streamed(
     streamer.attach()
     model._lorp_streamer = streamer  # type: ignore[assignment]
     return model.eval()
+
+
+def streaming_refusal(config: Any) -> str | None:
+    """Why a checkpoint of `config` cannot be streamed (one line), or None: its files
+    keep a mixture of experts one tensor per expert where the model holds one bank, and
+    the streamer reads a module's tensors as the files name them."""
+    arch = architecture_for(config)
+    model = skeleton(config, model_class(config))
+    if any(b.kind == "moe" for blk in decoder_blocks(model) for b in arch.layout(blk).branches):
+        return (
+            f"{arch.family} holds its experts as banks its files split per expert: it is not "
+            "streamed; give the stage's workers room to hold it whole (resources.<stage>."
+            "memory_gib)"
+        )
+    return None
 
 
 def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: bool) -> None:

@@ -1,11 +1,17 @@
 """Sub-layers as units of pruning: a block's attention and its MLP, removed one at a time.
 
-A pre-norm block adds two things to the residual stream: its attention's output, then its
-MLP's. Removing one of them leaves the block, its other half and every weight of the rest
-as they were. Units index the 2N sub-layers of an N-block model in depth order:
+A pre-norm block adds two things to the residual stream: its token mixing's output (an
+attention, or a Mamba or linear-attention mixer in a hybrid), then its channel mixing's
+(an MLP, or a mixture of experts): the block's two stages (`lorp.models.blocks.Stage`).
+Removing one of them leaves the block, its other half and every weight of the rest as
+they were. Units index the 2N sub-layers of an N-block model in depth order:
 
-    unit 2i     block i's attention      (label "attn.i")
-    unit 2i + 1 block i's MLP            (label "mlp.i")
+    unit 2i     block i's token mixing    (label "attn.i")
+    unit 2i + 1 block i's channel mixing  (label "mlp.i")
+
+A model splits only where every block is one token mixer then one channel mixer, run one
+after the other (`check_splittable`: not a Nemotron-H block, which holds one mixer, nor
+a Cohere 2 one, whose attention and MLP read the same input).
 
 Boundary state j (0..2N) is the residual stream entering unit j: boundary 2i is block i's
 input, 2i + 1 the stream between its attention and its MLP, 2N the last block's output.
@@ -18,9 +24,11 @@ A granularity says which units a budget counts: ``block`` (whole blocks), ``atte
 (attention sub-layers only), ``mlp`` (MLP sub-layers only) or ``mixed`` (both, ranked
 together). A removed attention also removes its block's KV cache.
 
-In memory a removed sub-layer is replaced by a module that adds nothing (`Removed`): the
-block's code runs as it is, its norms see zeros (a post-norm of zeros is zeros), and the
-KV cache of that block is never written. A removed attention's block still owns a cache
+In memory a removed sub-layer is replaced by a module that adds nothing (`Removed`, which
+returns what the module it stands for returns: an attention's output and no weights, a
+gpt-oss mixture's output and no router scores): the block's code runs as it is, its norms
+see zeros (a post-norm of zeros is zeros), and the KV cache of that block is never
+written. A removed attention's block still owns a cache
 slot that `generate` never fills, so a block whose attention goes must not be block 0
 (transformers reads the cache's length from layer 0): `check_units` refuses it.
 """
@@ -34,12 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorp.models.architectures import architecture_of, decoder_blocks
+from lorp.models.architectures import architecture_of, decoder_blocks, unit_stage
+from lorp.models.blocks import Branch, Removed
 
 GRANULARITIES = ("block", "attention", "mlp", "mixed")
 KINDS = ("attention", "mlp")
-ATTENTION, MLP = "self_attn", "mlp"
-"""The attribute names of a block's two sub-layers in every supported family."""
 
 
 def check_granularity(value: Any, field: str = "granularity") -> str:
@@ -119,73 +126,100 @@ def block_units(blocks: Iterable[int]) -> list[int]:
     return sorted(u for b in blocks for u in (2 * b, 2 * b + 1))
 
 
-class Removed(nn.Module):
-    """A sub-layer that adds nothing to the residual stream: zeros of its input's shape
-    (an attention's call also returns no weights, as the decoder layer unpacks two)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        x = args[0] if args else kwargs["hidden_states"]
-        zeros = torch.zeros_like(x)
-        return (zeros, None) if self.kind == "attention" else zeros
-
-    def extra_repr(self) -> str:
-        return f"removed {self.kind}"
+def removed_for(branch: Branch, module: nn.Module) -> Removed:
+    """The stand-in of one branch: an attention returns (output, weights); a channel mixer
+    returns what one call on a zero token shows (gpt-oss's and Llama 4's mixtures return
+    their router's output too); any other mixer, its output."""
+    if branch.kind == "attention":
+        return Removed(branch.kind, True)
+    if branch.mixes_tokens:
+        return Removed(branch.kind, False)
+    with torch.no_grad():
+        weight = next(module.parameters())
+        probe = torch.zeros(1, 1, _width(module), dtype=weight.dtype, device=weight.device)
+        out = module(probe)
+    return Removed(branch.kind, isinstance(out, tuple))
 
 
-def attention_site(block: nn.Module, post_attn_norm: str | None) -> nn.Module:
-    """The module whose output block's attention adds to the residual stream: the post-
-    attention norm where the family has one, else `self_attn` (its output is o_proj's)."""
-    return getattr(block, post_attn_norm) if post_attn_norm else getattr(block, ATTENTION)
+def _width(module: nn.Module) -> int:
+    config = getattr(module, "config", None)
+    width = getattr(config, "hidden_size", None)
+    if width is None:
+        raise ValueError(f"{type(module).__name__}: no hidden_size to probe it with")
+    return int(width)
 
 
-def unit_site(model: nn.Module, unit: int, blocks: Sequence[nn.Module] | None = None) -> nn.Module:
-    """The module whose output unit `unit` adds to the residual stream (its post-norm where
-    the family has one)."""
+def check_splittable(model: nn.Module) -> None:
+    """ValueError (one line) unless every block of `model` splits into its two stages."""
     arch = architecture_of(model)
-    block = (blocks if blocks is not None else decoder_blocks(model))[unit // 2]
-    if unit % 2 == 0:
-        return attention_site(block, arch.post_attn_norm)
-    return getattr(block, arch.post_mlp_norm) if arch.post_mlp_norm else getattr(block, MLP)
+    why = arch.repair_refusal
+    for i, block in enumerate(decoder_blocks(model)):
+        why = why or arch.layout(block).splittable()
+        if why is not None:
+            raise ValueError(f"{arch.family} cannot lose sub-layers: block {i}: {why}")
+
+
+def unit_sites(
+    model: nn.Module, unit: int, blocks: Sequence[nn.Module] | None = None
+) -> list[tuple[nn.Module, float]]:
+    """(module, scale): the modules whose outputs, times their scales, unit `unit` adds to
+    the residual stream (a branch, or its post-norm where the family has one)."""
+    return unit_stage(model, unit, blocks).sites()  # type: ignore[arg-type]
+
+
+def map_sites(model: nn.Module, unit: int, normed: bool) -> list[nn.Module]:
+    """The modules whose outputs a map of a run after unit `unit` replaces: the unit's
+    sites, or for a `normed` map its post-norm (whose input the map reads)."""
+    stage = unit_stage(model, unit)
+    if normed:
+        assert stage.post_norm is not None
+        return [stage.post_norm]
+    return [site for site, _ in stage.sites()]
+
+
+def _replace(model: nn.Module, units: list[int]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Each unit's branches swapped for their stand-ins; (block, name, module) of each."""
+    blocks = decoder_blocks(model)
+    saved = []
+    for u in units:
+        stage = unit_stage(model, u, blocks)
+        for b in stage.branches:
+            module = stage.module(b)
+            saved.append((stage.block, b.name, module))
+            setattr(stage.block, b.name, removed_for(b, module))
+    return saved
 
 
 @contextmanager
 def sublayers_removed(model: nn.Module, units: Iterable[int]) -> Iterator[list[int]]:
     """Inside the block, `model` runs without sub-layers `units`; on exit it is restored
     (nothing is copied: the sub-layer modules are swapped for `Removed` and back)."""
-    blocks = decoder_blocks(model)
-    wanted = check_units(units, len(blocks))
-    saved = []
+    check_splittable(model)
+    wanted = check_units(units, len(decoder_blocks(model)))
+    saved: list[tuple[nn.Module, str, nn.Module]] = []
     try:
-        for u in wanted:
-            attr = ATTENTION if u % 2 == 0 else MLP
-            block = blocks[u // 2]
-            saved.append((block, attr, getattr(block, attr)))
-            setattr(block, attr, Removed(unit_kind(u)))
+        saved = _replace(model, wanted)
         yield wanted
     finally:
-        for block, attr, module in reversed(saved):
-            setattr(block, attr, module)
+        for block, name, module in reversed(saved):
+            setattr(block, name, module)
 
 
 def remove_sublayers(model: nn.Module, units: Iterable[int]) -> list[int]:
     """Remove sub-layers `units` from `model` in place (their weights are freed)."""
-    blocks = decoder_blocks(model)
-    wanted = check_units(units, len(blocks))
-    for u in wanted:
-        setattr(blocks[u // 2], ATTENTION if u % 2 == 0 else MLP, Removed(unit_kind(u)))
+    check_splittable(model)
+    wanted = check_units(units, len(decoder_blocks(model)))
+    _replace(model, wanted)
     return wanted
 
 
 def sublayer_parameters(model: nn.Module, units: Iterable[int]) -> int:
-    """The parameters of sub-layers `units` (their attention or MLP modules; the norms
-    around them, d weights each, are not counted)."""
+    """The parameters of sub-layers `units` (their branches' modules; the norms around
+    them, d weights each, are not counted)."""
     blocks = decoder_blocks(model)
     total = 0
     for u in units:
-        module = getattr(blocks[u // 2], ATTENTION if u % 2 == 0 else MLP)
-        total += sum(p.numel() for p in module.parameters())
+        stage = unit_stage(model, u, blocks)
+        for b in stage.branches:
+            total += sum(p.numel() for p in stage.module(b).parameters())
     return total

@@ -2,6 +2,9 @@
 
 Measured: without renumbering `layer_idx` the KV cache of `generate()` fails with an
 IndexError; without subsetting `layer_types` Gemma 3 fails at `config.layer_types[i]`.
+Every per-layer field of the text config is rewritten for the kept blocks, and a cut the
+family's config cannot describe is refused in one line before anything changes
+(`lorp.models.layer_config`).
 A checkpoint is written to a temporary sibling directory and renamed into place
 (`lorp.atomic.atomic_dir`), so a crash never leaves a half-written directory that looks
 complete; its leftovers are named `.<name>.<random>.partial`.
@@ -25,6 +28,7 @@ from torch import nn
 
 from lorp.atomic import atomic_dir
 from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.models.layer_config import check_cut, rewrite_layers, text_config
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +56,17 @@ def kept_layers(n_blocks: int, pruned: Iterable[int]) -> list[int]:
 
 
 def drop_layers(model: nn.Module, layers: Iterable[int]) -> list[int]:
-    """Remove blocks `layers` from `model` in place; returns the kept original indices."""
+    """Remove blocks `layers` from `model` in place; returns the kept original indices.
+    `CutRefused` (one line) where the model's config cannot describe the kept blocks."""
     arch = architecture_of(model)
     blocks = decoder_blocks(model)
     n = len(blocks)
     kept = kept_layers(n, check_layers(layers, n))
-
+    check_cut(model.config, kept, type(model))  # before anything changes
     new_blocks = nn.ModuleList([blocks[i] for i in kept])
-    for new_idx, block in enumerate(new_blocks):
-        # Attention modules index the KV cache by layer_idx.
-        for module in block.modules():
-            if isinstance(getattr(module, "layer_idx", None), int):
-                module.layer_idx = new_idx
-    stack = model
-    for name in arch.decoder_path.split("."):
-        stack = getattr(stack, name)
-    setattr(stack, arch.blocks_attr, new_blocks)
-
-    _subset_config(model.config, kept, n, arch.per_layer_fields, arch.layer_count_fields)
+    _renumber(new_blocks)
+    setattr(decoder_stack(model), arch.blocks_attr, new_blocks)
+    rewrite_layers(text_config(model.config), kept, n)
     return kept
 
 
@@ -92,7 +89,7 @@ def blocks_dropped(model: nn.Module, layers: Iterable[int]) -> Iterator[list[int
         yield list(range(n))
         return
     kept = kept_layers(n, check_layers(wanted, n))
-    config = model.config
+    config = text_config(model.config)
     saved_config = dict(vars(config))
     saved_idx = [
         (module, module.layer_idx)
@@ -105,7 +102,7 @@ def blocks_dropped(model: nn.Module, layers: Iterable[int]) -> Iterator[list[int
         new_blocks = nn.ModuleList([blocks[i] for i in kept])
         _renumber(new_blocks)
         setattr(stack, arch.blocks_attr, new_blocks)
-        _subset_config(config, kept, n, arch.per_layer_fields, arch.layer_count_fields)
+        rewrite_layers(config, kept, n, strict=False)
         yield kept
     finally:
         setattr(stack, arch.blocks_attr, blocks)
@@ -130,33 +127,6 @@ def _restore_attributes(obj: Any, saved: dict[str, Any]) -> None:
     for key, value in saved.items():
         if key not in current or current[key] is not value:
             setattr(obj, key, value)
-
-
-def _subset_config(
-    config: Any,
-    kept: list[int],
-    n: int,
-    per_layer_fields: tuple[str, ...],
-    layer_count_fields: tuple[str, ...],
-) -> None:
-    # Declared per-layer lists, and any other list the config holds with one entry per
-    # block whose name says so (e.g. mlp_layer_types): subset, never truncate.
-    fields = set(per_layer_fields)
-    for key, value in vars(config).items():
-        if key.endswith("layer_types") and isinstance(value, list | tuple) and len(value) == n:
-            fields.add(key)
-    for key in sorted(fields):
-        value = getattr(config, key, None)
-        if value is None:
-            continue
-        if len(value) != n:
-            raise ValueError(f"config.{key} has {len(value)} entries for {n} blocks")
-        setattr(config, key, [value[i] for i in kept])
-    for key in layer_count_fields:
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            setattr(config, key, sum(1 for i in kept if i < value))
-    config.num_hidden_layers = len(kept)
 
 
 def save_pruned(

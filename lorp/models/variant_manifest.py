@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -69,21 +69,28 @@ def write_manifest(
     changes: FileChanges | None = None,
     dtype: str = "float32",
     overwrite: bool = False,
+    experts: Mapping[int, Sequence[int]] | None = None,
 ) -> Path:
     """Write the variant of `base_dir` (the local copy of `base`) without blocks `layers`,
     with the tensors `changes` rewrites (a repair's fold, `lorp.repair.fold.file_folds`)
-    computed from the base's tensors in `dtype`, to `out_dir`, atomically."""
+    computed from the base's tensors in `dtype`, to `out_dir`, atomically. `experts`:
+    block -> routed experts removed (`lorp.experts.files`): the tensors it slices (every
+    MoE layer's router, and banks the files keep fused) are stored cut; per-expert
+    tensors are only renamed, so they stay the base's."""
 
     from lorp.models.loading import parse_dtype
 
-    changed = _changed_tensors(Path(base_dir), changes, parse_dtype(dtype))
+    pruned = sorted(int(b) for b in layers)
+    changed = _changed_tensors(Path(base_dir), changes, parse_dtype(dtype), experts, pruned)
     doc = {
         "format": FORMAT,
         "base": asdict(base),
-        "pruned": sorted(int(b) for b in layers),
+        "pruned": pruned,
         "dtype": dtype,
         "changed": sorted(changed),
     }
+    if experts:
+        doc["experts"] = {str(b): sorted(int(e) for e in v) for b, v in sorted(experts.items())}
     return _write_variant_dir(out_dir, doc, changed, provenance, overwrite)
 
 
@@ -139,22 +146,37 @@ def _write_variant_dir(
 
 
 def _changed_tensors(
-    base_dir: Path, changes: FileChanges | None, dtype: torch.dtype
+    base_dir: Path,
+    changes: FileChanges | None,
+    dtype: torch.dtype,
+    experts: Mapping[int, Sequence[int]] | None = None,
+    pruned: Sequence[int] = (),
 ) -> dict[str, torch.Tensor]:
-    """Each rewritten tensor by its key in the base, computed as the file surgery would."""
-    if changes is None:
+    """Each rewritten tensor by its key in the base, computed as the file surgery would:
+    folded by `changes`, and cut where an expert cut slices it (in the blocks kept)."""
+    if changes is None and not experts:
         return {}
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from lorp.models.architectures import architecture_for
+    from lorp.models.architectures import tied_embeddings
+    from lorp.models.disk_names import disk_layout, model_of
     from lorp.models.safetensors_index import tensor_index
 
-    text = AutoConfig.from_pretrained(str(base_dir)).get_text_config()
+    model = model_of(AutoConfig.from_pretrained(str(base_dir)))
     index = tensor_index(base_dir)
-    tied = bool(text.tie_word_embeddings) and "lm_head.weight" not in index
+    tied = tied_embeddings(model) and "lm_head.weight" not in index
+    fns = dict(changes(index, model, tied)) if changes is not None else {}
+    if experts:
+        from lorp.experts.files import expert_files
+
+        cut, layout = expert_files(model, index, experts), disk_layout(model)
+        for key in cut.slices:
+            if layout.block_of(key) not in pruned:
+                fold = fns.get(key, lambda t: t)
+                fns[key] = lambda t, fold=fold, key=key: cut.cut(key)(fold(t))
     out = {}
-    for key, fn in changes(index, architecture_for(text.model_type), tied).items():
+    for key, fn in fns.items():
         with safe_open(str(index[key].file), framework="pt") as f:
             t = f.get_tensor(key)
         if t.is_floating_point():
@@ -254,6 +276,7 @@ def materialize_variant(
         changes=lambda index, arch, tied: {k: (lambda _t, v=v: v) for k, v in stored.items()},
         dtype=parse_dtype(doc["dtype"]),
         overwrite=overwrite,
+        experts={int(b): e for b, e in doc.get("experts", {}).items()} or None,
     )
 
 

@@ -22,10 +22,12 @@ from lorp.models.architectures import (
     architecture_of,
     decoder_blocks,
     forward_until_stopped,
+    text_config,
 )
+from lorp.models.blocks import Stage
 from lorp.models.streaming import device_of
 from lorp.models.surgery import blocks_dropped
-from lorp.repair.stats import RepairStats, Run, mlp_site, rms_unit, run_form
+from lorp.repair.stats import RepairStats, Run, rms_unit, run_form
 
 _StateKey = tuple[str, int]
 """A state a hook saw: ("X" | "M" | "out", start s) from the source model, or ("H", j),
@@ -44,6 +46,8 @@ class _StateRecorder:
         self.target_owed = target_owed
         self.keep: torch.Tensor | None = None
         self.seen: dict[_StateKey, torch.Tensor] = {}
+        self.parts: dict[int, list[torch.Tensor]] = {}
+        """Start s -> what the sites of its stage added so far in this forward."""
 
     def flat(self, x: Any) -> torch.Tensor:
         """`x` (or a module output's first element) as [tokens, d], S's tokens only."""
@@ -92,14 +96,23 @@ def _hooked_state(args: tuple, kwargs: dict, output: tuple) -> Any:
     return output[0] if output else (args[0] if args else kwargs["hidden_states"])
 
 
-def _site_hook(rec: _StateRecorder, s: int, normed: bool) -> _Hook:
-    """Forward hook on block s-1's MLP site. M_s is what the site adds to the residual
-    stream; X_s, what the map multiplies, is M_s itself, or for a normed start the norm's
-    input at unit scale (the norm's weight is part of the map)."""
+def _site_hook(rec: _StateRecorder, s: int, normed: bool, scale: float, sites: int) -> _Hook:
+    """Forward hook on one site of block s-1's last stage (`lorp.models.blocks.Stage`). M_s is
+    what the stage adds to the residual stream: the sum of its `sites` sites' outputs,
+    each times its `scale`; X_s, what the map multiplies, is M_s itself, or for a normed
+    start the norm's input at unit scale (the norm's weight is part of the map)."""
 
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        rec.seen[("X", s)] = rec.flat(rms_unit(module, args[0]) if normed else output)
-        rec.seen[("M", s)] = rec.flat(output)
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        added = rec.flat(output) * scale if scale != 1.0 else rec.flat(output)
+        parts = rec.parts.setdefault(s, [])
+        parts.append(added)
+        if normed:
+            rec.seen[("X", s)] = rec.flat(rms_unit(module, args[0]))
+        if len(parts) == sites:  # the stage's last site: M and X are whole
+            rec.seen[("M", s)] = parts[0] if sites == 1 else sum(parts[1:], parts[0])
+            if not normed:
+                rec.seen[("X", s)] = rec.seen[("M", s)]
+            del rec.parts[s]
 
     return hook
 
@@ -140,11 +153,14 @@ def _hook_sources(
             handles.append(blocks[0].register_forward_pre_hook(_out_hook(rec, 0), with_kwargs=True))
             continue
         normed = stats.start_form(s) == "normed"
-        site = mlp_site(blocks[s - 1], arch.post_mlp_norm if normed else None)
+        stage = Stage(blocks[s - 1], arch.layout(blocks[s - 1]).last_stage, arch.norm_offset)
         if normed:
-            weight = site.weight.detach().double().cpu()
-            stats.base[s] = weight + arch.norm_offset
-        handles.append(site.register_forward_hook(_site_hook(rec, s, normed)))
+            assert stage.post_norm is not None
+            stats.base[s] = stage.post_norm.weight.detach().double().cpu() + arch.norm_offset
+        sites = stage.sites()
+        for site, scale in sites:
+            hook = _site_hook(rec, s, normed, scale, len(sites))
+            handles.append(site.register_forward_hook(hook))
         handles.append(blocks[s - 1].register_forward_hook(_out_hook(rec, s), with_kwargs=True))
 
 
@@ -175,6 +191,7 @@ def _forward_batch(
     still missing afterwards means a hook never fired, and the sums would be wrong."""
     ids, mask, rec.keep = _batch_inputs(batch, device, skip_prefix)
     rec.seen.clear()
+    rec.parts.clear()
     for m in models:
         _forward(m, ids, mask)
     missing = rec.missing()
@@ -257,7 +274,7 @@ def capture_follower_stats(
     arch = architecture_of(model)
     blocks = decoder_blocks(model)  # the original indices, whatever `repaired` drops
     forms = {r: run_form(model, r) for r in runs}
-    stats = RepairStats(len(blocks), int(model.config.hidden_size), runs, forms)
+    stats = RepairStats(len(blocks), int(text_config(model.config).hidden_size), runs, forms)
     source, target = _owed_states(stats, shared=False)
     device = device_of(model)
     with torch.inference_mode():
@@ -318,7 +335,7 @@ def capture_repair_stats(
     forms = {r: run_form(model, r) for r in runs}
     stats = RepairStats(
         n,
-        int(model.config.hidden_size),
+        int(text_config(model.config).hidden_size),
         runs,
         forms,
         model_fingerprint=model_fingerprint,
@@ -341,6 +358,7 @@ def capture_repair_stats(
                 _forward_batch(models, batch, device, skip_prefix, rec)
                 stats.add(*_batch_sums(stats, rec.seen))
                 rec.seen.clear()
+                rec.parts.clear()
     finally:
         for h in handles:
             h.remove()

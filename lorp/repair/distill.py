@@ -45,9 +45,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lorp.models.architectures import decoder_blocks, decoder_stack
 from lorp.models.streaming import device_of
-from lorp.models.sublayers import sublayers_removed, unit_site
+from lorp.models.sublayers import map_sites as unit_map_sites
+from lorp.models.sublayers import sublayers_removed
 from lorp.models.surgery import blocks_dropped
-from lorp.repair.fold import map_site
+from lorp.repair.fold import map_sites
 from lorp.repair.maps import RepairRefused, RunFit
 from lorp.repair.stats import rms_unit
 
@@ -110,19 +111,20 @@ class Cut:
 
     removed: Callable[[], Any]
     """A context manager factory: inside, the model runs without what is removed."""
-    site: Callable[[RunFit], nn.Module]
-    """The module whose output a fit's map replaces."""
+    sites: Callable[[RunFit], list[nn.Module]]
+    """The modules whose outputs a fit's map replaces."""
 
 
 def block_cut(model: nn.Module, layers: Sequence[int]) -> Cut:
     blocks = decoder_blocks(model)
-    return Cut(lambda: blocks_dropped(model, layers), lambda fit: map_site(model, blocks, fit))
+    return Cut(lambda: blocks_dropped(model, layers), lambda fit: map_sites(model, blocks, fit))
 
 
 def sublayer_cut(model: nn.Module, units: Sequence[int]) -> Cut:
     """Sub-layer `units` removed; a map of unit run (s, e) applies at unit s-1's site."""
     return Cut(
-        lambda: sublayers_removed(model, units), lambda fit: unit_site(model, fit.run[0] - 1)
+        lambda: sublayers_removed(model, units),
+        lambda fit: unit_map_sites(model, fit.run[0] - 1, fit.form == "normed"),
     )
 
 
@@ -144,8 +146,8 @@ def _applied(model: nn.Module, maps: Sequence[_Map], cut: Cut) -> Iterator[None]
 
     try:
         for m in maps:
-            site = cut.site(m.fit)
-            handles.append(site.register_forward_hook(hook(m, m.fit.form == "normed")))
+            for site in cut.sites(m.fit):
+                handles.append(site.register_forward_hook(hook(m, m.fit.form == "normed")))
         with cut.removed():
             yield
     finally:

@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from lorp.models.architectures import architecture_of, decoder_blocks
+from lorp.models.architectures import architecture_of, block_stage, decoder_blocks
 from lorp.models.surgery import check_layers
 from lorp.repair.maps import (
     DEFAULT_RIDGE,
@@ -63,19 +63,18 @@ def check_repairable(model: nn.Module, layers: Sequence[int]) -> list[Run]:
         )
     for s, _ in runs:
         if s > 0:
-            check_site(model, s - 1)
+            check_stage(model, s - 1)
     return runs
 
 
-def check_site(model: nn.Module, k: int) -> None:
-    """RepairRefused unless block k has the weights a map folds into."""
-    block = decoder_blocks(model)[k]
-    down = getattr(getattr(block, "mlp", None), "down_proj", None)
-    if not isinstance(down, nn.Linear):
-        raise RepairRefused(f"block {k} has no mlp.down_proj Linear to fold into")
-    post = architecture_of(model).post_mlp_norm
-    if post and not hasattr(block, post):
-        raise RepairRefused(f"block {k} lacks {post}")
+def check_stage(model: nn.Module, k: int) -> None:
+    """RepairRefused unless a map on block k's last stage folds exactly
+    (`lorp.models.blocks.Stage`)."""
+    arch = architecture_of(model)
+    layout = arch.layout(decoder_blocks(model)[k])
+    refused = arch.repair_refusal or layout.unreadable() or block_stage(model, k).refusal()
+    if refused is not None:
+        raise RepairRefused(f"block {k}: {refused}")
 
 
 def fit_runs(

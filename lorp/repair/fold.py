@@ -13,30 +13,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.models.architectures import (
+    architecture_of,
+    block_stage,
+    decoder_blocks,
+    input_embeddings,
+)
+from lorp.models.blocks import Stage
 from lorp.models.file_surgery import FileChanges
-from lorp.models.safetensors_index import TensorEntry, split_block_key
+from lorp.models.safetensors_index import TensorEntry
 from lorp.repair.maps import RepairRefused, RunFit, tied_embeddings
-from lorp.repair.stats import mlp_site, rms_unit
+from lorp.repair.stats import rms_unit
 
 
 @torch.no_grad()
 def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
-    """Fold every fit into the dense (not yet pruned) `model`, in place. A streamed
-    model's matrix gets an override its streamer serves (`lorp.models.streaming`), folded from
-    the file's tensor in the file's dtype: what `lorp.models.file_surgery` writes into the
-    variant's checkpoint, so the figures are the checkpoint's."""
+    """Fold every fit into the dense (not yet pruned) `model`, in place: into block s-1's
+    last stage (`lorp.models.blocks.Stage`), or the embeddings for a run from block 0. A
+    streamed model's matrix gets an override its streamer serves (`lorp.models.streaming`),
+    folded from the file's tensor in the file's dtype: what `lorp.models.file_surgery`
+    writes into the variant's checkpoint, so the figures are the checkpoint's."""
     from lorp.models.streaming import streamer_of
 
     streamer = streamer_of(model)  # a streamed model: its matrices are overrides
-    arch = architecture_of(model)
-    blocks = decoder_blocks(model)
     for fit in fits:
         s = fit.run[0]
         if s == 0:
             if tied_embeddings(model):
                 raise RepairRefused("a run from block 0 cannot fold into tied embeddings")
-            embedding = decoder_stack(model).embed_tokens
+            embedding = input_embeddings(model)
             if streamer is not None:  # folded as the variant's file will hold it
                 weight = streamer.stored(embedding, "weight")
                 folded = folded_embeddings(weight, fit).to(streamer.dtype)
@@ -44,28 +49,40 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
             else:
                 embedding.weight.copy_(folded_embeddings(embedding.weight, fit))
             continue
-        norm = getattr(blocks[s - 1], arch.post_mlp_norm) if fit.form == "normed" else None
-        fold_into(streamer, blocks[s - 1].mlp.down_proj, norm, fit, arch.norm_offset)
+        fold_into(streamer, block_stage(model, s - 1), fit)
 
 
 @torch.no_grad()
-def fold_into(
-    streamer: Any, proj: nn.Module, norm: nn.Module | None, fit: RunFit, norm_offset: float
-) -> None:
-    """One fit folded into the output projection `proj` before its site (a block's
-    `down_proj`, or a sub-layer's `o_proj`) and, for a `normed` fit, the post-norm `norm`.
+def fold_into(streamer: Any, stage: Stage, fit: RunFit) -> None:
+    """One fit folded into every tensor that writes `stage`'s output (its output
+    projections, expert banks and shared experts) and, for a `normed` fit, its post-norm.
     A streamed model's matrix gets an override its streamer serves, folded from the
     file's tensor in the file's dtype, as the variant's file will hold it."""
-    if streamer is not None:
-        weight = streamer.stored(proj, "weight")
-        streamer.override(proj, "weight", folded_down_weight(weight, fit).to(streamer.dtype))
-    else:
-        proj.weight.copy_(folded_down_weight(proj.weight, fit))
-    if proj.bias is not None:
-        proj.bias.copy_(folded_down_bias(_as_stored(streamer, proj, "bias"), fit))
+    for target in stage.fold_targets():
+        module, attr = target.module, target.attr
+        if streamer is not None and target.how == "linear" and attr == "weight":
+            weight = streamer.stored(module, attr)
+            streamer.override(
+                module, attr, folded_tensor(weight, fit, target.how).to(streamer.dtype)
+            )
+            continue
+        if streamer is not None and target.how != "linear":
+            raise RepairRefused("a streamed mixture of experts cannot take a map yet")
+        tensor = _as_stored(streamer, module, attr)
+        getattr(module, attr).copy_(folded_tensor(tensor, fit, target.how, attr))
+    norm = stage.post_norm if fit.form == "normed" else None
     if norm is not None:
         weight = _as_stored(streamer, norm, "weight")
-        norm.weight.copy_(folded_norm_weight(weight, fit, norm_offset))
+        norm.weight.copy_(folded_norm_weight(weight, fit, stage.norm_offset))
+
+
+def folded_tensor(t: torch.Tensor, fit: RunFit, how: str, attr: str = "weight") -> torch.Tensor:
+    """`t` with the fit's map folded in, as `how` says it is laid out (`FoldTarget`)."""
+    if how == "linear":
+        return folded_down_weight(t, fit) if attr == "weight" else folded_down_bias(t, fit)
+    if how == "bank_bias":
+        return folded_bank_bias(t, fit)
+    return folded_bank(t, fit, transposed=how == "bank_t")
 
 
 def _as_stored(streamer: Any, module: nn.Module, attr: str) -> torch.Tensor:
@@ -126,66 +143,111 @@ def applied_by_hooks(
     handles = []
 
     def replace(T: torch.Tensor, normed: bool):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            x = rms_unit(module, args[0]).double() if normed else output.double()
-            return (x @ T.to(x.device)).to(output.dtype)
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            out = output[0] if isinstance(output, tuple) else output
+            x = rms_unit(module, args[0]).double() if normed else out.double()
+            replaced = (x @ T.to(x.device)).to(out.dtype)
+            return (replaced, *output[1:]) if isinstance(output, tuple) else replaced
 
         return hook
 
     try:
         for fit in fits:
             T = fit.matrix if fit.scale is None else fit.matrix * fit.scale
-            site = map_site(model, blocks, fit)
-            handles.append(site.register_forward_hook(replace(T, fit.form == "normed")))
+            for site in map_sites(model, blocks, fit):
+                handles.append(site.register_forward_hook(replace(T, fit.form == "normed")))
         yield
     finally:
         for h in handles:
             h.remove()
 
 
-def map_site(model: nn.Module, blocks: Any, fit: RunFit) -> nn.Module:
-    """The module whose output `fit`'s map replaces: the embeddings for a run from block
-    0, else block s-1's MLP (its post-MLP norm for a `normed` fit). `blocks`: the
-    original index -> block (a pruned model's kept blocks by their original indices)."""
+def map_sites(model: nn.Module, blocks: Any, fit: RunFit) -> list[nn.Module]:
+    """The modules whose outputs `fit`'s map replaces: the embeddings for a run from
+    block 0, else the sites of block s-1's last stage (its post-norm for a `normed` fit).
+    `blocks`: the original index -> block (a pruned model's kept blocks by their
+    original indices)."""
     s = fit.run[0]
     if s == 0:
-        return decoder_stack(model).embed_tokens
-    normed = fit.form == "normed"
-    return mlp_site(blocks[s - 1], architecture_of(model).post_mlp_norm if normed else None)
+        return [input_embeddings(model)]
+    arch = architecture_of(model)
+    block = blocks[s - 1]
+    stage = Stage(block, arch.layout(block).last_stage, arch.norm_offset)
+    if fit.form == "normed":
+        assert stage.post_norm is not None
+        return [stage.post_norm]
+    return [site for site, _ in stage.sites()]
 
 
 def file_folds(fits: Sequence[RunFit]) -> FileChanges:
     """The fold of `fits` on a checkpoint's files, for `lorp.models.file_surgery`: given the
-    source's tensor index, its architecture and whether its embeddings are tied, each
-    changed tensor's source key -> a function giving the folded tensor from the source's."""
-    return lambda index, arch, tied: _file_changes(index, fits, arch, tied)
+    source's tensor index, its model on the meta device and whether its embeddings are
+    tied, each changed tensor's source key -> a function giving the folded tensor from
+    the source's. The tensors are those `fold` changes, by the names the files give them
+    (`lorp.models.disk_names`: a bank stored one tensor per expert is folded expert by
+    expert)."""
+    return lambda index, model, tied: _file_changes(index, fits, model, tied)
 
 
 def _file_changes(
-    index: Mapping[str, TensorEntry], fits: Sequence[RunFit], arch: Any, tied: bool
+    index: Mapping[str, TensorEntry], fits: Sequence[RunFit], model: nn.Module, tied: bool
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    from lorp.models.disk_names import disk_names
+
+    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     out: dict[str, Any] = {}
-    in_block = {(p[1], p[2]): k for k in index if (p := split_block_key(k)) is not None}
-
-    def key_of(block: int, rel: str) -> str:
-        if (block, rel) not in in_block:
-            raise RepairRefused(f"block {block} has no tensor {rel!r} to fold into")
-        return in_block[(block, rel)]
-
     for fit in fits:
-        s = fit.run[0]
-        if s == 0:
+        if fit.run[0] == 0:
             if tied:
                 raise RepairRefused("a run from block 0 cannot fold into tied embeddings")
-            embed = [k for k in index if k.endswith("embed_tokens.weight")]
-            out[embed[0]] = lambda t, f=fit: folded_embeddings(t, f)
-            continue
-        out[key_of(s - 1, "mlp.down_proj.weight")] = lambda t, f=fit: folded_down_weight(t, f)
-        if (s - 1, "mlp.down_proj.bias") in in_block:
-            bias = in_block[(s - 1, "mlp.down_proj.bias")]
-            out[bias] = lambda t, f=fit: folded_down_bias(t, f)
-        if fit.form == "normed":
-            rel = f"{arch.post_mlp_norm}.weight"
-            off = arch.norm_offset
-            out[key_of(s - 1, rel)] = lambda t, f=fit, o=off: folded_norm_weight(t, f, o)
+            targets = [(input_embeddings(model), "weight", "embeddings")]
+        else:
+            stage = block_stage(model, fit.run[0] - 1)
+            targets = [(t.module, t.attr, t.how) for t in stage.fold_targets()]
+            if fit.form == "normed":
+                assert stage.post_norm is not None
+                targets.append((stage.post_norm, "weight", f"norm {stage.norm_offset}"))
+        for module, attr, how in targets:
+            name = names[id(getattr(module, attr))]
+            for key in disk_names(model, [name])[name]:
+                if key not in index:
+                    raise RepairRefused(f"the checkpoint has no tensor {key!r} to fold into")
+                out[key] = _folder(fit, how, attr)
     return out
+
+
+def _folder(fit: RunFit, how: str, attr: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How one stored tensor takes `fit`'s map: as `folded_tensor` lays it out, where a
+    bank stored one tensor per expert ([d, I], or [I, d] transposed) folds as a linear
+    would (transposed: W T)."""
+
+    def fold_one(t: torch.Tensor) -> torch.Tensor:
+        if how == "embeddings":
+            return folded_embeddings(t, fit)
+        if how.startswith("norm"):
+            return folded_norm_weight(t, fit, float(how.split()[1]))
+        if how in ("bank", "bank_t") and t.dim() == 2:  # one expert's, as its file keeps it
+            return folded_bank(t[None], fit, transposed=how == "bank_t")[0]
+        if how == "bank_bias" and t.dim() == 1:
+            return folded_down_bias(t, fit)
+        return folded_tensor(t, fit, how, attr)
+
+    return fold_one
+
+
+def folded_bank(down: torch.Tensor, fit: RunFit, transposed: bool) -> torch.Tensor:
+    """Every routed expert's down projection with the fit's map folded in: `T^T W[e]`
+    for a bank stored [E, d, I] (each expert's output is `h W[e]^T`), `W[e] T` for one
+    stored [E, I, d]. The router's weights are scalars per token and expert, so the
+    mixture's output becomes its output times T, exactly (`lorp.models.blocks`)."""
+    T = fit.matrix.to(down.device)
+    out = torch.empty_like(down)
+    for e in range(down.shape[0]):
+        w = down[e].double()
+        out[e] = (w @ T if transposed else T.T @ w).to(down.dtype)
+    return out
+
+
+def folded_bank_bias(bias: torch.Tensor, fit: RunFit) -> torch.Tensor:
+    """Each routed expert's output bias [E, d] with the map folded in: `b[e] T`."""
+    return (bias.double() @ fit.matrix.to(bias.device)).to(bias.dtype)

@@ -22,7 +22,7 @@ from torch import nn
 
 from lorp.models.architectures import decoder_blocks
 from lorp.models.surgery import blocks_dropped, check_layers
-from lorp.repair.fit import check_site, fit_runs
+from lorp.repair.fit import check_stage, fit_runs
 from lorp.repair.fold import applied_by_hooks
 from lorp.repair.maps import MAX_ROUNDS, RunFit
 from lorp.repair.stats import contiguous_runs
@@ -82,7 +82,7 @@ def fit_followers(
     kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}
     parts = dict(held) if isinstance(held, Mapping) else {"": held}
     for k in follower_blocks(len(decoder_blocks(model)), layers, count):
-        check_site(model, k)
+        check_stage(model, k)
         stats = capture_follower_stats(model, split(windows), [(k + 1, k)], repaired, **kw)
         stats.held_domains = {
             d: capture_follower_stats(model, split(h), [(k + 1, k)], repaired, **kw)

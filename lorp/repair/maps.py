@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
+from lorp.models.architectures import block_stage, text_config
+from lorp.models.architectures import tied_embeddings as ties_embeddings
 from lorp.repair.stats import Form, Run
 
 DEFAULT_RIDGE = 1e-3
@@ -129,19 +130,18 @@ def tied_embeddings(model: nn.Module) -> bool:
     streamer = streamer_of(model)
     if streamer is not None:  # between forwards its matrices are all on the meta device
         return streamer.tied
-    head = getattr(model, "lm_head", None)
-    embed = decoder_stack(model).embed_tokens
-    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    return ties_embeddings(model)
 
 
 def unrepaired_map(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
     """T0: what the pruned model applies to X now (I, or the post-MLP norm's scale)."""
-    d = int(model.config.hidden_size)
+    d = int(text_config(model.config).hidden_size)
     if form == "full":
         return torch.eye(d, dtype=torch.float64)
-    arch = architecture_of(model)
-    norm = getattr(decoder_blocks(model)[run[0] - 1], arch.post_mlp_norm)
-    return torch.diag(norm.weight.detach().double().cpu() + arch.norm_offset)
+    stage = block_stage(model, run[0] - 1)
+    norm = stage.post_norm
+    assert norm is not None
+    return torch.diag(norm.weight.detach().double().cpu() + stage.norm_offset)
 
 
 def unrepaired_matrices(T0: torch.Tensor, form: Form) -> tuple[torch.Tensor, torch.Tensor | None]:

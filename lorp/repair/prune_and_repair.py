@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorp.models.surgery import drop_layers
+from lorp.models.architectures import decoder_blocks
+from lorp.models.layer_config import check_cut
+from lorp.models.surgery import drop_layers, kept_layers
 from lorp.repair.capture import capture_repair_stats
 from lorp.repair.fit import check_repairable, fit_runs
 from lorp.repair.fold import fold
@@ -65,6 +67,8 @@ def prune_and_repair(
     the fits; their `record()`s belong in the checkpoint's provenance.
     """
     runs = check_repairable(model, layers)
+    n = len(decoder_blocks(model))
+    check_cut(model.config, kept_layers(n, layers), type(model))  # refused before any fold
     start = time.perf_counter()
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     kw: dict[str, Any] = {"skip_prefix": skip_prefix, "progress": progress}

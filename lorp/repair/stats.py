@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from lorp.atomic import atomic_file
-from lorp.models.architectures import architecture_of
+from lorp.models.architectures import block_stage
 from lorp.version import __version__
 
 FORMAT_VERSION = 2  # 2: the target state's energy per run
@@ -70,9 +70,10 @@ def contiguous_runs(layers: Iterable[int], n_blocks: int) -> list[Run]:
 
 
 def run_form(model: nn.Module, run: Run) -> Form:
-    """How the map of `run` enters the model: `full` (added as it is, into `down_proj` or
-    the embedding) or `normed` (through the RMSNorm after block s-1's MLP)."""
-    if run[0] == 0 or architecture_of(model).post_mlp_norm is None:
+    """How the map of `run` enters the model: `full` (added as it is, into block s-1's
+    output projections or the embedding) or `normed` (through the norm block s-1 applies
+    to what its last stage adds: `lorp.models.blocks.Stage`)."""
+    if run[0] == 0 or block_stage(model, run[0] - 1).post_norm is None:
         return "full"
     return "normed"
 
@@ -84,11 +85,6 @@ def rms_unit(norm: nn.Module, m: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(norm).__name__} has no eps: not an RMSNorm this repair knows")
     x = m.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def mlp_site(block: nn.Module, post_mlp_norm: str | None) -> nn.Module:
-    """The module whose output block s-1 adds to the residual stream."""
-    return getattr(block, post_mlp_norm) if post_mlp_norm else block.mlp
 
 
 class RepairStats:

@@ -7,11 +7,15 @@ T fitted in closed form from the same mergeable sums, in a `RepairStats` over th
 units, so fitting, validation on held-out windows (`lorp.repair.fit.validated`) and the
 record are the block repair's. Only the site differs:
 
-- unit s-1 an MLP: the map folds into that block's `down_proj` (its post-MLP norm's weight
-  too for a `normed` family), as for a block run;
-- unit s-1 an attention: into that block's `o_proj` (W <- T^T W, a bias b <- b T), or for a
-  family with a post-attention norm (Gemma 2/3, OLMo 2/3) the orthogonal map into `o_proj`
-  and the diagonal into that norm: the exact fold of a `normed` run.
+- unit s-1 a channel mixing (an MLP, a mixture of experts): the map folds into what writes
+  its output (`down_proj`, every expert's), its post-norm's weight too for a `normed`
+  family, as for a block run;
+- unit s-1 a token mixing (an attention, a Mamba mixer): into its output projection
+  (`o_proj`, `out_proj`: W <- T^T W, a bias b <- b T), or for a family with a
+  post-attention norm (Gemma 2/3, OLMo 2/3) the orthogonal map into the projection and
+  the diagonal into that norm: the exact fold of a `normed` run.
+
+Each is unit s-1's stage (`lorp.models.architectures.unit_stage`).
 
 Unit 0 (block 0's attention) is never removed (`lorp.models.sublayers.check_units`), so
 every run has a site. The repaired variant has the unrepaired one's architecture and
@@ -29,20 +33,20 @@ from torch import nn
 
 from lorp.locality.capture import unpack_batch
 from lorp.locality.similarity import token_selection
-from lorp.models.architectures import architecture_of, decoder_blocks, decoder_stack
-from lorp.models.streaming import device_of, streamer_of
-from lorp.models.sublayers import (
-    ATTENTION,
-    attention_site,
-    check_units,
-    remove_sublayers,
-    unit_site,
+from lorp.models.architectures import (
+    architecture_of,
+    decoder_blocks,
+    decoder_stack,
+    text_config,
+    unit_stage,
 )
+from lorp.models.streaming import device_of, streamer_of
+from lorp.models.sublayers import check_units, remove_sublayers, unit_sites
 from lorp.repair.distill import distill_fits, sublayer_cut
 from lorp.repair.fit import fit_runs
 from lorp.repair.fold import fold_into
 from lorp.repair.maps import DEFAULT_RIDGE, RunFit
-from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs, mlp_site, rms_unit
+from lorp.repair.stats import Form, RepairStats, Run, contiguous_runs, rms_unit
 
 Batch = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -55,9 +59,7 @@ def unit_runs(model: nn.Module, units: Iterable[int]) -> list[Run]:
 
 def site_norm(model: nn.Module, unit: int) -> nn.Module | None:
     """The RMSNorm unit `unit`'s output passes before the residual add, or None."""
-    arch = architecture_of(model)
-    name = arch.post_attn_norm if unit % 2 == 0 else arch.post_mlp_norm
-    return getattr(decoder_blocks(model)[unit // 2], name) if name else None
+    return unit_stage(model, unit).post_norm
 
 
 def unit_form(model: nn.Module, run: Run) -> Form:
@@ -66,7 +68,7 @@ def unit_form(model: nn.Module, run: Run) -> Form:
 
 def unit_T0(model: nn.Module, run: Run, form: Form) -> torch.Tensor:
     """What the pruned model applies to X now: I, or the site norm's scale."""
-    d = int(model.config.hidden_size)
+    d = int(text_config(model.config).hidden_size)
     if form == "full":
         return torch.eye(d, dtype=torch.float64)
     return torch.diag(site_scale(model, run[0] - 1))
@@ -94,8 +96,8 @@ class _UnitStates:
         ]
         self.handles.append(blocks[-1].register_forward_hook(self._block_out, with_kwargs=True))
         for u in sorted(set(sites)):
-            site = unit_site(model, u, blocks)
-            self.handles.append(site.register_forward_hook(self._site(u, u in normed)))
+            ((site, scale),) = unit_sites(model, u, blocks)
+            self.handles.append(site.register_forward_hook(self._site(u, u in normed, scale)))
 
     def flat(self, x: Any) -> torch.Tensor:
         x = x[0] if isinstance(x, tuple | list) else x
@@ -111,10 +113,11 @@ class _UnitStates:
     def _block_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self.seen[("in", self.n)] = self.flat(output)
 
-    def _site(self, unit: int, normed: bool):  # type: ignore[no-untyped-def]
+    def _site(self, unit: int, normed: bool, scale: float):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self.seen[("M", unit)] = self.flat(output)
-            self.seen[("X", unit)] = self.flat(rms_unit(module, args[0]) if normed else output)
+            added = self.flat(output) * scale if scale != 1.0 else self.flat(output)
+            self.seen[("M", unit)] = added
+            self.seen[("X", unit)] = self.flat(rms_unit(module, args[0])) if normed else added
 
         return hook
 
@@ -145,7 +148,7 @@ def capture_unit_stats(
     its maps then compose with the folded ones."""
     n = len(decoder_blocks(model))
     forms = {r: unit_form(model, r) for r in runs}
-    stats = RepairStats(2 * n, int(model.config.hidden_size), runs, forms)
+    stats = RepairStats(2 * n, int(text_config(model.config).hidden_size), runs, forms)
     for r in runs:  # a normed start's scale as it is now, as block sums keep it (T0)
         if forms[r] == "normed":
             stats.base[r[0]] = site_scale(model, r[0] - 1)
@@ -204,10 +207,9 @@ def fold_units(model: nn.Module, fits: Sequence[RunFit]) -> None:
     A streamed model's projection gets an override its streamer serves, folded from the
     file's tensor in the file's dtype, as `lorp.repair.fold.fold` does for block runs: the
     figures are those of the checkpoint written from the files with `folded_parameters`."""
-    offset = architecture_of(model).norm_offset
     streamer = streamer_of(model)
     for fit in fits:
-        fold_into(streamer, *_fold_sites(model, fit), fit, offset)
+        fold_into(streamer, unit_stage(model, fit.run[0] - 1), fit)
 
 
 def folded_parameters(model: nn.Module, fits: Sequence[RunFit]) -> dict[str, torch.Tensor]:
@@ -220,28 +222,16 @@ def folded_parameters(model: nn.Module, fits: Sequence[RunFit]) -> dict[str, tor
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for fit in fits:
-        proj, norm = _fold_sites(model, fit)
-        for module in (proj, norm):
-            for attr, p in module.named_parameters(recurse=False) if module is not None else ():
+        stage = unit_stage(model, fit.run[0] - 1)
+        norm = stage.post_norm if fit.form == "normed" else None
+        modules = {id(t.module): t.module for t in stage.fold_targets()}
+        for module in [*modules.values(), *([norm] if norm is not None else [])]:
+            for attr, p in module.named_parameters(recurse=False):
                 if p.is_meta and streamer is not None:
                     out[names[id(p)]] = streamer.overridden(module, attr)
                 else:
                     out[names[id(p)]] = p.detach()
     return out
-
-
-def _fold_sites(model: nn.Module, fit: RunFit) -> tuple[nn.Module, nn.Module | None]:
-    """The output projection a unit fit folds into (unit s-1's `o_proj` or `down_proj`),
-    and the post-norm a `normed` fit folds into too."""
-    arch = architecture_of(model)
-    u = fit.run[0] - 1
-    block = decoder_blocks(model)[u // 2]
-    proj = getattr(block, ATTENTION).o_proj if u % 2 == 0 else block.mlp.down_proj
-    if fit.form != "normed":
-        return proj, None
-    if u % 2 == 0:
-        return proj, attention_site(block, arch.post_attn_norm)
-    return proj, mlp_site(block, arch.post_mlp_norm)
 
 
 def repair_sublayers(

@@ -66,6 +66,12 @@ class CatalogRow:
     """0-based indices of the blocks removed (a sub-layer variant removes no block: empty)."""
     kept_layers: list[int] | None = None
     """0-based indices of the blocks kept (a sub-layer variant keeps every block)."""
+    removed_kinds: list[str] | None = None
+    """The kind of each block removed, in depth order (`attention`, `attention+moe`,
+    `mamba`, `linear_attention`, `conv`, ...: what a hybrid's variant gave up); null for
+    the dense row and sub-layer variants."""
+    experts: int | None = None
+    """Routed experts per mixture-of-experts layer of the variant; null for a dense model."""
     granularity: str | None = None
     """What the row's `budget` counts: `block`, `attention`, `mlp` or `mixed` (sub-layers,
     `docs: Sub-layers`); null on the dense row and on rows from before granularity (read
@@ -218,7 +224,11 @@ FIGURES = {
     "weight_bytes": "counted, not timed (`lorp/serving_cost.py`): every parameter at the "
     "model's dtype",
     "kv_bytes_per_token": "the K and V one token adds to the cache (2 x KV heads x "
-    "head_dim per kept block)",
+    "head_dim per kept block that attends: a hybrid's Mamba, linear-attention and "
+    "convolution blocks keep a state instead)",
+    "active_params": "the parameters a token runs through: all of them, less the routed "
+    "experts it is not sent to (a mixture of experts: `params` less E - top-k experts of "
+    "each MoE layer)",
     "prefill_flops_per_token": "matmul FLOPs (2 per multiply-add) of one token of a causal "
     "prefill at the evaluation's `seq_len` (the calibration's when evaluation is off), as a "
     "plain forward runs it: q, k, v, o and the gated MLP of each kept block, attention "
@@ -226,9 +236,10 @@ FIGURES = {
     "most its window), the LM head once per sequence (a prefill computes the last "
     "position's logits only)",
     "decode_bytes_per_token": "what one generated token reads at a context of that "
-    "`seq_len`: every weight once (an untied embedding table: one row) and every kept "
-    "block's KV cache of the keys it attends to (the whole context; a sliding-window "
-    "layer, at most its window)",
+    "`seq_len`: every active weight once (an untied embedding table: one row; a mixture "
+    "of experts: the experts the token runs through), every kept block's KV cache of the "
+    "keys it attends to (the whole context; a sliding-window layer, at most its window), "
+    "and every kept recurrent block's state, read and written",
     "<figure>_4k, <figure>_32k": "`prefill_flops_per_token`, `decode_bytes_per_token` and "
     "`predicted_decode_speedup` at a 4k and a 32k context, whatever the evaluation's: "
     "where the KV cache a removed attention takes with it weighs (the model page plots "

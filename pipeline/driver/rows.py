@@ -61,9 +61,14 @@ def model_facts(
     profile: Profile, stats_file: str | None, model_path: Path, calibration: CalibrationSpec
 ) -> ModelFacts:
     """A model's facts: its profile's RLS, K and cluster labels, its S file, its shape
-    from the config in `model_path`, and its calibration."""
+    from the config in `model_path` and its model's blocks (on the meta device), and its
+    calibration."""
+    from lorp.models.disk_names import model_of
+    from lorp.models.loading import load_config
+
     labels = list(profile.labels) if profile.labels is not None else None
-    shape = ModelShape.from_config(read_config(model_path))
+    model = model_of(load_config(model_path))
+    shape = ModelShape.of_model(model, read_config(model_path))
     return ModelFacts(profile.rls, profile.k, labels, stats_file, shape, calibration)
 
 
@@ -94,6 +99,8 @@ def catalog_row(
         budget=point.budget,
         pruned_layers=list(point.layers),
         kept_layers=result.kept,
+        removed_kinds=removed_kinds(point, facts),
+        experts=max(facts.shape.experts) if facts.shape and facts.shape.experts else None,
         granularity=point.granularity if point.selection else None,
         sublayers=sublayer_labels(point),
         stages=json.dumps(details["stages"]) if details.get("stages") else None,
@@ -163,6 +170,14 @@ def figures(
     out |= costs(point, facts, result, cost_seq_len(evaluation, cal))
     measured = {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
     return out | {k: None if v is None else float(v) for k, v in measured.items()}
+
+
+def removed_kinds(point: GridPoint, facts: ModelFacts) -> list[str] | None:
+    """The kind of each block a block variant removes (`ModelShape.kinds`)."""
+    shape = facts.shape
+    if not point.layers or shape is None or not shape.kinds:
+        return None
+    return [shape.kinds[b] for b in point.layers]
 
 
 def memory_plan(point: GridPoint) -> str | None:
@@ -251,6 +266,7 @@ def costs(
         kept, mlp = kept_attention_blocks(n, point.units), kept_mlp_blocks(n, point.units)
     dtype = point.model.spec.dtype
     out = cost_columns(facts.shape, kept, params, dense, dtype, seq_len, mlp)
+    out["active_params"] = float(params - facts.shape.idle_expert_params(kept))
     for suffix, context in CONTEXTS.items():
         at = cost_columns(facts.shape, kept, params, dense, dtype, context, mlp)
         out |= {f"{name}_{suffix}": at[name] for name in AT_CONTEXT}

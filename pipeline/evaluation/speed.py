@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from lorp.models.architectures import text_config
 from lorp.models.streaming import device_of
 
 
@@ -52,7 +53,9 @@ def speedup_bound(n_blocks: int, removed: int) -> float:
 def _ids(model: Any, seq_len: int, seed: int = 0) -> torch.Tensor:
     device = device_of(model)
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, int(model.config.vocab_size), (1, seq_len), generator=g).to(device)
+    return torch.randint(
+        0, int(text_config(model.config).vocab_size), (1, seq_len), generator=g
+    ).to(device)
 
 
 def _time_ms(model: Any, ids: torch.Tensor) -> float:

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,17 +188,51 @@ def hf_lm(model: Any, tokenizer: Any, batch_size: int) -> Any:
 
 
 def continuation_head_supported(model: Any) -> bool:
-    """Whether `model` computes its logits as lorp's families do: the decoder stack, then
-    the output embedding, then (Gemma 2/3) the final logit soft-cap, nothing else."""
-    from lorp.models.architectures import ARCHITECTURES
+    """Whether `model` computes its logits as the continuation head does: the decoder
+    stack, then the output embedding, then (Gemma 2/3) the final logit soft-cap, nothing
+    else (Granite divides its logits, Cohere 2 scales them: the full forward then). Told
+    by one forward of two tokens both ways, once per model."""
+    known = _HEAD_CHECKED.get(model)
+    if known is None:
+        known = _HEAD_CHECKED[model] = _same_logits(model)
+    return known
+
+
+_HEAD_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _same_logits(model: Any) -> bool:
+    import torch
+
+    from lorp.models.architectures import UnsupportedArchitectureError, decoder_stack
+    from lorp.models.streaming import device_of
 
     config = getattr(model, "config", None)
-    return (
-        getattr(config, "model_type", None) in ARCHITECTURES
-        and getattr(config, "is_encoder_decoder", False) is False
-        and callable(getattr(model, "get_output_embeddings", None))
-        and model.get_output_embeddings() is not None
-    )
+    if getattr(config, "is_encoder_decoder", False) or not callable(
+        getattr(model, "get_output_embeddings", None)
+    ):
+        return False
+    try:
+        ids = torch.tensor([[1, 2]], device=device_of(model))
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False).logits.float()
+            hidden = decoder_stack(model)(input_ids=ids, use_cache=False).last_hidden_state
+            head = _soft_cap(model, model.get_output_embeddings()(hidden)).float()
+    except (UnsupportedArchitectureError, AttributeError, TypeError, RuntimeError):
+        return False
+    return bool(torch.allclose(full, head, rtol=1e-4, atol=1e-5))
+
+
+def _soft_cap(model: Any, logits: Any) -> Any:
+    """Gemma 2/3's final logit soft-cap, exactly as their `ForCausalLM.forward` applies it."""
+    import torch
+
+    from lorp.models.architectures import text_config
+
+    cap = getattr(text_config(model.config), "final_logit_softcapping", None)
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 @functools.cache
@@ -389,10 +424,5 @@ def _continuation_logits(lm: Any, inps: torch.Tensor, spans: list[tuple[int, int
                 for i, (inplen, contlen) in enumerate(spans)
             ]
         )
-        logits = model.get_output_embeddings()(picked)
-        cap = getattr(model.config, "final_logit_softcapping", None)
-        if cap is not None:  # exactly as Gemma2/3ForCausalLM.forward
-            logits = logits / cap
-            logits = torch.tanh(logits)
-            logits = logits * cap
+        logits = _soft_cap(model, model.get_output_embeddings()(picked))
     return logits

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorp import Selection
 from lorp.locality.similarity_stats import FORMAT_VERSION
+from lorp.models.disk_names import DiskLayout
 from lorp.models.loading import Kind, hub_revision
 from lorp.models.memory import Decision
 from lorp.repair.maps import MAX_ROUNDS
@@ -31,6 +32,20 @@ def content_key(*parts: Any) -> str:
     """A short, stable hash of JSON-able parts."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class FamilyLimits:
+    """What a model's family cannot take, each one line or None (`lorp.models.coverage`),
+    read from its config on the meta device."""
+
+    cut: str | None = None
+    """Why removing block 1 alone is refused: its config states its layers as a pattern
+    a cut breaks (Jamba), or a block's settings depend on its depth."""
+    repair: str | None = None
+    """Why some block takes no linear repair."""
+    sublayers: str | None = None
+    """Why some block cannot be split into token and channel mixing."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,37 @@ class ModelPlan:
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     """What the model is calibrated on: the job's calibration, with the model's own text
     where it names one (`JobSpec.calibration_for`)."""
+    block_prefix: str = "model.layers."
+    """Where its checkpoint's files keep its text blocks (`lorp.models.disk_names`)."""
+    streaming_refusal: str | None = None
+    """Why it cannot be streamed (a mixture of experts), or None."""
+    limits: FamilyLimits = field(default_factory=FamilyLimits)
+    """What its family cannot take: some cuts, a linear repair, sub-layer removal."""
+
+    def disk_layout(self) -> DiskLayout:
+        return DiskLayout(self.block_prefix, self.n_blocks)
+
+    def warnings(self, repair: Sequence[str], sublayers: bool) -> list[str]:
+        """One line for each kind of point of the job its family cannot take: it runs,
+        and those points fail with the same line (`FamilyLimits`)."""
+        label, family, limits = self.spec.label, self.family, self.limits
+        out = []
+        if limits.cut is not None:
+            out.append(
+                f"{label}: removing block 1 alone is refused ({limits.cut}); a point "
+                "whose cut its config cannot describe fails with such a line"
+            )
+        if limits.repair is not None and "linear" in repair:
+            out.append(
+                f"{label}: {family} takes no linear repair ({limits.repair}); its "
+                "linear points fail (repair: [none] prunes it unrepaired)"
+            )
+        if limits.sublayers is not None and sublayers:
+            out.append(
+                f"{label}: {family} cannot lose sub-layers ({limits.sublayers}); its "
+                "sub-layer points fail"
+            )
+        return out
 
     def budgets_for(self, granularity: str) -> tuple[int, ...]:
         """The budgets of `granularity`: block counts, or its unit counts."""

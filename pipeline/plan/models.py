@@ -7,13 +7,14 @@ created. Pure: no Ray, no MLflow.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lorp.methods import resolve_budget, validate_options
 from lorp.models.architectures import architecture_for
 from lorp.models.loading import materialize, parse_model_ref, read_config
-from pipeline.plan.grid import ModelPlan
+from pipeline.plan.grid import FamilyLimits, ModelPlan
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
@@ -56,7 +57,7 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         mref = parse_model_ref(m.ref)
         path = materialize(mref, allow_pickle=m.allow_pickle)
         config = read_config(path)
-        family = architecture_for(str(config.get("model_type"))).family
+        read = read_model(path, m)
         fingerprint = fingerprint_checkpoint(path)
     except ValueError as exc:
         raise SpecError(f"models[{i}].ref: {exc}") from None
@@ -76,14 +77,14 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         except ValueError as exc:
             raise SpecError(f"methods[{j}].options: {exc} ({m.label})") from None
     resolved = tuple(sorted(set(budgets)))
-    tied = _tied_embeddings(path, m) if "linear" in spec.repair else False
+    tied = read.tied if "linear" in spec.repair else False
     units = _unit_budgets(spec.budgets, spec.granularity, m, n)
     return ModelPlan(
         m,
         path,
         fingerprint,
         n,
-        family,
+        read.family,
         resolved,
         mref.ref,
         mref.kind,
@@ -91,6 +92,9 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         unit_budgets=units,
         not_servable=_not_servable(config) if spec.sublayers else None,
         calibration=spec.calibration_for(m),
+        block_prefix=read.block_prefix,
+        streaming_refusal=read.streaming_refusal,
+        limits=read.limits,
     )
 
 
@@ -124,12 +128,46 @@ def _unit_budgets(
     return tuple(out)
 
 
-def _tied_embeddings(path: Path, m: ModelSpec) -> bool:
-    """From the model's config class (config.json may leave it to the class default)."""
-    from transformers import AutoConfig
+@dataclass(frozen=True)
+class ModelRead:
+    """What planning reads of a checkpoint's model, built on the meta device from its
+    config (`lorp.models.architectures.architecture_for`): no weight is read."""
 
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=m.trust_remote_code)
-    return bool(getattr(config, "tie_word_embeddings", False))
+    family: str
+    tied: bool
+    """Its LM head is its input embeddings (a repair run from block 0 cannot fold)."""
+    block_prefix: str
+    """Where its files keep its text blocks (`lorp.models.disk_names`)."""
+    streaming_refusal: str | None
+    """Why it cannot be streamed, or None."""
+    limits: FamilyLimits = FamilyLimits()
+
+
+def read_model(path: Path, m: ModelSpec) -> ModelRead:
+    """The model of checkpoint `path` read from its config; ValueError (one line) where
+    lorp cannot prune its family, naming what is missing."""
+    from lorp.models.architectures import tied_embeddings
+    from lorp.models.disk_names import disk_layout, model_of
+    from lorp.models.loading import load_config
+    from lorp.models.streaming import streaming_refusal
+
+    config = load_config(path, m.trust_remote_code)
+    family = architecture_for(config).family
+    model = model_of(config)
+    prefix = disk_layout(model).block_prefix
+    limits = family_limits(config, model)
+    return ModelRead(family, tied_embeddings(model), prefix, streaming_refusal(config), limits)
+
+
+def family_limits(config: Any, model: Any) -> FamilyLimits:
+    """What the family of `config` (whose model on the meta device is `model`) cannot
+    take (`lorp.models.coverage`): one more model built on the meta device, for the cut."""
+    from lorp.models.architectures import decoder_blocks
+    from lorp.models.coverage import cut_refusals, repair_refusal, split_refusal
+
+    blocks = decoder_blocks(model)
+    cut = cut_refusals(config, blocks, [1]).get(1) if len(blocks) > 2 else None
+    return FamilyLimits(cut, repair_refusal(model), split_refusal(model))
 
 
 def _check_context(

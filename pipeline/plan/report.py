@@ -102,6 +102,7 @@ def plan_job(spec: JobSpec) -> JobOutline:
         except (SpecError, ValueError) as exc:
             out.problems.append(str(exc))
             continue
+        out.warnings += plan.warnings(spec.repair, spec.sublayers)
         outline.stages = plan.memory_record()
         outline.points = grid_points(spec.granularity, spec.methods, spec.repair, plan)
         if not spec.evaluation.enabled:
@@ -119,7 +120,7 @@ def _sublayer_line(plan: ModelPlan) -> str:
 
 
 def _describe(outline: ModelOutline, plan: ModelPlan) -> None:
-    size = weight_size(tensor_index(plan.path), parse_dtype(plan.spec.dtype))
+    size = weight_size(tensor_index(plan.path), parse_dtype(plan.spec.dtype), plan.disk_layout())
     outline.family, outline.n_blocks = plan.family, plan.n_blocks
     outline.weights_gib = round(size.total / 2**30, 3)
     outline.dtype = plan.spec.dtype

@@ -187,12 +187,20 @@ def test_cli_bad_models_and_corpora(tmp_path: Path) -> None:
     """Through the CLI: one line, exit 2, no stats file written."""
     from tests.helpers.tiny_models import save_tiny_ptb
 
-    gpt2 = tmp_path / "gpt2"
-    AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=128)
-    ).save_pretrained(gpt2)
-    out = _lorp_capture(gpt2, "ptb", tmp_path)
-    assert out.returncode == 2 and "unsupported model_type 'gpt2'" in out.stderr, out.stderr
+    bert = tmp_path / "bert"
+    config = AutoConfig.for_model(
+        "bert",
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=2,
+        vocab_size=128,
+        intermediate_size=128,
+        is_decoder=True,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(bert)
+    out = _lorp_capture(bert, "ptb", tmp_path)
+    refused = "model_type 'bert' cannot be pruned by lorp: no list of decoder blocks"
+    assert out.returncode == 2 and refused in out.stderr, out.stderr
     assert out.stderr.count("\n") == 1
 
     llama = save_tiny_ptb("llama", tmp_path / "llama")

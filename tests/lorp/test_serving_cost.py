@@ -99,3 +99,23 @@ def test_sub_layers_cost_what_the_hand_count_says() -> None:
     )
     whole = cost_columns(shape, [0, 3], PARAMS, PARAMS_DENSE, "float32", 48, kept_mlp=[0, 3])
     assert whole["prefill_flops_per_token"] == pytest.approx(FLOPS)  # both halves: a block
+
+
+def test_a_hybrid_caches_keys_for_its_attention_and_a_state_for_its_mamba() -> None:
+    """Two of four blocks attend: the KV cache counts those, the Mamba blocks their state
+    (read and written each token); a mixture's token reads top-k of its experts."""
+    from dataclasses import replace
+
+    base = ModelShape.from_config(CONFIG.to_dict())
+    shape = replace(
+        base, kinds=("mamba", "attention", "mamba", "attention"), state=(1000, 0, 1000, 0)
+    )
+    per_key = 2 * shape.kv_heads * shape.head_dim * 4
+    got = cost_columns(shape, [0, 1, 2, 3], PARAMS, PARAMS, "float32", 48)
+    assert got["kv_bytes_per_token"] == 2 * per_key
+    unread = (shape.vocab - 1) * shape.hidden
+    assert got["decode_bytes_per_token"] == (PARAMS - unread) * 4 + 2 * 48 * per_key + 2 * 2000 * 4
+    moe = replace(base, experts=(0, 8, 8, 8), top_k=2, expert_params=100)
+    mixture = cost_columns(moe, [0, 1, 2, 3], PARAMS, PARAMS, "float32", 48)
+    dense = cost_columns(base, [0, 1, 2, 3], PARAMS, PARAMS, "float32", 48)
+    assert dense["decode_bytes_per_token"] - mixture["decode_bytes_per_token"] == 3 * 6 * 100 * 4

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorp.models.disk_names import DiskLayout
 from lorp.models.file_surgery import renamed, write_pruned_files
 from lorp.models.perplexity import perplexity
 from lorp.models.safetensors_index import read_header, split_block_key, tensor_index
@@ -51,4 +52,12 @@ def test_block_keys_split_at_the_blocks_index() -> None:
         "sub.layers.1.weight",
     )
     assert split_block_key("model.embed_tokens.weight") is None
-    assert renamed("model.layers.3.sub.layers.3.w", {3: 0}) == "model.layers.0.sub.layers.3.w"
+    layout = DiskLayout("model.layers.", 4)
+    assert (
+        renamed("model.layers.3.sub.layers.3.w", {3: 0}, layout) == "model.layers.0.sub.layers.3.w"
+    )
+    # another tower's blocks, and a layer past the decoder's (multi-token prediction), stay
+    assert (
+        renamed("model.vision_tower.layers.3.w", {3: 0}, layout) == "model.vision_tower.layers.3.w"
+    )
+    assert layout.split("model.layers.4.w") is None and layout.split("mtp.layers.0.w") is None

@@ -43,3 +43,22 @@ def test_sliding_windows_per_block() -> None:
     mistral = LLAMA | {"model_type": "mistral", "sliding_window": 8}
     assert ModelShape.from_config(mistral).windows == (8, 8, 8)
     assert ModelShape.from_config(LLAMA | {"sliding_window": 8}).windows == (None,) * 3
+
+
+def test_a_hybrids_blocks_and_a_mixtures_experts_are_read_from_its_model() -> None:
+    """Nemotron-H: [Mamba, MoE, attention, MLP]; its Mamba block keeps heads x head_dim x
+    (state + conv window) values per sequence (4 x 32 x (8 + 4)); only block 2 attends.
+    Qwen3-MoE: 4 experts routed top-2 in blocks 1-3 (block 0 dense), each expert's gate,
+    up and down projections (3 x 64 x 32 values) the idle ones a token skips."""
+    from lorp.models.disk_names import model_of
+    from tests.helpers.family_models import family_config
+
+    config = family_config("nemotron_h")
+    shape = ModelShape.of_model(model_of(config), config.to_dict())
+    assert shape.kinds == ("mamba", "moe", "attention", "mlp")
+    assert shape.state == (4 * 32 * (8 + 4), 0, 0, 0)
+    assert [shape.has_kv(b) for b in range(4)] == [False, False, True, False]
+    config = family_config("qwen3_moe")
+    moe = ModelShape.of_model(model_of(config), config.to_dict())
+    assert (moe.experts, moe.top_k, moe.expert_params) == ((0, 4, 4, 4), 2, 3 * 64 * 32)
+    assert moe.idle_expert_params([0, 1, 3]) == 2 * 2 * 3 * 64 * 32

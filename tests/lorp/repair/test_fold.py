@@ -123,3 +123,37 @@ def test_a_streamed_fold_evaluates_what_its_bf16_checkpoint_holds(
     fold(again, fits)
     with pytest.raises(ValueError, match="is already folded: a matrix is folded once"):
         fold(again, fits)
+
+
+FOLD_FAMILIES = ["qwen3_moe", "gpt_oss", "deepseek_v3", "granitemoe", "flex_olmo", "nemotron_h"]
+"""Mixtures of experts (plain, transposed with biases, with shared experts, scaled by the
+block, behind a post-norm) and a hybrid whose blocks hold one mixer each."""
+
+
+@pytest.mark.parametrize("family", FOLD_FAMILIES)
+def test_a_map_folds_into_every_expert_bank_exactly(family: str, tmp_path: Path) -> None:
+    """Block 1 bridges block 2 (a mixture of experts, or Nemotron-H's mixer): folding the
+    map into its banks, shared experts and post-norm equals the map applied by a hook on
+    what the stage adds, in memory and in the checkpoint written from the files."""
+    from tests.helpers.family_models import family_model
+
+    dense = family_model(family)
+    x = torch.randint(3, 120, (8, 24), generator=torch.Generator().manual_seed(0))
+    stats = capture_repair_stats(dense, list(x.split(4)), [(2, 2)], progress=False)
+    fits = fit_runs(dense, stats)
+    assert fits[0].residual < fits[0].unrepaired
+    assert fits[0].form == ("normed" if family == "flex_olmo" else "full")
+    folded = copy.deepcopy(dense)
+    fold(folded, fits)
+    drop_layers(folded, [2])
+    hooked = copy.deepcopy(dense)
+    drop_layers(hooked, [2])
+    with applied_by_hooks(hooked, fits, kept=[0, 1, 3]):
+        expected = logits(hooked, x)
+    torch.testing.assert_close(logits(folded, x), expected, rtol=1e-4, atol=1e-4)
+    dense.save_pretrained(tmp_path / "dense")
+    write_pruned_files(tmp_path / "dense", tmp_path / "files", [2], {}, changes=file_folds(fits))
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "files").eval()
+    torch.testing.assert_close(logits(reloaded, x), logits(folded, x), rtol=1e-5, atol=1e-5)

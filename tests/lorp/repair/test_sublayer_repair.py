@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lorp.models.sublayers import remove_sublayers, unit_site
+from lorp.models.sublayers import map_sites, remove_sublayers
 from lorp.repair.maps import residual_of
 from lorp.repair.stats import rms_unit
 from lorp.repair.sublayer_repair import (
@@ -40,7 +40,8 @@ def by_hooks(model: torch.nn.Module, fits) -> list:  # type: ignore[no-untyped-d
             new = (x @ T).to(out.dtype)
             return (new, *output[1:]) if isinstance(output, tuple) else new
 
-        handles.append(unit_site(model, fit.run[0] - 1).register_forward_hook(hook))
+        for site in map_sites(model, fit.run[0] - 1, normed):
+            handles.append(site.register_forward_hook(hook))
     return handles
 
 

@@ -38,3 +38,39 @@ def test_sub_layer_budgets_count_units_and_too_many_are_refused_in_planning(
     gemma = save_tiny_ptb("gemma3_text", tmp_path / "gemma3")
     g = parse_spec(tiny_job(tmp_path, gemma, budgets=[2], granularity=["attention"], **one))
     assert "gemma3" in str(plan_model(g, 0, g.models[0]).not_servable)
+
+
+@pytest.mark.integration
+def test_what_a_family_cannot_take_is_one_warning_line_in_the_plan(
+    tmp_path: Path,
+) -> None:
+    """Jamba's pattern refuses removing block 1 alone; MiniMax's blocks keep its depth in
+    their settings, take no repair and do not split. Each is a line naming the model; a
+    Llama has none."""
+    from pipeline.plan.report import plan_job, plan_lines
+    from tests.helpers.family_models import save_family_ptb
+
+    refs = {f: save_family_ptb(f, tmp_path / f) for f in ("jamba", "minimax")}
+    llama = save_tiny_ptb("llama", tmp_path / "llama")
+    spec = tiny_job(tmp_path, llama, budgets=[1], repair=["none", "linear"])
+    spec["methods"] = [{"name": "shortgpt"}]
+    spec["granularity"] = ["block", "mlp"]
+    spec["models"] = [{"ref": str(ref), "name": f} for f, ref in refs.items()]
+    spec["models"].append({"ref": str(llama), "name": "llama"})
+    outline = plan_job(parse_spec(spec))
+    assert outline.ok, outline.problems
+    warned = [w for w in outline.warnings if w.split(":")[0] in (*refs, "llama")]
+    assert [w.split(":")[0] for w in warned] == ["jamba", "minimax", "minimax", "minimax"]
+    assert warned[0].startswith(
+        "jamba: removing block 1 alone is refused (Jamba: kept block 2 would reload as "
+        "another block at 1 (its modules differ"
+    )
+    assert "(its settings differ: ('self_attn', 'num_hidden_layers', 4)" in warned[1]
+    assert warned[2] == (
+        "minimax: MiniMax takes no linear repair (its residual stream carries the normed "
+        "state scaled by alpha and beta (DeepNorm-like), not input + the branches' outputs); "
+        "its linear points fail (repair: [none] prunes it unrepaired)"
+    )
+    assert all("\n" not in w for w in warned)
+    assert warned[3].startswith("minimax: MiniMax cannot lose sub-layers (its residual")
+    assert sum(line.startswith("warning: minimax:") for line in plan_lines(outline, 1)) == 3
