@@ -30,7 +30,7 @@ PIPELINE_LAYERS = [
 """`pipeline/`, bottom to top: a module imports only modules of its own layer and below."""
 LORP_LAYERS = [
     {"version", "cache", "atomic"},
-    {"models", "data"},
+    {"models", "data", "experts"},
     {"locality"},
     {"repair"},
     {"scoring"},
@@ -38,9 +38,10 @@ LORP_LAYERS = [
     {"provenance", "serving_cost"},
     {"cli", ""},
 ]
-"""`lorp/`, bottom to top: checkpoints and text below the paper's core (`locality`), the core
-below the repair, the repair below the selection methods (`window` ranks by it), and the
-command line (and the package's public API, "") on top."""
+"""`lorp/`, bottom to top: checkpoints, text and a mixture's experts (cut from the
+checkpoint as its blocks are) below the paper's core (`locality`), the core below the
+repair, the repair below the selection methods (`window` ranks by it), and the command
+line (and the package's public API, "") on top."""
 WRITERS = {
     "Tracker",
     "Catalog",

@@ -3,16 +3,12 @@ the sums equal a hand computation from the experts' banks."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from lorp.experts.layers import moe_layers
-from lorp.experts.stats import ExpertStats
 from lorp.locality.capture import capture_stats
-from lorp.locality.similarity_stats import SimilarityStats
 from tests.helpers.family_models import family_model
 
 
@@ -69,18 +65,6 @@ def test_the_sums_equal_a_hand_computation_on_a_two_expert_layer() -> None:
     np.testing.assert_array_equal(stats.routed[0], routed)
     np.testing.assert_allclose(stats.saliency_sum[0], saliency, rtol=1e-5)
     np.testing.assert_allclose(stats.saliency()[0], saliency / routed, rtol=1e-5)
-
-
-def test_expert_sums_travel_in_the_stats_file(qwen3_moe: torch.nn.Module, tmp_path: Path) -> None:
-    stats = capture_stats(qwen3_moe, windows().split(4), progress=False, experts=True)
-    stats.to_file(tmp_path / "s.npz")
-    back = SimilarityStats.from_file(tmp_path / "s.npz").experts
-    assert isinstance(back, ExpertStats) and back.layers == (1, 2, 3)
-    np.testing.assert_array_equal(back.saliency_sum, stats.experts.saliency_sum)
-    plain = capture_stats(qwen3_moe, windows().split(4), progress=False)
-    assert plain.experts is None
-    with pytest.raises(ValueError, match="with and without expert statistics"):
-        plain.merge(stats)
 
 
 def test_a_dense_model_has_no_expert_statistics() -> None:
