@@ -76,8 +76,11 @@ def variant_view(row: Row, tracking: Mapping[str, View], mlflow_ui: str) -> View
 
 SIZE_COLUMNS = (
     "params",
+    "active_params",
+    "experts",
     "weight_bytes",
     "kv_bytes_per_token",
+    "decode_bytes_per_token",
     "decode_bytes_per_token_4k",
     "predicted_prefill_speedup",
     "predicted_decode_speedup",
@@ -155,12 +158,19 @@ def tradeoff_lines(points: Sequence[Row], quality: str, cost: str) -> dict[str, 
 
 COSTS = (
     ("params", "parameters"),
+    ("active_params", "active parameters per token"),
     ("latency_ms", "prefill latency (ms)"),
+    ("decode_bytes_per_token", "predicted decode bytes per token at the evaluation's context"),
     ("decode_bytes_per_token_4k", "predicted decode bytes per token at 4k context"),
 )
 """A figure's costs: a sub-layer variant's line (its label names its granularity,
 `shortgpt-attention`) meets the block lines on the decode cost at 4k, where the KV cache
-an attention removal saves weighs."""
+an attention removal saves weighs. A mixture's expert cuts meet its depth cuts on
+parameters (what the cut frees) and on active parameters and decode bytes (what a token
+still runs through and reads); those two axes are drawn for a mixture only (a dense
+model's active parameters are its parameters, and its decode bytes at its own context
+follow them)."""
+MOE_COSTS = {"active_params", "decode_bytes_per_token"}
 SPEED_COSTS = {"latency_ms"}
 
 
@@ -171,9 +181,12 @@ def tradeoffs(dense: Row | None, points: Sequence[Row]) -> list[View]:
         q for q in [ppl_metric(points)] if q is not None
     ]
     out = []
+    moe = any(r.get("experts") not in (None, 0) and finite(r.get("experts")) for r in points)
     for quality in qualities:
         kind = "perplexity" if quality.startswith("ppl") else "accuracy %"
         for cost, xlabel in COSTS:
+            if cost in MOE_COSTS and not moe:
+                continue
             lines = tradeoff_lines(points, quality, cost)
             if lines:
                 higher = not quality.startswith("ppl")

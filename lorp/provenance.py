@@ -32,13 +32,16 @@ def provenance(
     job: str | None = None,
     calibration: Mapping[str, Any] | None = None,
     repair: Mapping[str, Any] | None = None,
+    experts: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `lorp_pruning.json` record (plain JSON types; `kept` derived from `pruned`).
 
     `method` is a registered method's name, or "manual" for an explicit block list;
     `stats_hash` is `lorp.locality.similarity_stats.stats_hash` of the statistics the selection
     used; `repair` says how the gaps were closed (`lorp.repair`: method, ridge, one record per
-    run with its fit's residual), null for a plainly pruned checkpoint.
+    run with its fit's residual), null for a plainly pruned checkpoint; `experts` the
+    routed experts removed (`lorp.experts`: selector, and per block the experts' original
+    indices), absent where none were.
     """
     layers = sorted({int(i) for i in pruned})
     bad = [i for i in layers if not 0 <= i < n_blocks]
@@ -61,6 +64,7 @@ def provenance(
             "job": job,
             "calibration": dict(calibration) if calibration is not None else None,
             "repair": dict(repair) if repair is not None else None,
+            **({"experts": dict(experts)} if experts is not None else {}),
         }
     )
 

@@ -90,13 +90,16 @@ def cost_columns(
     dtype: str,
     seq_len: int,
     kept_mlp: Sequence[int] | None = None,
+    dense_shape: ModelShape | None = None,
 ) -> dict[str, float]:
     """The catalog's cost columns of a variant keeping `kept` blocks (`params` of its
     dense model's `params_dense`), served in `dtype`, prefill and decode context
     `seq_len`; the predicted speed-ups are dense over this variant. A sub-layer variant:
-    `kept` keep their attention, `kept_mlp` their MLP."""
+    `kept` keep their attention, `kept_mlp` their MLP. An expert cut: `shape` has the
+    variant's experts, `dense_shape` the dense model's (default: `shape`)."""
     b = DTYPES[dtype].itemsize  # the same names a model spec's `dtype` takes
     dense = range(shape.n_blocks)
+    dense_shape = dense_shape or shape
     flops = prefill_flops_per_token(shape, kept, seq_len, kept_mlp)
     decode = decode_bytes_per_token(shape, kept, params, b, seq_len)
     return {
@@ -104,7 +107,9 @@ def cost_columns(
         "kv_bytes_per_token": float(kv_bytes_per_token(shape, kept, b)),
         "prefill_flops_per_token": flops,
         "decode_bytes_per_token": float(decode),
-        "predicted_prefill_speedup": prefill_flops_per_token(shape, dense, seq_len) / flops,
-        "predicted_decode_speedup": decode_bytes_per_token(shape, dense, params_dense, b, seq_len)
+        "predicted_prefill_speedup": prefill_flops_per_token(dense_shape, dense, seq_len) / flops,
+        "predicted_decode_speedup": decode_bytes_per_token(
+            dense_shape, dense, params_dense, b, seq_len
+        )
         / decode,
     }

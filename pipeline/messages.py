@@ -34,6 +34,8 @@ class CaptureTask:
     """Leading positions of every window left out of S (1 when windows start with BOS)."""
     sublayers: bool = False
     """Record S over the 2N + 1 sub-layer boundaries (`capture_stats(sublayers=True)`)."""
+    experts: bool = False
+    """Record the routed experts' sums too (`capture_stats(experts=True)`)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class PointTask:
     units: tuple[int, ...] = ()
     """The sub-layer units removed instead (`lorp.models.sublayers`); `layers` is then
     empty."""
+    experts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(block, routed experts removed) of every MoE layer, in the dense model's numbering
+    (`lorp.experts.surgery`), removed before the blocks; empty: none."""
 
 
 @dataclass(frozen=True)

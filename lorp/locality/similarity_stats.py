@@ -259,6 +259,7 @@ class SimilarityStats:
         out._sum = self._sum[::2, ::2].clone()
         out._last_sum = self._last_sum[::2, ::2].clone()
         out._last_angle = self._last_angle[::2, ::2].clone()
+        out.experts = self.experts  # the experts' sums are per token, whatever the states
         return out
 
     # -- persistence ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ token's active parameters are counted."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -43,6 +43,10 @@ class ModelShape:
     def has_kv(self, block: int) -> bool:
         """Whether the block keeps a KV cache (it attends)."""
         return not self.kinds or "attention" in self.kinds[block].split("+")
+
+    def with_experts(self, kept: int) -> ModelShape:
+        """The shape after an expert cut that keeps `kept` routed experts per MoE layer."""
+        return replace(self, experts=tuple(kept if e else 0 for e in self.experts))
 
     def idle_expert_params(self, blocks: Sequence[int]) -> int:
         """The routed experts' parameters a token does not run through, over `blocks`."""

@@ -5,6 +5,9 @@ aliases and the dashboard all rank with it.
   model (its catalog label, the registered model `lorp-<label>`), granularity and
   budget: 8 attention sub-layers are not 8 blocks (`best-<b>` ranks whole blocks,
   `best-attention-<b>` attention sub-layers; a row without a granularity is a block's).
+  An expert cut alone ranks by its experts removed per layer (`best-experts-<e>`), and a
+  row that removed both blocks and experts among those that removed as many experts
+  (`best-block-e<e>-<b>`).
 - A degraded row (over the quality gate) is never best; among the rest the lowest value
   of the protocol's first perplexity wins (no perplexity in the protocol: the highest
   `acc_avg`), ties broken by method label, job and grid key, so every reader picks the
@@ -69,9 +72,17 @@ def is_variant(row: Row) -> bool:
 
 
 def granularity(row: Row) -> str:
-    """What a row's budget counts: `block` (also a row from before sub-layers) or a
-    sub-layer granularity."""
-    return str(row.get("granularity") or "block")
+    """What a row's budget counts: `block` (also a row from before sub-layers), a
+    sub-layer granularity or `experts`; `<granularity>-e<e>` where the row removed `e`
+    routed experts per layer besides its budget."""
+    g = str(row.get("granularity") or "block")
+    cut = row.get("expert_budget")
+    e = int(cut) if cut not in (None, "") and not _nan(cut) else 0
+    return f"{g}-e{e}" if e and g != "experts" else g
+
+
+def _nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 def best(

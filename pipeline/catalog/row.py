@@ -61,7 +61,8 @@ class CatalogRow:
     options: str | None = None
     """The method's options (JSON, defaults filled in)."""
     budget: int | None = None
-    """Blocks removed (units removed at a sub-layer granularity); 0 on the dense row."""
+    """Blocks removed (units removed at a sub-layer granularity, routed experts per MoE
+    layer at granularity `experts`); 0 on the dense row."""
     pruned_layers: list[int] | None = None
     """0-based indices of the blocks removed (a sub-layer variant removes no block: empty)."""
     kept_layers: list[int] | None = None
@@ -72,10 +73,18 @@ class CatalogRow:
     the dense row and sub-layer variants."""
     experts: int | None = None
     """Routed experts per mixture-of-experts layer of the variant; null for a dense model."""
+    expert_method: str | None = None
+    """The selector of the routed experts the row removed (`reap`, `frequency`,
+    `random`; docs: Experts); null where it removed none."""
+    expert_budget: int | None = None
+    """Routed experts removed from each MoE layer: 0 on a mixture's rows that removed none,
+    null for a dense model."""
+    experts_removed: str | None = None
+    """Per MoE block, the routed experts removed, in the dense model's numbering (JSON)."""
     granularity: str | None = None
     """What the row's `budget` counts: `block`, `attention`, `mlp` or `mixed` (sub-layers,
-    `docs: Sub-layers`); null on the dense row and on rows from before granularity (read
-    as `block`)."""
+    `docs: Sub-layers`), `experts` (an expert cut alone, `docs: Experts`); null on the
+    dense row and on rows from before granularity (read as `block`)."""
     sublayers: list[str] | None = None
     """The sub-layers a sub-layer variant removed (`attn.5`, `mlp.9`); null at block
     granularity."""

@@ -125,6 +125,7 @@ class Preparer:
             spec.repair_settings,
             spec.domains,
             spec.sublayers,
+            spec.experts.enabled,
             force,
         )
         """The job as the stages read it."""
@@ -229,7 +230,31 @@ class _Preparation:
                     self._ready([p for p in made if p.repair == "none"])
         finally:
             close()
-        return points
+        return points + self._expert_points(ms, grid, points)
+
+    def _expert_points(
+        self, ms: ModelStats, grid: ModelGrid, depth: list[GridPoint]
+    ) -> list[GridPoint]:
+        """Each expert cut of the job (`experts`), chosen from the experts' sums captured
+        with S, alone and (`combine`) with each unrepaired depth point; to the fleet at
+        once. None for a model without experts."""
+        from lorp.experts.selection import select_experts
+
+        cuts, plan = self.spec.experts, self.plan
+        if not plan.expert_budgets:
+            return []
+        if ms.stats.experts is None:
+            raise ValueError(f"{plan.label}: its S was captured without the experts' sums")
+        made = []
+        for method in cuts.methods:
+            for count in plan.expert_budgets:
+                cut = select_experts(
+                    ms.stats.experts, count, method, seed=cuts.seed, groups=plan.expert_groups
+                )
+                points = grid.expert_points(cut, cuts.seed, depth if cuts.combine else [])
+                made += points
+                self._ready(points)
+        return made
 
     def _grid(self, key: str) -> ModelGrid:
         ev = self.spec.evaluation

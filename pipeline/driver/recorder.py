@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import time
+import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -256,16 +257,22 @@ class Recorder:
         if not (ev.enabled and ev.speed):
             return []
         rows = self.catalog.by_key()
+        cuts = [p for p in points if p.experts is not None and p.key in rows]
+        if cuts:
+            self._speed_skipped(cuts, row_updates.EXPERTS_UNTIMED)
+        points = [p for p in points if p.experts is None]
         todo = row_updates.unmeasured(rows, points, twins(points), again=self.force_speed)
         if todo and todo[0].model.streamed("evaluate"):
             self._speed_skipped([p for p in points if p.key in rows])  # twins included
             return []
         return todo
 
-    def _speed_skipped(self, points: list[GridPoint]) -> None:
+    def _speed_skipped(
+        self, points: list[GridPoint], reason: str = row_updates.STREAMED_UNTIMED
+    ) -> None:
         """A model no worker holds whole has no speed pass: its forwards read every block
-        from disk, so a timing would measure the disk. Said in every row it concerns."""
-        reason = row_updates.STREAMED_UNTIMED
+        from disk, so a timing would measure the disk; an expert cut has none either
+        (`row_updates.EXPERTS_UNTIMED`). Said in every row it concerns."""
         for p in points:
             self._update(p.key, {"speed_skipped": reason}, tags={"speed_skipped": reason})
         self.progress.note(f"speed {points[0].model.label}: skipped, {reason}")
@@ -298,7 +305,8 @@ class Recorder:
     def model_failed(self, label: str, exc: BaseException) -> None:
         cause = first_line(exc)
         self.summary.failed.append(f"{label}: {cause}")
-        self.events("model_failed", model=label, cause=cause, error=str(exc)[-4000:])
+        trace = "".join(traceback.format_exception(exc))  # where: an assert has no message
+        self.events("model_failed", model=label, cause=cause, error=trace[-4000:])
         self.progress.note(f"{label} FAILED: {cause}; the other models go on")
 
     # -- a point -----------------------------------------------------------------------

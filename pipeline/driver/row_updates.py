@@ -37,6 +37,11 @@ STREAMED_UNTIMED = (
 )
 """The `speed_skipped` of a streamed model's rows: its forwards read every block from
 disk, so a timing would measure the disk."""
+EXPERTS_UNTIMED = (
+    "not timed: an expert cut leaves a token's compute as it was (it is still routed to "
+    "top-k experts), so its prefill is its blocks' (weight_bytes says what the cut saves)"
+)
+"""The `speed_skipped` of a row that removed routed experts."""
 
 Row = Mapping[str, Any]
 Rows = Mapping[str, Row]

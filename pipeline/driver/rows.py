@@ -100,12 +100,12 @@ def catalog_row(
         pruned_layers=list(point.layers),
         kept_layers=result.kept,
         removed_kinds=removed_kinds(point, facts),
-        experts=max(facts.shape.experts) if facts.shape and facts.shape.experts else None,
-        granularity=point.granularity if point.selection else None,
+        **expert_columns(point, facts),
+        granularity=point.granularity if point.pruned else None,
         sublayers=sublayer_labels(point),
         stages=json.dumps(details["stages"]) if details.get("stages") else None,
         memory_plan=memory_plan(point),
-        repair=point.repair if point.selection else None,
+        repair=point.repair if point.pruned else None,
         repair_fits=json.dumps(result.repair) if result.repair else None,
         repair_kept=repair.pop("repair_kept", None),
         repair_gate=repair.pop("repair_gate", None),
@@ -170,6 +170,21 @@ def figures(
     out |= costs(point, facts, result, cost_seq_len(evaluation, cal))
     measured = {k: v for k, v in result.metrics.items() if _finite_or_none(v)}
     return out | {k: None if v is None else float(v) for k, v in measured.items()}
+
+
+def expert_columns(point: GridPoint, facts: ModelFacts) -> dict[str, Any]:
+    """A mixture's experts per layer after the row's cut, the cut's selector and size, and
+    what it removed (null for a dense model)."""
+    dense = max(facts.shape.experts) if facts.shape and facts.shape.experts else None
+    if dense is None:
+        return {"experts": None, "expert_method": None, "expert_budget": None}
+    cut = point.experts
+    return {
+        "experts": dense - point.expert_budget,
+        "expert_method": cut.method if cut else None,
+        "expert_budget": point.expert_budget,
+        "experts_removed": json.dumps(cut.as_dict()) if cut else None,
+    }
 
 
 def removed_kinds(point: GridPoint, facts: ModelFacts) -> list[str] | None:
@@ -264,11 +279,13 @@ def costs(
     if point.sublayer:
         n = point.model.n_blocks
         kept, mlp = kept_attention_blocks(n, point.units), kept_mlp_blocks(n, point.units)
-    dtype = point.model.spec.dtype
-    out = cost_columns(facts.shape, kept, params, dense, dtype, seq_len, mlp)
-    out["active_params"] = float(params - facts.shape.idle_expert_params(kept))
+    dtype, shape = point.model.spec.dtype, facts.shape
+    if point.experts:  # the dense model's costs count its own experts, the variant's its
+        shape = shape.with_experts(point.experts.kept)
+    out = cost_columns(shape, kept, params, dense, dtype, seq_len, mlp, facts.shape)
+    out["active_params"] = float(params - shape.idle_expert_params(kept))
     for suffix, context in CONTEXTS.items():
-        at = cost_columns(facts.shape, kept, params, dense, dtype, context, mlp)
+        at = cost_columns(shape, kept, params, dense, dtype, context, mlp, facts.shape)
         out |= {f"{name}_{suffix}": at[name] for name in AT_CONTEXT}
     return out
 

@@ -59,7 +59,9 @@ def run_job(
     backend = resolve_backend(spec, importlib.util.find_spec("vllm") is not None)
     recorder = Recorder(spec, force, progress or Progress(bar=False), force_speed=force_speed)
     done = recorder.open()
-    for line in (w for p in plans for w in p.warnings(spec.repair, spec.sublayers)):
+    for line in (
+        w for p in plans for w in p.warnings(spec.repair, spec.sublayers, spec.experts.enabled)
+    ):
         recorder.progress.note(f"warning: {line}")
     init_ray(spec.ray)
     plans = [plan_memory(spec, p, backend) for p in plans]  # needs the cluster's memory

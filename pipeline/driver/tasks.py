@@ -78,6 +78,7 @@ class TaskMaker:
             backend=self.backend,
             repair=self._repair(point, refs),
             name=point.name,
+            experts=expert_cut(point),
         )
 
     def provenance(self, point: GridPoint) -> dict[str, Any]:
@@ -99,6 +100,7 @@ class TaskMaker:
             repair=repair_record(
                 point, r.rounds, r.ridge, (r.distill_epochs(point.method), float(r.distill_lr))
             ),
+            experts=expert_record(point),
         )
 
     def _repair(self, point: GridPoint, refs: RepairRefs) -> RepairTask | None:
@@ -200,3 +202,21 @@ def twins(points: list[GridPoint]) -> dict[str, str]:
             if twin is not None:
                 out[p.key] = twin
     return out
+
+
+def expert_cut(point: GridPoint) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The point's expert cut as `PointTask.experts`: (block, removed experts) pairs."""
+    return tuple(sorted(point.experts.removed.items())) if point.experts else ()
+
+
+def expert_record(point: GridPoint) -> dict[str, Any] | None:
+    """The expert cut in the checkpoint's `lorp_pruning.json` (None: no expert removed)."""
+    if point.experts is None:
+        return None
+    cut = point.experts
+    return {
+        "method": cut.method,
+        "removed_per_layer": cut.per_layer,
+        "experts_per_layer": cut.kept,
+        "removed": cut.as_dict(),
+    }

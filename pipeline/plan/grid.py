@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lorp import Selection
+from lorp.experts.selection import ExpertSelection
 from lorp.locality.similarity_stats import FORMAT_VERSION
 from lorp.models.disk_names import DiskLayout
 from lorp.models.loading import Kind, hub_revision
@@ -86,11 +87,19 @@ class ModelPlan:
     """Why it cannot be streamed (a mixture of experts), or None."""
     limits: FamilyLimits = field(default_factory=FamilyLimits)
     """What its family cannot take: some cuts, a linear repair, sub-layer removal."""
+    n_experts: int = 0
+    """Routed experts per mixture-of-experts layer (0: a dense model)."""
+    expert_groups: int = 1
+    """Groups its router first chooses among (DeepSeek's `n_group`): a cut removes as
+    many experts from each."""
+    expert_budgets: tuple[int, ...] = ()
+    """The job's expert budgets as experts removed per MoE layer (empty: the job has
+    none, or the model has no experts)."""
 
     def disk_layout(self) -> DiskLayout:
         return DiskLayout(self.block_prefix, self.n_blocks)
 
-    def warnings(self, repair: Sequence[str], sublayers: bool) -> list[str]:
+    def warnings(self, repair: Sequence[str], sublayers: bool, experts: bool = False) -> list[str]:
         """One line for each kind of point of the job its family cannot take: it runs,
         and those points fail with the same line (`FamilyLimits`)."""
         label, family, limits = self.spec.label, self.family, self.limits
@@ -110,6 +119,8 @@ class ModelPlan:
                 f"{label}: {family} cannot lose sub-layers ({limits.sublayers}); its "
                 "sub-layer points fail"
             )
+        if experts and not self.n_experts:
+            out.append(f"{label}: {family} has no routed experts; the expert budgets skip it")
         return out
 
     def budgets_for(self, granularity: str) -> tuple[int, ...]:
@@ -168,11 +179,14 @@ class ModelPlan:
     def label(self) -> str:
         return self.spec.label
 
-    def stats_key(self, calibration: str, sublayers: bool = False) -> str:
+    def stats_key(self, calibration: str, sublayers: bool = False, experts: bool = False) -> str:
         """The S cache key: the same weights, calibration and dtype share one S (the
-        sub-layer S, over 2N + 1 boundaries, is another file)."""
+        sub-layer S, over 2N + 1 boundaries, is another file; so is S with the experts'
+        sums)."""
         parts = (self.fingerprint, calibration, self.spec.dtype, FORMAT_VERSION)
-        return content_key(*parts, *(["sublayers"] if sublayers else []))
+        return content_key(
+            *parts, *(["sublayers"] if sublayers else []), *(["experts"] if experts else [])
+        )
 
     def model_key(self, calibration: str) -> str:
         return content_key(self.fingerprint, calibration, self.spec.dtype)
@@ -196,10 +210,17 @@ class GridPoint:
     checkpoint: str | None = None
     """Where its checkpoint goes below the job's storage (`stored_at`, decided once when
     the point is made); None: not stored."""
+    experts: ExpertSelection | None = None
+    """The routed experts the point removes (`lorp.experts`): alone (its granularity is
+    `experts` and it has no `selection`), or with the blocks of its `selection`."""
 
     @property
     def sublayer(self) -> bool:
-        return self.granularity != "block"
+        return self.granularity not in ("block", EXPERTS)
+
+    @property
+    def expert_only(self) -> bool:
+        return self.granularity == EXPERTS
 
     @property
     def servable(self) -> bool:
@@ -208,19 +229,25 @@ class GridPoint:
 
     @property
     def is_dense(self) -> bool:
-        return self.selection is None
+        return self.selection is None and self.experts is None
 
     @property
     def method_name(self) -> str:
-        return self.method.name if self.method else "dense"
+        """The block selection's method; an expert-only point's, its expert selector."""
+        if self.method:
+            return self.method.name
+        return self.experts.method if self.experts else "dense"
 
     @property
     def label(self) -> str:
         """The catalog's `method_label`: the method's key, `+linear` when repaired, so a
-        variant and its repaired twin are two slots side by side."""
+        variant and its repaired twin are two slots side by side; `<selector>-experts`
+        for an expert cut, after `&` where the point removes blocks too."""
+        cut = f"{self.experts.method}-{EXPERTS}" if self.experts else None
         if not self.method:
-            return "dense"
+            return cut or "dense"
         key = self.method.key if not self.sublayer else f"{self.method.key}-{self.granularity}"
+        key = key if cut is None else f"{key}&{cut}"
         return key if self.repair == "none" else f"{key}+{self.repair}"
 
     @property
@@ -233,7 +260,15 @@ class GridPoint:
 
     @property
     def budget(self) -> int:
-        return self.selection.budget if self.selection else 0
+        """Blocks (or units) removed; an expert-only point's, experts per MoE layer."""
+        if self.selection:
+            return self.selection.budget
+        return self.expert_budget
+
+    @property
+    def expert_budget(self) -> int:
+        """Routed experts removed from each MoE layer (0: none)."""
+        return self.experts.per_layer if self.experts else 0
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -247,7 +282,7 @@ class GridPoint:
 
     @property
     def pruned(self) -> bool:
-        return bool(self.layers or self.units)
+        return bool(self.layers or self.units or self.expert_budget)
 
     @property
     def bound_blocks(self) -> int:
@@ -266,8 +301,15 @@ class GridPoint:
 
     @property
     def name(self) -> str:
-        """Run and checkpoint name: `<label>-b<budget>`."""
-        return f"{self.label}-b{self.budget}" if self.selection else "dense"
+        """Run and checkpoint name: `<label>-b<budget>`, `-e<experts>` for an expert cut."""
+        cut = f"-e{self.expert_budget}" if self.experts else ""
+        if self.selection:
+            return f"{self.label}-b{self.budget}{cut}"
+        return f"{self.label}{cut}" if self.experts else "dense"
+
+
+EXPERTS = "experts"
+"""The granularity of a point that removes routed experts only (its budget counts them)."""
 
 
 CHECKPOINTS = "checkpoints"
@@ -320,11 +362,15 @@ def grid_key(
     distill: tuple[int, float] = (0, 0.0),
     gate: bool = True,
     granularity: str = "block",
+    experts: Mapping[str, Any] | None = None,
 ) -> str:
     """A point's key; an unrepaired point's key is what it was before repair existed, so
     catalogs and caches of earlier runs stay valid, and a block point's what it was
-    before sub-layers."""
+    before sub-layers and experts. `experts`: the expert cut's selector, count and seed
+    (an expert cut is never repaired)."""
     units = [{"granularity": granularity}] if granularity != "block" else []
+    if experts is not None:
+        units.append({"experts": dict(experts)})
     if repair == "none":
         return content_key(model_key, point, dict(options), budget, ev, *units)
     # validated: the ridge chosen (or fixed) and the map kept only where it beats the

@@ -95,7 +95,28 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         block_prefix=read.block_prefix,
         streaming_refusal=read.streaming_refusal,
         limits=read.limits,
+        n_experts=read.n_experts,
+        expert_groups=read.expert_groups,
+        expert_budgets=_expert_budgets(spec.experts.budgets, m, read),
     )
+
+
+def _expert_budgets(
+    budgets: Sequence[int | float], m: ModelSpec, read: ModelRead
+) -> tuple[int, ...]:
+    """The job's expert budgets as experts removed per MoE layer of model `m`; one line
+    naming the budget where the model's layers would keep fewer than top-k."""
+    from lorp.experts.selection import resolve_expert_budget
+
+    if not read.n_experts:
+        return ()
+    counts = set()
+    for j, b in enumerate(budgets):
+        try:
+            counts.add(resolve_expert_budget(b, read.n_experts, read.top_k, read.expert_groups))
+        except ValueError as exc:
+            raise SpecError(f"experts.budgets[{j}]: {exc} ({m.label})") from None
+    return tuple(sorted(counts))
 
 
 def _not_servable(config: dict[str, Any]) -> str | None:
@@ -141,11 +162,16 @@ class ModelRead:
     streaming_refusal: str | None
     """Why it cannot be streamed, or None."""
     limits: FamilyLimits = FamilyLimits()
+    n_experts: int = 0
+    """Routed experts per MoE layer (0: none)."""
+    top_k: int = 0
+    expert_groups: int = 1
 
 
 def read_model(path: Path, m: ModelSpec) -> ModelRead:
     """The model of checkpoint `path` read from its config; ValueError (one line) where
     lorp cannot prune its family, naming what is missing."""
+    from lorp.experts.layers import expert_groups, moe_layers, top_k
     from lorp.models.architectures import tied_embeddings
     from lorp.models.disk_names import disk_layout, model_of
     from lorp.models.loading import load_config
@@ -156,7 +182,17 @@ def read_model(path: Path, m: ModelSpec) -> ModelRead:
     model = model_of(config)
     prefix = disk_layout(model).block_prefix
     limits = family_limits(config, model)
-    return ModelRead(family, tied_embeddings(model), prefix, streaming_refusal(config), limits)
+    layers = moe_layers(model)
+    return ModelRead(
+        family,
+        tied_embeddings(model),
+        prefix,
+        streaming_refusal(config),
+        limits,
+        max((layer.n_experts for layer in layers), default=0),
+        top_k(config),
+        expert_groups(config),
+    )
 
 
 def family_limits(config: Any, model: Any) -> FamilyLimits:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lorp import Selection, get_method
+from lorp.experts.selection import ExpertSelection
 from lorp.repair.stats import contiguous_runs
-from pipeline.plan.grid import GridPoint, ModelPlan, grid_key, stored_at
+from pipeline.plan.grid import EXPERTS, GridPoint, ModelPlan, grid_key, stored_at
 from pipeline.spec.models import MethodSpec
 from pipeline.spec.repair import RepairSettings
 
@@ -106,3 +107,30 @@ class ModelGrid:
         )
         point = GridPoint(key, self.plan, m, sel, seconds, repair, g)
         return replace(point, checkpoint=stored_at(point, self.saves_checkpoints))
+
+    def expert_points(
+        self, cut: ExpertSelection, seed: int, depth: Sequence[GridPoint]
+    ) -> list[GridPoint]:
+        """The points of one expert cut: the cut alone, and with each unrepaired depth
+        point of `depth` (a job's `experts.combine`: its selection made on the dense
+        model). An expert cut is not repaired: the repair's sums are of every expert."""
+        what = {"method": cut.method, "removed": cut.per_layer}
+        what |= {"seed": seed} if cut.method == "random" else {}
+        key = grid_key(self.model_key, EXPERTS, {}, 0, self.evaluation, experts=what)
+        alone = GridPoint(key, self.plan, None, None, granularity=EXPERTS, experts=cut)
+        made = [alone]
+        for p in depth:
+            depth_only = p.method is not None and p.selection is not None and not p.experts
+            if not depth_only or p.repair != "none" or p.granularity != "block":
+                continue  # the dense point, a repaired twin, a sub-layer or expert cut
+            assert p.method is not None
+            key = grid_key(
+                self.model_key,
+                p.method.name,
+                p.options,
+                p.budget,
+                self.evaluation,
+                experts=what,
+            )
+            made.append(replace(p, key=key, experts=cut))
+        return [replace(p, checkpoint=stored_at(p, self.saves_checkpoints)) for p in made]

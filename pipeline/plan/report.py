@@ -102,7 +102,7 @@ def plan_job(spec: JobSpec) -> JobOutline:
         except (SpecError, ValueError) as exc:
             out.problems.append(str(exc))
             continue
-        out.warnings += plan.warnings(spec.repair, spec.sublayers)
+        out.warnings += plan.warnings(spec.repair, spec.sublayers, spec.experts.enabled)
         outline.stages = plan.memory_record()
         outline.points = grid_points(spec.granularity, spec.methods, spec.repair, plan)
         if not spec.evaluation.enabled:

@@ -15,6 +15,7 @@ from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError, check_storage, is_number, positive, unique
 from pipeline.spec.domains import check_domains, domain_of, domains_of, uncovered
 from pipeline.spec.evaluation import EvaluationSpec
+from pipeline.spec.experts import ExpertsSpec
 from pipeline.spec.models import MethodSpec, ModelSpec
 from pipeline.spec.names import distinct_when_stored
 from pipeline.spec.repair import RepairSettings
@@ -51,6 +52,9 @@ class JobSpec:
     `lorp.repair.sublayer_repair` (no followers), and are stored, for the Llama and Qwen2
     families, as Nemotron-NAS checkpoints vLLM serves; other families are evaluated in
     transformers, unstored (docs: Sub-layers)."""
+    experts: ExpertsSpec = field(default_factory=ExpertsSpec)
+    """A grid dimension for mixture-of-experts models: routed experts removed from every
+    MoE layer, alone and (`combine`) with each depth point (docs: Experts)."""
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     """Calibration data for S (a model may name its own text: `models[].calibration`)."""
     domains: dict[str, str] = field(default_factory=dict)

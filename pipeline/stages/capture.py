@@ -68,6 +68,7 @@ class CaptureWorker:
                 skip_prefix=skip,
                 progress=False,
                 sublayers=self.task.sublayers,
+                experts=self.task.experts,
             )
 
     def repair(

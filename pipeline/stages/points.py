@@ -100,6 +100,8 @@ def _execute_point(task: PointTask) -> PointResult:
 
         return execute_sublayer_point(task, lm, start)
     params_dense = count_params(lm.model)
+    if task.experts:  # before the blocks: the cut names blocks in the dense numbering
+        _drop_experts(task, lm.model)
     fits = _repair(task, lm.model) if task.repair else []
     kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
     params = count_params(lm.model)
@@ -122,6 +124,19 @@ def _execute_point(task: PointTask) -> PointResult:
         records,
         serving,
     )
+
+
+def _drop_experts(task: PointTask, model: Any) -> None:
+    """The point's routed experts removed in memory (`lorp.experts.surgery`). A streamed
+    model holds no weights to cut: refused in one line."""
+    from lorp.experts.surgery import drop_experts
+
+    if task.model.streamed:
+        raise ValueError(
+            f"{task.model.label}: an expert cut of a streamed model is not evaluated; give "
+            "the evaluate stage room to hold it whole (resources.grid.memory_gib)"
+        )
+    drop_experts(model, dict(task.experts))
 
 
 _PRISTINE: dict[tuple[str, str, str], Any] = {}
@@ -246,7 +261,7 @@ def _save_checkpoint(
     atomically), else in this node's scratch, uploaded (marker last) before evaluation.
     A streamed model's variant is written from the dense model's files, the fold applied
     there (`lorp.models.file_surgery`): the model in this process has no weights to save."""
-    if not (task.checkpoint and task.layers):
+    if not (task.checkpoint and (task.layers or task.experts)):
         return None
     maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
     storage = Storage(task.storage)
@@ -268,6 +283,7 @@ def _save_checkpoint(
             changes=file_folds(fits) if fits else None,
             dtype=m.dtype,
             overwrite=True,
+            experts=dict(task.experts) or None,
         )
     elif task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
         from lorp.models.file_surgery import write_pruned_files

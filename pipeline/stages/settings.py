@@ -42,5 +42,8 @@ class StageSettings:
     """Corpus -> its domain, for corpora that are not packaged (`JobSpec.domains`)."""
     sublayers: bool = False
     """Capture S over the 2N + 1 sub-layer boundaries (the job removes sub-layers)."""
+    experts: bool = False
+    """Capture the routed experts' sums with S, for a model that has experts (the job
+    removes experts)."""
     force: bool = False
     """Compute again what the caches hold (`lorp run --force`)."""

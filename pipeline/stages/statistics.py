@@ -75,14 +75,15 @@ def model_statistics(stage: StageSettings, plan: ModelPlan) -> ModelStats:
     store, force, run_dir = stage.cache, stage.force, stage.run_dir
     cal, workers = plan.calibration, stage.resources.capture_workers
     units = stage.sublayers  # one capture of the 2N + 1 boundaries serves every granularity
-    pointer = f"{plan.stats_key(content_key(asdict(cal)), units)}.name"
+    experts = stage.experts and plan.n_experts > 0
+    pointer = f"{plan.stats_key(content_key(asdict(cal)), units, experts)}.name"
     early: list[Any] = []
     noted = store.read_bytes(pointer) is not None
     if force or not noted:
         early = start_capture_workers(_early_task(stage, plan), cal.shards, workers)
     try:
         shards = calibration_shards(cal, plan, run_dir)
-        name = f"{plan.stats_key(shards.fingerprint, units)}.npz"
+        name = f"{plan.stats_key(shards.fingerprint, units, experts)}.npz"
         local = store.local_path(name) or run_dir / "stats" / name  # remote: a working copy
         if not force and store.get_file(name, local):
             if not noted:
@@ -92,7 +93,7 @@ def model_statistics(stage: StageSettings, plan: ModelPlan) -> ModelStats:
             uri = store.uri(name)
             return _model_stats(stats, local, "cache", 0.0, uri, shards, len(early))
         start = time.perf_counter()
-        task = capture_task(stage.resources.capture, cal, plan, shards, units)
+        task = capture_task(stage.resources.capture, cal, plan, shards, units, experts)
         stats = distributed_capture(task, load_shards(shards), workers, actors=early or None)
     except BaseException:
         stop_workers(early)
@@ -238,9 +239,10 @@ def capture_task(
     plan: ModelPlan,
     shards: CalibrationShards,
     sublayers: bool = False,
+    experts: bool = False,
 ) -> CaptureTask:
     """What every capture worker of `plan`'s model receives (`sublayers`: S over the 2N + 1
-    sub-layer boundaries)."""
+    sub-layer boundaries; `experts`: the routed experts' sums with it)."""
     return CaptureTask(
         model=plan.source("capture"),
         calibration=shards.fingerprint,
@@ -248,6 +250,7 @@ def capture_task(
         batch_size=plan.batch("capture", calibration.batch_size),
         skip_prefix=int(shards.bos is not None),
         sublayers=sublayers,
+        experts=experts,
     )
 
 
@@ -259,6 +262,7 @@ def _early_task(stage: StageSettings, plan: ModelPlan) -> CaptureTask:
         resources=stage.resources.capture,
         batch_size=plan.batch("capture", plan.calibration.batch_size),
         sublayers=stage.sublayers,
+        experts=stage.experts and plan.n_experts > 0,
     )
 
 

@@ -88,6 +88,10 @@ TAG_COLUMNS = (
     "storage",
     "granularity",
     "sublayers",
+    "experts",
+    "expert_method",
+    "expert_budget",
+    "active_params",
 )
 
 

@@ -38,3 +38,34 @@ def test_sub_layer_budgets_rank_apart_from_block_budgets() -> None:
     aliases = best_rows(rows)
     assert aliases["best-8"] is old_block and aliases["best-attention-8"] is attention
     assert aliases["best-attention-8-p"] is attention
+
+
+def test_expert_cuts_rank_apart_from_depth_cuts() -> None:
+    """An expert cut alone is `best-experts-<e>`; a row that removed a block and experts
+    ranks among the rows that removed as many experts (`best-block-e<e>-<b>`), never
+    against the blocks-only rows of `best-<b>`; a registry tag's string reads the same."""
+    from pipeline.catalog.ranking import best_rows
+
+    common = {"protocol": "p", "method": "shortgpt", "created_at": "t", "judged_on": "lee"}
+    depth = {**common, "method_label": "shortgpt", "budget": 1, "ppl_ratio": 1.5}
+    cut = {
+        **common,
+        "method": "reap",
+        "method_label": "reap-experts",
+        "budget": 2,
+        "granularity": "experts",
+        "expert_budget": 2,
+        "ppl_ratio": 1.1,
+    }
+    both = {
+        **depth,
+        "method_label": "shortgpt&reap-experts",
+        "granularity": "block",
+        "expert_budget": "2",  # as a version's tag holds it
+        "ppl_ratio": 1.4,  # better than depth alone: still not its best-1
+    }
+    aliases = best_rows([depth, cut, both])
+    assert aliases["best-1"] is depth
+    assert aliases["best-experts-2"] is cut
+    assert aliases["best-block-e2-1"] is both
+    assert "best-2" not in aliases

@@ -288,3 +288,52 @@ def test_a_rows_record_goes_into_a_table_with_the_core_columns_typed(
     assert table.column("pruned_layers").to_pylist() == [[2, 3], [2, 3]]
     assert table.column("ppl_ptb").to_pylist() == [31.5, None]
     assert table.column("repair").to_pylist() == ["none", "linear"]
+
+
+@pytest.mark.integration
+def test_an_expert_cuts_row_counts_its_experts_and_what_a_token_still_reads(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Qwen3-MoE with 4 experts, top-2, in blocks 1-3: cutting 2 per layer leaves the
+    experts a token runs through, so its active parameters and decode bytes are the dense
+    model's less the parameters the cut took from the routers only; its weight bytes
+    fall by what the cut freed."""
+    from lorp.experts.selection import ExpertSelection
+    from pipeline.plan.points import ModelGrid
+    from tests.helpers.family_models import save_family_ptb
+
+    root = tmp_path_factory.mktemp("moe-rows")
+    model = save_family_ptb("qwen3_moe", root / "moe")
+    job = tiny_job(root, model, budgets=[1], methods=[{"name": "shortgpt"}])
+    spec = parse_spec(job | {"evaluation": EVALUATION, "experts": {"budgets": [2]}})
+    (plan,) = plan_models(spec)
+    grid = ModelGrid(plan, "key", {"seq_len": 48}, spec.repair_settings, True)
+    cut = ExpertSelection("reap", {1: (0, 1), 2: (2, 3), 3: (0, 3)}, 4)
+    (alone,) = grid.expert_points(cut, 0, [])
+    dense = grid.dense()
+    assert dense is not None
+    facts = model_facts(PROFILE, None, plan.path, plan.calibration)
+    shape = facts.shape
+    assert shape is not None and shape.experts == (0, 4, 4, 4) and shape.top_k == 2
+    freed = 3 * 2 * shape.expert_params
+    router_rows = 3 * 2 * shape.hidden
+    n = shape.n_blocks
+    ctx = RowContext("run", None, "transformers")
+    rows = [
+        catalog_row(
+            p, PointResult(p.key, list(range(n)), params, 10**6), facts, job_columns(spec), ctx
+        )
+        for p, params in ((dense, 10**6), (alone, 10**6 - freed - router_rows))
+    ]
+    d, c = rows[0], rows[1]
+    assert (d.experts, d.expert_budget, d.expert_method, d.granularity) == (4, 0, None, None)
+    assert (c.experts, c.expert_budget, c.expert_method, c.granularity) == (2, 2, "reap", "experts")
+    assert json.loads(c.experts_removed or "") == {"1": [0, 1], "2": [2, 3], "3": [0, 3]}
+    assert d.figures["active_params"] - c.figures["active_params"] == router_rows
+    assert d.figures["weight_bytes"] - c.figures["weight_bytes"] == (freed + router_rows) * 4
+    assert d.figures["decode_bytes_per_token"] - c.figures["decode_bytes_per_token"] == (
+        router_rows * 4
+    )
+    assert c.figures["predicted_decode_speedup"] == pytest.approx(
+        d.figures["decode_bytes_per_token"] / c.figures["decode_bytes_per_token"]
+    )

@@ -74,3 +74,30 @@ def test_what_a_family_cannot_take_is_one_warning_line_in_the_plan(
     assert all("\n" not in w for w in warned)
     assert warned[3].startswith("minimax: MiniMax cannot lose sub-layers (its residual")
     assert sum(line.startswith("warning: minimax:") for line in plan_lines(outline, 1)) == 3
+
+
+@pytest.mark.integration
+def test_expert_budgets_count_experts_per_layer_and_must_leave_top_k(tmp_path: Path) -> None:
+    """A fraction counts a layer's routed experts; a budget that leaves fewer than top-k
+    names the budget and the model; a dense model of the job is a warning line."""
+    from pipeline.plan.models import plan_model
+    from pipeline.plan.report import plan_job
+    from tests.helpers.family_models import save_family_ptb
+
+    moe = save_family_ptb("qwen3_moe", tmp_path / "moe")  # 4 experts, top-2
+    llama = save_tiny_ptb("llama", tmp_path / "llama")
+    spec = tiny_job(tmp_path, moe, budgets=[1], methods=[{"name": "shortgpt"}])
+    spec["models"] = [{"ref": str(moe), "name": "moe"}, {"ref": str(llama), "name": "llama"}]
+    good = parse_spec(spec | {"experts": {"budgets": [0.25, 2], "methods": ["reap"]}})
+    plan = plan_model(good, 0, good.models[0])
+    assert (plan.n_experts, plan.expert_budgets, plan.expert_groups) == (4, (1, 2), 1)
+    assert plan_model(good, 1, good.models[1]).expert_budgets == ()
+    warned = [w for w in plan_job(good).warnings if w.startswith("llama")]
+    assert warned == ["llama: Llama has no routed experts; the expert budgets skip it"]
+    bad = parse_spec(spec | {"experts": {"budgets": [1, 0.75]}})
+    with pytest.raises(SpecError) as exc:
+        plan_model(bad, 0, bad.models[0])
+    assert str(exc.value) == (
+        "experts.budgets[1]: expert budget 0.75 (= 3 experts) leaves 1 of 4 experts per "
+        "layer, fewer than the 2 each token is routed to (moe)"
+    )

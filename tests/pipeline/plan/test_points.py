@@ -77,3 +77,38 @@ def test_selections_on_the_loss_actors_come_last() -> None:
     methods = (MethodSpec("sleb"), MethodSpec("shortgpt"), MethodSpec("streamline"))
     order = [(g, m.name) for g, m in selection_order(("block",), methods)]
     assert order == [("block", "shortgpt"), ("block", "streamline"), ("block", "sleb")]
+
+
+def test_an_expert_cut_is_a_point_alone_and_with_each_unrepaired_depth_point() -> None:
+    """The cut alone counts experts (granularity `experts`), and beside each unrepaired
+    block point it keeps the block selection: every point its own key and checkpoint, the
+    repaired twin left alone; `random`'s seed is part of its key, not `reap`'s."""
+    from lorp.experts.selection import ExpertSelection
+
+    spec = parse_spec(tiny_job(Path("/x"), Path("/m"), budgets=[2], repair=["none", "linear"]))
+    plan = ModelPlan(spec.models[0], Path("/m"), "fp", 6, "qwen3_moe", (2,), "/m", "local")
+    grid = ModelGrid(plan, "key", {"seq_len": 8}, spec.repair_settings, True)
+    depth, _ = grid.points(MethodSpec("shortgpt"), Selection((2, 3), "shortgpt", 2, 6), 0, "block")
+    cut = ExpertSelection("reap", {1: (0, 3), 2: (1, 2)}, 8)
+    dense = grid.dense()
+    assert dense is not None
+    alone, both = grid.expert_points(cut, 0, [dense, *depth])
+    assert (alone.label, alone.name, alone.budget) == ("reap-experts", "reap-experts-e2", 2)
+    assert (alone.granularity, alone.layers, alone.is_dense, alone.pruned) == (
+        "experts",
+        (),
+        False,
+        True,
+    )
+    assert (both.label, both.name, both.layers) == (
+        "shortgpt&reap-experts",
+        "shortgpt&reap-experts-b2-e2",
+        (2, 3),
+    )
+    assert (both.budget, both.expert_budget, both.repair, both.sublayer) == (2, 2, "none", False)
+    assert both.checkpoint == "checkpoints/tiny/shortgpt_reap-experts-b2-e2"
+    keys = {p.key for p in (*depth, alone, both)}
+    assert len(keys) == 4
+    assert grid.expert_points(cut, 7, depth)[0].key == alone.key
+    rand = ExpertSelection("random", cut.removed, 8)
+    assert grid.expert_points(rand, 0, [])[0].key != grid.expert_points(rand, 1, [])[0].key

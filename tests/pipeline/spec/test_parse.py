@@ -113,6 +113,20 @@ def test_good_spec_defaults() -> None:
             {"evaluation": {"serving": {"concurrenc": 2}}},
             "evaluation.serving.concurrenc: unknown key",
         ),
+        (
+            {"experts": {"budgets": [1.5]}},
+            "experts.budgets[0]: a fraction must be in (0, 1), got 1.5",
+        ),
+        (
+            {"experts": {"budgets": [0]}},
+            "experts.budgets[0]: an expert count must be >= 1, got 0",
+        ),
+        (
+            {"experts": {"budgets": [2], "methods": ["magnitude"]}},
+            "experts.methods[0]: must be one of reap, frequency, random, got 'magnitude'",
+        ),
+        ({"experts": {"budgets": [2, 2]}}, "experts.budgets: 2 appears twice"),
+        ({"experts": {"budget": [2]}}, "experts.budget: unknown key"),
     ],
 )
 def test_bad_spec_names_the_field(patch: dict, message: str) -> None:
