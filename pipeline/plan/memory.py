@@ -195,20 +195,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
         ("evaluate", held.decide("evaluate", plan, res.grid, workers, ev, most)),
     )
     _check_distill(spec.distills, plan, decisions[1][1])
-    _check_streamable(plan, decisions)
     return replace(plan, memory=decisions, tensor_parallel=tp)
-
-
-def _check_streamable(plan: ModelPlan, decisions: tuple[tuple[str, Decision], ...]) -> None:
-    """A model its files cannot stream (a mixture of experts) must fit every worker."""
-    for stage, d in decisions:
-        if d.mode == "streamed" and plan.streaming_refusal is not None:
-            field = FIELDS[stage]
-            raise SpecError(
-                f"resources.{field}.memory_gib: model {plan.label!r} does not fit a {stage} "
-                f"worker whole ({gib(d.memory_bytes)} of {gib(d.worker_bytes)}), and "
-                f"{plan.streaming_refusal}"
-            )
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,6 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         not_servable=_not_servable(config) if spec.sublayers else None,
         calibration=spec.calibration_for(m),
         block_prefix=read.block_prefix,
-        streaming_refusal=read.streaming_refusal,
         limits=read.limits,
     )
 
@@ -138,8 +137,6 @@ class ModelRead:
     """Its LM head is its input embeddings (a repair run from block 0 cannot fold)."""
     block_prefix: str
     """Where its files keep its text blocks (`lorp.models.disk_names`)."""
-    streaming_refusal: str | None
-    """Why it cannot be streamed, or None."""
     limits: FamilyLimits = FamilyLimits()
 
 
@@ -149,14 +146,13 @@ def read_model(path: Path, m: ModelSpec) -> ModelRead:
     from lorp.models.architectures import tied_embeddings
     from lorp.models.disk_names import disk_layout, model_of
     from lorp.models.loading import load_config
-    from lorp.models.streaming import streaming_refusal
 
     config = load_config(path, m.trust_remote_code)
     family = architecture_for(config).family
     model = model_of(config)
     prefix = disk_layout(model).block_prefix
     limits = family_limits(config, model)
-    return ModelRead(family, tied_embeddings(model), prefix, streaming_refusal(config), limits)
+    return ModelRead(family, tied_embeddings(model), prefix, limits)
 
 
 def family_limits(config: Any, model: Any) -> FamilyLimits:
