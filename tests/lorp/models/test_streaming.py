@@ -151,11 +151,12 @@ def test_legacy_rotary_frequencies_are_ignored_as_from_pretrained_does(
         build_streamed(copy)
 
 
-MIXTURES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "jamba"]
+MIXTURES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "jamba", "bamba"]
 """Banks from per-expert files (Qwen3-MoE's names, Mixtral's renamed `block_sparse_moe`
 and `w1`/`w2`/`w3`), from files that keep them whole (gpt-oss), a dense first block then
-experts with a shared expert (DeepSeek-V3), and Mamba mixers between them (Jamba: its
-mixers hand `conv1d.weight` to a kernel without calling `conv1d`)."""
+experts with a shared expert (DeepSeek-V3), and Mamba mixers between them (Jamba) or
+beside attention without experts (Bamba): their mixers hand `conv1d.weight` to a kernel
+without calling `conv1d`."""
 
 
 @pytest.fixture(scope="module")
