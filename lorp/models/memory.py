@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from lorp.models.perplexity import NLL_CHUNK
 from lorp.models.safetensors_index import DTYPE_NAMES, FLOATS, TensorEntry, block_of
@@ -47,8 +48,10 @@ class WeightSize:
     """Bytes of every tensor under 2 dimensions (norms, biases): what a streamed model
     keeps resident."""
     largest_unit: int
-    """The most matrix bytes one module owns (a projection, the embeddings, the head):
-    what a streamed model reads at once (`lorp.models.streaming`)."""
+    """The most matrix bytes one module owns (a projection, the embeddings, the head, a
+    mixture's expert banks), and, for banks built from their experts' tensors, those
+    tensors while one is built: what a streamed model holds at once
+    (`lorp.models.streaming`, `unit_peak`)."""
     converted: int = 0
     """File bytes of the floating tensors stored in another dtype than the load's (a
     float32 file loaded as bfloat16): a whole load holds them, read from the file, beside
@@ -76,11 +79,17 @@ class WeightSize:
 
 
 def weight_size(
-    index: Mapping[str, TensorEntry], dtype: torch.dtype, layout: DiskLayout | None = None
+    index: Mapping[str, TensorEntry],
+    dtype: torch.dtype,
+    layout: DiskLayout | None = None,
+    model: nn.Module | None = None,
 ) -> WeightSize:
     """Bytes per part of the checkpoint `index` (see `tensor_index`) loaded as `dtype`.
     `layout`: where the files keep the text blocks (`lorp.models.disk_names`; default: any
-    `layers.<i>.`), so another tower's blocks count as the model's other tensors."""
+    `layers.<i>.`), so another tower's blocks count as the model's other tensors. `model`:
+    the model the files load into, on the meta device (`disk_names.model_of`), whose
+    modules are the streamed units (`unit_peak`); without it the files' modules are (as
+    they are where the files name the model's tensors: not a mixture's per-expert files)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_block: dict[int, int] = {}
     per_module: dict[str, int] = {}
@@ -109,8 +118,33 @@ def weight_size(
     if missing:
         raise ValueError(f"checkpoint has no tensors for blocks {missing}")
     largest = max(per_module.values(), default=0)
+    if model is not None:
+        largest = unit_peak(model, index, itemsize)
     blocks = tuple(per_block[i] for i in range(n))
     return WeightSize(blocks, embeddings, head, other, vectors, largest, converted)
+
+
+def unit_peak(model: nn.Module, index: Mapping[str, TensorEntry], itemsize: int) -> int:
+    """The most bytes one streamed unit of `model` (`lorp.models.streaming`) holds while
+    it loads, its matrices at `itemsize` bytes a value: every matrix of the module, and
+    while a bank is built from its experts' tensors (`lorp.models.conversions`), those
+    tensors beside it. transformers' converter reads them all, stacks them (the parts
+    and their stack held), then joins gate and up (the stacks and the bank held): the
+    bank's bytes once more at most, measured in `tests/lorp/models/test_conversions.py`.
+    A bank the files keep whole (gpt-oss) is read as a matrix is."""
+    from lorp.models.conversions import FusedEntry, model_entries
+
+    held: dict[str, int] = {}
+    building: dict[str, int] = {}
+    for name, entry in model_entries(model, index).items():
+        if len(entry.shape) < 2:
+            continue  # a vector: resident, counted apart
+        module = name.rpartition(".")[0]
+        held[module] = held.get(module, 0) + entry.nbytes_as(itemsize)
+        if isinstance(entry, FusedEntry):
+            parts = sum(p.nbytes_as(itemsize) for _, p in entry.parts)
+            building[module] = max(building.get(module, 0), parts)
+    return max((n + building.get(m, 0) for m, n in held.items()), default=0)
 
 
 def block_activations(shape: ModelShape, batch: int, seq_len: int, itemsize: int) -> int:

@@ -13,6 +13,15 @@ d = 8192 an MLP projection (0.9 GiB in fp32) or the embeddings, where the whole 
 (7 projections) and the embeddings and head together (2 x vocabulary x d) would have
 been held.
 
+A mixture of experts' unit is its experts module, which holds one bank per projection
+(`gate_up_proj` [E, 2I, d], `down_proj` [E, d, I]) where most files keep one tensor per
+expert: the files' tensors are placed by the names `from_pretrained` gives them
+(`lorp.models.conversions`), and a bank is built from its experts' tensors by
+transformers' own conversion as its unit loads, one bank after the other, and released
+with it, so one layer's banks are held at a time (gpt-oss's files keep them whole). A
+Mamba mixer that hands its `conv1d.weight` to a kernel without calling `conv1d` loads
+that unit through accelerate's hook protocol (`_UnitHook`).
+
 Every forward of the model is then the model's own code on the model's own weights, so
 `capture_stats`, `capture_repair_stats`, `perplexity` and the loss methods run on it
 unchanged and give the in-memory figures: a batch of B windows reads each matrix once, so
@@ -38,8 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorp.models.architectures import architecture_for, decoder_blocks, model_class, skeleton
-from lorp.models.disk_names import DiskLayout, disk_layout
+from lorp.models.architectures import model_class
+from lorp.models.conversions import Entry, FusedEntry, assemble, model_entries
 from lorp.models.safetensors_index import TORCH_DTYPES, TensorEntry, tensor_index
 
 log = logging.getLogger(__name__)
@@ -66,29 +75,23 @@ class Unit:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.tensors: list[tuple[str, TensorEntry]] = []
-        """(attribute, the file's tensor) pairs."""
+        self.tensors: list[tuple[str, Entry]] = []
+        """(attribute, the file's tensor or the bank built from several) pairs."""
 
 
 class BlockStreamer:
     """Reads the checkpoint's matrices on demand, one module's at a time."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        index: dict[str, TensorEntry],
-        dtype: torch.dtype,
-        device: str,
-        layout: DiskLayout | None = None,
+        self, model: nn.Module, index: dict[str, TensorEntry], dtype: torch.dtype, device: str
     ) -> None:
-        """`layout`: where the files keep the text blocks (default: read from `model`)."""
+        """The files' tensors `index` placed where `from_pretrained` would load them
+        (`lorp.models.conversions`: renamed, expert banks built from their experts')."""
         # Weakly: the model holds the streamer, and a cycle would keep a finished point's
         # resident weights alive until the garbage collector next runs.
         self._model = weakref.ref(model)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.blocks = list(decoder_blocks(model))
-        self.layout = layout if layout is not None else disk_layout(model)
         self.units: dict[int, Unit] = {}
         """id(module) -> its unit."""
         self.vectors: list[tuple[nn.Module, str, TensorEntry]] = []
@@ -96,37 +99,32 @@ class BlockStreamer:
         self.tied = False
         """The LM head reads the embeddings' matrix (the files hold no head of their own)."""
         self.overrides: dict[str, torch.Tensor] = {}
-        """Checkpoint key -> a tensor served instead of the file's (a repair's fold)."""
+        """Checkpoint key (a bank's: the model's name) -> a tensor served instead of the
+        file's (a repair's fold)."""
         self._meta: dict[str, nn.Parameter] = {}
         """Checkpoint key -> the meta parameter a released unit holds (one per key, so a
         tied head and the embeddings stay one parameter between forwards)."""
         self.loaded: set[int] = set()
         self.reads = 0
         """Unit loads so far (tests count them: each unit once per forward)."""
-        for key, entry in index.items():
-            self._assign(model, key, entry)
+        for name, entry in model_entries(model, index).items():
+            self._assign(model, name, entry)
 
-    def _assign(self, model: nn.Module, key: str, entry: TensorEntry) -> None:
-        split = self.layout.split(key)
-        if split is None:
-            root, path = model, key
-        else:
-            b = split[1]
-            if b >= len(self.blocks):
-                raise ValueError(
-                    f"checkpoint tensor {key!r} is past the model's {len(self.blocks)} blocks"
-                )
-            root, path = self.blocks[b], split[2]
-        mpath, _, attr = path.rpartition(".")
+    def _assign(self, model: nn.Module, name: str, entry: Entry) -> None:
+        """Give the model's tensor `name` its entry: a vector to read now, or a matrix
+        (or bank) of its module's unit."""
+        mpath, _, attr = name.rpartition(".")
         if _legacy(attr):
             return  # computed by the modules themselves, as `from_pretrained` ignores it
         try:
-            module = root.get_submodule(mpath) if mpath else root
+            module = model.get_submodule(mpath) if mpath else model
         except AttributeError:
-            raise ValueError(f"checkpoint tensor {key!r} has no place in the model") from None
+            raise ValueError(f"checkpoint tensor {entry.key!r} has no place in the model") from None
         if attr not in module._parameters and attr not in module._buffers:
-            raise ValueError(f"checkpoint tensor {key!r} has no place in the model")
+            raise ValueError(f"checkpoint tensor {entry.key!r} has no place in the model")
         if len(entry.shape) < 2 or attr in module._buffers:
+            if isinstance(entry, FusedEntry):
+                raise ValueError(f"{name!r} is built from several of the files' tensors")
             self.vectors.append((module, attr, entry))
             return
         self.unit(module).tensors.append((attr, entry))
@@ -137,9 +135,18 @@ class BlockStreamer:
             u = self.units[id(module)] = Unit(module)
         return u
 
-    def read(self, entry: TensorEntry, convert: bool = True) -> torch.Tensor:
+    def read(self, entry: Entry, convert: bool = True) -> torch.Tensor:
         """One tensor from its file on the streamer's device, floating ones at the model's
-        dtype (`convert=False`: at the file's)."""
+        dtype (`convert=False`: at the file's); a bank built from its experts' tensors,
+        each read so, by transformers' own conversion (`lorp.models.conversions`)."""
+        if isinstance(entry, FusedEntry):
+            model = self._model()
+            assert model is not None
+            built = assemble(entry, lambda part: self.read(part, convert), model)
+            return built[entry.key]
+        return self._read_file(entry, convert)
+
+    def _read_file(self, entry: TensorEntry, convert: bool) -> torch.Tensor:
         from safetensors import safe_open
 
         # The file is opened for this tensor only, and the tensor returned owns its
@@ -188,7 +195,12 @@ class BlockStreamer:
             p = self._meta[entry.key] = nn.Parameter(meta, requires_grad=False)
         return p
 
-    def _entry(self, module: nn.Module, attr: str) -> TensorEntry:
+    def streams(self, module: nn.Module, attr: str) -> bool:
+        """Whether `attr` of `module` is a streamed matrix (read as its module runs)."""
+        u = self.units.get(id(module))
+        return u is not None and any(a == attr for a, _ in u.tensors)
+
+    def _entry(self, module: nn.Module, attr: str) -> Entry:
         u = self.units.get(id(module))
         for a, entry in u.tensors if u is not None else ():
             if a == attr:
@@ -227,11 +239,14 @@ class BlockStreamer:
         return self.overrides.get(self._entry(module, attr).key)
 
     def attach(self) -> None:
-        """Every unit to its placeholder, and the hooks that load and release it."""
+        """Every unit to its placeholder, and the hooks that load and release it: its
+        forward's, and accelerate's (`_UnitHook`) for a parent that uses its weight
+        without calling it."""
         for u in self.units.values():
             self.unload(u)
             u.module.register_forward_pre_hook(self._loader(u), prepend=True)
             u.module.register_forward_hook(self._releaser(u), always_call=True)
+            u.module._hf_hook = _UnitHook(self, u)
 
     def _loader(self, u: Unit):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple) -> None:
@@ -244,6 +259,26 @@ class BlockStreamer:
             self.unload(u)
 
         return hook
+
+
+class _UnitHook:
+    """A unit's load and release under accelerate's hook protocol. A Mamba mixer (Bamba,
+    Jamba, Nemotron-H, Qwen3-Next, LFM2, ...) passes its `conv1d.weight` to a kernel
+    without calling `conv1d`, so the unit's forward hooks never fire; transformers'
+    `force_accelerate_hooks` fires a child's `_hf_hook` around the parent's forward for
+    exactly that (offloaded weights), and this one reads the unit there."""
+
+    def __init__(self, streamer: BlockStreamer, unit: Unit) -> None:
+        self.streamer = streamer  # as the forward hooks' closures hold it
+        self.unit = unit
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple:
+        self.streamer.load(self.unit)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self.streamer.unload(self.unit)
+        return output
 
 
 def _legacy(attr: str) -> bool:
@@ -278,9 +313,6 @@ def build_streamed(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    refused = streaming_refusal(config)
-    if refused is not None:
-        raise ValueError(refused)
     cls = model_class(config)
     with init_empty_weights(include_buffers=False):
         if cls is not None:
@@ -294,39 +326,19 @@ def build_streamed(
         index = {k: e for k, e in index.items() if not k.startswith("lm_head.")}
     streamer = BlockStreamer(model, index, dtype, device)
     streamer.load_vectors()
-    _tie_or_check(model, config, streamer, head)
+    _tie_or_check(model, streamer, head)
     streamer.attach()
     model._lorp_streamer = streamer  # type: ignore[assignment]
     return model.eval()
 
 
-def streaming_refusal(config: Any) -> str | None:
-    """Why a checkpoint of `config` cannot be streamed (one line), or None: its files
-    keep a mixture of experts one tensor per expert where the model holds one bank, and
-    the streamer reads a module's tensors as the files name them."""
-    arch = architecture_for(config)
-    model = skeleton(config, model_class(config))
-    if any(b.kind == "moe" for blk in decoder_blocks(model) for b in arch.layout(blk).branches):
-        return (
-            f"{arch.family} holds its experts as banks its files split per expert: it is not "
-            "streamed; give the stage's workers room to hold it whole (resources.<stage>."
-            "memory_gib)"
-        )
-    return None
-
-
-def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: bool) -> None:
-    """Give the LM head the embeddings' matrix where the config ties them and the files
-    hold no head of their own; then every parameter must be resident or streamed."""
+def _tie_or_check(model: nn.Module, streamer: BlockStreamer, head: bool) -> None:
+    """Give the LM head the embeddings' matrix where transformers ties them (Mistral 3
+    ties in its top config, not its text config) and the files hold no head of their own;
+    then every parameter must be resident or streamed."""
     lm_head = getattr(model, "lm_head", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     embed = model.get_input_embeddings()
-    if (
-        head
-        and lm_head is not None
-        and id(lm_head) not in streamer.units
-        and text.tie_word_embeddings
-    ):
+    if head and lm_head is not None and id(lm_head) not in streamer.units and _ties_head(model):
         source = streamer.units.get(id(embed))
         if source is not None:
             streamer.unit(lm_head).tensors.append(("weight", source.tensors[0][1]))
@@ -343,3 +355,10 @@ def _tie_or_check(model: nn.Module, config: Any, streamer: BlockStreamer, head: 
     ]
     if missing:
         raise ValueError(f"checkpoint has no tensor for {missing[0]!r} ({len(missing)} missing)")
+
+
+def _ties_head(model: nn.Module) -> bool:
+    """Whether `from_pretrained` gives the LM head the input embeddings' weight: the head
+    among transformers' own tied weights (from the top config's `tie_word_embeddings`)."""
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)  # type: ignore[operator]
+    return "lm_head.weight" in tied

@@ -56,18 +56,17 @@ def fold(model: nn.Module, fits: Sequence[RunFit]) -> None:
 def fold_into(streamer: Any, stage: Stage, fit: RunFit) -> None:
     """One fit folded into every tensor that writes `stage`'s output (its output
     projections, expert banks and shared experts) and, for a `normed` fit, its post-norm.
-    A streamed model's matrix gets an override its streamer serves, folded from the
-    file's tensor in the file's dtype, as the variant's file will hold it."""
+    A streamed model's matrix or expert bank gets an override its streamer serves,
+    folded from the file's tensor (a bank: built from its experts' tensors) in the file's
+    dtype, as the variant's files will hold it (`file_folds` folds those expert by
+    expert, with the same arithmetic)."""
     for target in stage.fold_targets():
         module, attr = target.module, target.attr
-        if streamer is not None and target.how == "linear" and attr == "weight":
-            weight = streamer.stored(module, attr)
-            streamer.override(
-                module, attr, folded_tensor(weight, fit, target.how).to(streamer.dtype)
-            )
+        if streamer is not None and streamer.streams(module, attr):  # a matrix or a bank
+            stored = streamer.stored(module, attr)
+            folded = folded_tensor(stored, fit, target.how, attr).to(streamer.dtype)
+            streamer.override(module, attr, folded)
             continue
-        if streamer is not None and target.how != "linear":
-            raise RepairRefused("a streamed mixture of experts cannot take a map yet")
         tensor = _as_stored(streamer, module, attr)
         getattr(module, attr).copy_(folded_tensor(tensor, fit, target.how, attr))
     norm = stage.post_norm if fit.form == "normed" else None

@@ -83,8 +83,6 @@ class ModelPlan:
     where it names one (`JobSpec.calibration_for`)."""
     block_prefix: str = "model.layers."
     """Where its checkpoint's files keep its text blocks (`lorp.models.disk_names`)."""
-    streaming_refusal: str | None = None
-    """Why it cannot be streamed (a mixture of experts), or None."""
     limits: FamilyLimits = field(default_factory=FamilyLimits)
     """What its family cannot take: some cuts, a linear repair, sub-layer removal."""
     n_experts: int = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorp.models.loading import parse_dtype, read_config
 from lorp.models.memory import WeightSize, gib, weight_size
@@ -171,7 +171,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     """`plan` with its capture and evaluation decisions; SpecError (one line, naming the
     model, the need and the worker) when even a module at a time does not fit."""
     dtype = parse_dtype(plan.spec.dtype)
-    size = weight_size(tensor_index(plan.path), dtype, plan.disk_layout())
+    size = weight_size(tensor_index(plan.path), dtype, plan.disk_layout(), _model_of(plan))
     shape = ModelShape.from_config(read_config(plan.path))
     cal, ev, res = plan.calibration, spec.evaluation, spec.resources
     tp = 1
@@ -195,20 +195,17 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
         ("evaluate", held.decide("evaluate", plan, res.grid, workers, ev, most)),
     )
     _check_distill(spec.distills, plan, decisions[1][1])
-    _check_streamable(plan, decisions)
     return replace(plan, memory=decisions, tensor_parallel=tp)
 
 
-def _check_streamable(plan: ModelPlan, decisions: tuple[tuple[str, Decision], ...]) -> None:
-    """A model its files cannot stream (a mixture of experts) must fit every worker."""
-    for stage, d in decisions:
-        if d.mode == "streamed" and plan.streaming_refusal is not None:
-            field = FIELDS[stage]
-            raise SpecError(
-                f"resources.{field}.memory_gib: model {plan.label!r} does not fit a {stage} "
-                f"worker whole ({gib(d.memory_bytes)} of {gib(d.worker_bytes)}), and "
-                f"{plan.streaming_refusal}"
-            )
+def _model_of(plan: ModelPlan) -> Any:
+    """The model of `plan`'s checkpoint on the meta device: its modules are what a
+    streamed worker reads one at a time (a mixture's expert banks, which its files may
+    keep one tensor per expert)."""
+    from lorp.models.disk_names import model_of
+    from lorp.models.loading import load_config
+
+    return model_of(load_config(plan.path, plan.spec.trust_remote_code))
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,6 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         not_servable=_not_servable(config) if spec.sublayers else None,
         calibration=spec.calibration_for(m),
         block_prefix=read.block_prefix,
-        streaming_refusal=read.streaming_refusal,
         limits=read.limits,
         n_experts=read.n_experts,
         expert_groups=read.expert_groups,
@@ -159,8 +158,6 @@ class ModelRead:
     """Its LM head is its input embeddings (a repair run from block 0 cannot fold)."""
     block_prefix: str
     """Where its files keep its text blocks (`lorp.models.disk_names`)."""
-    streaming_refusal: str | None
-    """Why it cannot be streamed, or None."""
     limits: FamilyLimits = FamilyLimits()
     n_experts: int = 0
     """Routed experts per MoE layer (0: none)."""
@@ -175,7 +172,6 @@ def read_model(path: Path, m: ModelSpec) -> ModelRead:
     from lorp.models.architectures import tied_embeddings
     from lorp.models.disk_names import disk_layout, model_of
     from lorp.models.loading import load_config
-    from lorp.models.streaming import streaming_refusal
 
     config = load_config(path, m.trust_remote_code)
     family = architecture_for(config).family
@@ -187,7 +183,6 @@ def read_model(path: Path, m: ModelSpec) -> ModelRead:
         family,
         tied_embeddings(model),
         prefix,
-        streaming_refusal(config),
         limits,
         max((layer.n_experts for layer in layers), default=0),
         top_k(config),

@@ -55,3 +55,32 @@ def test_a_sub_layer_capture_plans_for_its_2n_plus_1_states() -> None:
     assert stage_activations("evaluate", shape, 2, 16, 4, states=13) == stage_activations(
         "evaluate", shape, 2, 16, 4
     )
+
+
+def test_a_streamed_mixture_plans_its_banks_and_the_experts_tensors_that_build_them(
+    tmp_path: Path,
+) -> None:
+    """A tiny Qwen3-MoE's largest unit is a layer's experts module: its two banks
+    (gate_up [4, 64, 64], down [4, 64, 32]: 98,304 bytes in fp32) and, while gate_up is
+    built, its 4 experts' gate and up tensors (8 of [32, 64]: 65,536 bytes). That is
+    what loading the unit holds at its peak, measured; the files' own modules (one
+    expert's projection) would plan for the embeddings' 32,768."""
+    from lorp.models.disk_names import model_of
+    from lorp.models.streaming import build_streamed, streamer_of
+    from tests.helpers.family_models import family_model
+    from tests.helpers.held_bytes import HeldBytes
+
+    family_model("qwen3_moe").save_pretrained(tmp_path)
+    index = tensor_index(tmp_path)
+    model = model_of(in_memory(tmp_path).config)
+    planned = weight_size(index, torch.float32, model=model).largest_unit
+    assert planned == 98_304 + 65_536
+    assert weight_size(index, torch.float32).largest_unit == 128 * 64 * 4  # the embeddings
+    streamed = build_streamed(tmp_path)
+    streamer = streamer_of(streamed)
+    assert streamer is not None
+    unit = streamer.units[id(decoder_blocks(streamed)[1].mlp.experts)]
+    with HeldBytes() as held:
+        streamer.load(unit)
+        streamer.unload(unit)
+    assert held.peak == planned

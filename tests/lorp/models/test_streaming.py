@@ -149,3 +149,78 @@ def test_legacy_rotary_frequencies_are_ignored_as_from_pretrained_does(
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="'model.layers.0.self_attn.nonsense.weight' has no place"):
         build_streamed(copy)
+
+
+MIXTURES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "jamba", "bamba"]
+"""Banks from per-expert files (Qwen3-MoE's names, Mixtral's renamed `block_sparse_moe`
+and `w1`/`w2`/`w3`), from files that keep them whole (gpt-oss), a dense first block then
+experts with a shared expert (DeepSeek-V3), and Mamba mixers between them (Jamba) or
+beside attention without experts (Bamba): their mixers hand `conv1d.weight` to a kernel
+without calling `conv1d`."""
+
+
+@pytest.fixture(scope="module")
+def mixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.helpers.family_models import family_model
+
+    root = tmp_path_factory.mktemp("mixtures")
+    for family in MIXTURES:
+        family_model(family).save_pretrained(root / family)
+    return {f: root / f for f in MIXTURES}
+
+
+@pytest.mark.parametrize("family", MIXTURES)
+def test_a_streamed_mixture_equals_in_memory(family: str, mixtures: dict[str, Path]) -> None:
+    """S, the repair's sums and perplexity, dense and pruned, as the model held whole."""
+    path = mixtures[family]
+    dense, streamed = in_memory(path), build_streamed(path)
+    x = token_windows(4, vocab=128)
+    a = capture_stats(dense, [x[:2], x[2:]], progress=False, skip_prefix=1)
+    b = capture_stats(
+        build_streamed(path, head=False), [x[:2], x[2:]], progress=False, skip_prefix=1
+    )
+    for key, value in stat_arrays(a).items():
+        assert torch.allclose(value, stat_arrays(b)[key], rtol=0, atol=1e-6), key
+    runs = [(2, 2), (3, 3)]  # folds into block 1's experts and block 2's last stage
+    ra = capture_repair_stats(dense, [x], runs, progress=False)._arrays("")
+    rb = capture_repair_stats(streamed, [x], runs, progress=False)._arrays("")
+    for key, value in ra.items():
+        if value.dtype.kind == "f":
+            assert abs(value - rb[key]).max() <= 1e-6 * max(1.0, abs(value).max()), key
+    assert count_params(streamed) == count_params(dense)
+    assert perplexity(streamed, x, batch_size=2) == pytest.approx(perplexity(dense, x), rel=1e-6)
+    cut = [3] if family == "jamba" else [2]  # Jamba's config describes no other one-block cut
+    drop_layers(dense, cut)
+    drop_layers(streamed, cut)
+    assert perplexity(streamed, x) == pytest.approx(perplexity(dense, x), rel=1e-6)
+
+
+def test_a_mixture_holds_one_module_and_reads_each_expert_once(
+    mixtures: dict[str, Path],
+) -> None:
+    """A DeepSeek-V3 forward reads every expert's tensor from its file once, each layer's
+    banks as its experts module runs (built there, one bank after the other) and
+    released after: at most one module's matrices (a layer's two banks) are resident."""
+    streamed = build_streamed(mixtures["deepseek_v3"])
+    streamer = streamer_of(streamed)
+    assert streamer is not None
+    files: list[str] = []
+    read_file = streamer._read_file
+    streamer._read_file = lambda e, c: files.append(e.key) or read_file(e, c)  # type: ignore[method-assign]
+    held: list[int] = []
+
+    def resident(m: torch.nn.Module) -> bool:
+        return any(p is not None and p.dim() >= 2 and not p.is_meta for p in m._parameters.values())
+
+    def count(module: torch.nn.Module, args: tuple) -> None:
+        held.append(sum(1 for m in streamed.modules() if resident(m)))
+
+    for u in streamer.units.values():
+        u.module.register_forward_pre_hook(count)
+    perplexity(streamed, token_windows(4, vocab=128), batch_size=4)
+    assert held == [1] * len(streamer.units)
+    assert streamer.reads == len(streamer.units)
+    experts = [k for k in files if ".mlp.experts." in k]
+    assert len(experts) == len(set(experts)) == 3 * 4 * 3  # 3 MoE blocks, 4 experts, 3 each
+    banks = [n for n, p in streamed.named_parameters() if n.endswith("mlp.experts.down_proj")]
+    assert len(banks) == 3 and all(p.is_meta for p in streamed.parameters() if p.dim() >= 2)

@@ -157,3 +157,35 @@ def test_a_map_folds_into_every_expert_bank_exactly(family: str, tmp_path: Path)
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "files").eval()
     torch.testing.assert_close(logits(reloaded, x), logits(folded, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_a_fold_into_a_streamed_mixture_equals_in_memory_and_its_files(
+    family: str, tmp_path: Path
+) -> None:
+    """Block 1's experts (and DeepSeek-V3's shared expert) take the map of run 2-2: the
+    streamed model's folded banks are overrides built from its experts' tensors, and
+    give the in-memory fold's logits; the variant's files, folded expert by expert
+    (gpt-oss: bank by bank), reload with `from_pretrained` to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.family_models import family_model
+
+    path = tmp_path / "dense"
+    family_model(family).save_pretrained(path)
+    dense, streamed = in_memory(path), build_streamed(path)
+    x = torch.randint(3, 120, (8, 24), generator=torch.Generator().manual_seed(0))
+    fits = fit_runs(dense, capture_repair_stats(dense, list(x.split(4)), [(2, 2)], progress=False))
+    for model in (dense, streamed):
+        fold(model, fits)
+        drop_layers(model, [2])
+    expected = logits(dense, x)
+    torch.testing.assert_close(logits(streamed, x), expected, rtol=1e-5, atol=1e-5)
+    overrides = streamer_of(streamed).overrides
+    assert "model.layers.1.mlp.experts.down_proj" in overrides
+    written = write_pruned_files(path, tmp_path / "files", [2], {}, changes=file_folds(fits))
+    reloaded = AutoModelForCausalLM.from_pretrained(written).eval()
+    torch.testing.assert_close(logits(reloaded, x), expected, rtol=1e-5, atol=1e-5)
+    unrepaired = copy.deepcopy(in_memory(path))
+    drop_layers(unrepaired, [2])
+    assert (logits(unrepaired, x) - expected).abs().max() > 1e-2  # the fold changed it
