@@ -8,7 +8,7 @@ STAMP_TEST   := $(VENV)/.stamp-test
 STAMP_VLLM   := $(VENV)/.stamp-vllm
 STAMP_MODELS := $(VENV)/.stamp-models
 
-.PHONY: test check demo docs chromium lint format clean venv
+.PHONY: test test-durations check demo docs chromium lint format clean venv
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lorp needs Python >= 3.11"'
@@ -57,7 +57,8 @@ chromium:
 	  fi; }
 
 # Test files are shared among TEST_WORKERS processes (whole files, so a module's fixtures are
-# built once; the slow files first, in tests/conftest.py's order, not xdist's by test count);
+# built once; the slow files first, longest first as measured (tests/file_durations.json),
+# not xdist's by test count);
 # every test keeps its own Ray, ports and temp dirs, so they run side by side. Three on two
 # cores: with two, the cores sat idle about 30% of the time (tests waiting on Ray, servers
 # and subprocesses to start); with three they are busy 99% of it, and the suite took
@@ -65,6 +66,12 @@ chromium:
 TEST_WORKERS ?= 3
 test: lint docs chromium $(STAMP_VLLM) $(STAMP_MODELS)
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The suite once more, writing each file's seconds to tests/file_durations.json (the order
+# `make test` hands files out in, longest first: tests/helpers/file_order.py). Run it on
+# idle cores after adding or changing a slow test, and commit the file.
+test-durations: lint docs chromium $(STAMP_VLLM) $(STAMP_MODELS)
+	LORP_TEST_DURATIONS=tests/file_durations.json $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop: ruff, the strict docs build and the unit tests (every test not marked
 # integration, vllm or slow: no real job, vLLM engine, second node or browser), in at most

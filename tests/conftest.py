@@ -1,5 +1,5 @@
 """Shared fixtures (helpers live in `tests/helpers/`, never imported from here) and the
-order the suite's files run in."""
+order the suite's files run in (`tests.helpers.file_order`)."""
 
 from __future__ import annotations
 
@@ -11,49 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.file_order import order, read_durations, recorder
 from tests.helpers.ray_cluster import CPUS, local_ray
 from tests.helpers.states import make_states
 
-# `make test` shares whole files among three processes (pytest-xdist, `--dist loadfile`,
-# files handed out in collection order, two to each process at the start, then one to
-# whichever has at most two tests left). The files that take minutes (real Ray jobs, two
-# nodes, real models) go out first, longest first as measured in a run of the suite, and the
-# quick ones fill in behind them, so no process is left alone with a long file at the end.
-SLOW_FILES = (
-    "integration/test_pipeline.py",
-    "integration/test_faults.py",
-    "integration/test_pipeline_streamed.py",
-    "integration/test_two_nodes.py",
-    "integration/test_model_registry.py",
-    "integration/test_pipeline_vllm.py",
-    "integration/test_pipeline_repair.py",
-    "integration/test_pipeline_sublayers.py",
-    "integration/test_fleet.py",
-    "integration/test_sublayer_vllm.py",
-    "integration/test_shared_catalog.py",
-    "integration/test_catalog_writers.py",
-    "integration/test_dashboard.py",
-    "integration/test_real_model.py",
-    "pipeline/cluster/test_connect.py",
-    "integration/test_evaluation.py",
-    "pipeline/stages/test_tasks.py",
-    "pipeline/evaluation/test_zero_shot.py",
-    "pipeline/evaluation/test_peak_memory.py",
-    "pipeline/stages/test_points.py",
-    "lorp/repair/test_distill.py",
-    "lorp/methods/test_removal_loss.py",
-    "pipeline/evaluation/test_speed.py",
-    "docs/test_gen_reference.py",
-    "benchmarks/test_gpu.py",
-)
 TESTS = Path(__file__).resolve().parent
+DURATIONS = TESTS / "file_durations.json"
+"""Each file's seconds in a measured run of the suite (`make test-durations`)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Record each file's seconds where the run asks (`LORP_TEST_DURATIONS`)."""
+    record = recorder(config)
+    if record is not None:
+        config.pluginmanager.register(record, "lorp-file-durations")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow files first, in `SLOW_FILES` order (paths below tests/); every other file
-    and every file's own tests keep pytest's order."""
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))
+    """Files longest first, as measured (`tests.helpers.file_order`)."""
+    order(items, TESTS, read_durations(DURATIONS))
 
 
 @pytest.fixture
