@@ -32,6 +32,7 @@ from pipeline.plan.models import plan_model, resolve_backend, unwritable_locatio
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.domains import domain_of
+from pipeline.spec.experts import ExpertsSpec
 from pipeline.spec.job import JobSpec
 from pipeline.spec.models import MethodSpec
 from pipeline.storage.store import Storage
@@ -105,6 +106,7 @@ def plan_job(spec: JobSpec) -> JobOutline:
         out.warnings += plan.warnings(spec.repair, spec.sublayers, spec.experts.enabled)
         outline.stages = plan.memory_record()
         outline.points = grid_points(spec.granularity, spec.methods, spec.repair, plan)
+        outline.points |= expert_points(spec.experts, spec.methods, plan)
         if not spec.evaluation.enabled:
             outline.points.pop("dense")
         outline.sublayers = _sublayer_line(plan) if spec.sublayers else ""
@@ -153,6 +155,22 @@ def grid_points(
             for repair in repairs:
                 label = key if repair == "none" else f"{key}+{repair}"
                 out[label] = len(plan.budgets_for(g))
+    return out
+
+
+def expert_points(
+    cuts: ExpertsSpec, methods: Sequence[MethodSpec], plan: ModelPlan
+) -> dict[str, int]:
+    """Points per expert cut label: each selector at every expert budget the model
+    resolves to, alone and (`combine`) with each unrepaired block point."""
+    out: dict[str, int] = {}
+    n = len(plan.expert_budgets)
+    if not n:
+        return out
+    for selector in cuts.methods:
+        out[f"{selector}-experts"] = n  # `GridPoint.label`
+        for m in methods if cuts.combine else ():
+            out[f"{m.key}&{selector}-experts"] = n * len(plan.budgets)
     return out
 
 

@@ -92,8 +92,12 @@ def test_expert_budgets_count_experts_per_layer_and_must_leave_top_k(tmp_path: P
     plan = plan_model(good, 0, good.models[0])
     assert (plan.n_experts, plan.expert_budgets, plan.expert_groups) == (4, (1, 2), 1)
     assert plan_model(good, 1, good.models[1]).expert_budgets == ()
-    warned = [w for w in plan_job(good).warnings if w.startswith("llama")]
+    outline = plan_job(good)
+    warned = [w for w in outline.warnings if w.startswith("llama")]
     assert warned == ["llama: Llama has no routed experts; the expert budgets skip it"]
+    moe_points, llama_points = (m.points for m in outline.models)
+    assert (moe_points["reap-experts"], moe_points["shortgpt&reap-experts"]) == (2, 2)
+    assert not any("experts" in label for label in llama_points)
     bad = parse_spec(spec | {"experts": {"budgets": [1, 0.75]}})
     with pytest.raises(SpecError) as exc:
         plan_model(bad, 0, bad.models[0])
