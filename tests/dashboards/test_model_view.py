@@ -204,3 +204,34 @@ def test_sub_layer_lines_meet_block_lines_on_the_decode_cost_at_4k() -> None:
         ("shortgpt", 60.0),
         ("shortgpt-attention", 80.0),
     ]
+
+
+def test_a_mixtures_expert_and_depth_cuts_meet_on_active_parameters() -> None:
+    """A mixture's page offers active parameters and decode bytes at the evaluation's
+    context as costs, where an expert cut (fewer parameters, as many active) and a depth
+    cut (fewer of both) are told apart; a dense model's page does not (its active
+    parameters are its parameters)."""
+    from dashboards.model_view import tradeoffs
+
+    def row(label: str, budget: int, ppl: float, params: float, active: float) -> dict:  # type: ignore[type-arg]
+        return {
+            "method_label": label,
+            "method": label.split("-")[0],
+            "budget": budget,
+            "ppl_ptb": ppl,
+            "params": params,
+            "active_params": active,
+            "decode_bytes_per_token": 2 * active,
+            "experts": 6 if "experts" in label else 8,
+        }
+
+    points = [row("reap-experts", 2, 21.0, 70.0, 40.0), row("shortgpt", 1, 25.0, 90.0, 35.0)]
+    costs = {f["cost"]: f for f in tradeoffs(None, points)}
+    assert {"params", "active_params", "decode_bytes_per_token"} <= set(costs)
+    active = costs["active_params"]
+    assert sorted(active["lines"]) == ["reap-experts", "shortgpt"]
+    assert [p["label"] for p in active["front"]] == ["shortgpt", "reap-experts"]
+    dense_model = [{**r, "experts": None} for r in points]
+    assert not {"active_params", "decode_bytes_per_token"} & {
+        f["cost"] for f in tradeoffs(None, dense_model)
+    }
