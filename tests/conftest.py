@@ -34,6 +34,7 @@ SLOW_FILES = (
     "integration/test_catalog_writers.py",
     "integration/test_dashboard.py",
     "integration/test_real_model.py",
+    "integration/test_experts_vllm.py",
     "pipeline/cluster/test_connect.py",
     "integration/test_evaluation.py",
     "pipeline/stages/test_tasks.py",
