@@ -46,6 +46,7 @@ SLOW_FILES = (
     "pipeline/evaluation/test_speed.py",
     "docs/test_gen_reference.py",
     "benchmarks/test_gpu.py",
+    "benchmarks/test_gpu_experts.py",
 )
 TESTS = Path(__file__).resolve().parent
 
