@@ -3,6 +3,7 @@
     python3 benchmarks/gpu.py --json "$OUT/gpu.json"          # on the device: ~5 min
     python benchmarks/gpu.py --device cpu --tiny --json f.json # the same code, seconds
     python benchmarks/gpu.py --from-json gpu.json --page docs/results/gpu.md  # the page
+    python3 benchmarks/gpu.py --shapes --no-streamed --no-serving --experts  # 7 alone
 
 For each model shape, with random weights built on the spot (no download; nothing but
 torch, transformers and `lorp/`, which is all the device image has of ours):
@@ -29,6 +30,14 @@ torch, transformers and `lorp/`, which is all the device image has of ours):
                      ignored): output tokens/s, TTFT, TPOT, and the speed-up over dense
                      with its 95% interval, beside N/(N-k). The H200 image lent here has no
                      vLLM: the report then says so instead of a figure.
+7. experts           (where vLLM is installed; `--experts`, on by default on CUDA) a random
+                     Qwen3-MoE (Qwen3-30B-A3B's layer shape, 48 experts top-8, 16 blocks)
+                     in bf16, dense and without 25% / 50% of every layer's experts
+                     (`--expert-fractions`, cut on files by `lorp`), each served by its own
+                     vLLM engine (`benchmarks/gpu_experts.py`): prefill and decode tokens/s,
+                     TPOT, checkpoint size and KV cache tokens, beside the bounds (the
+                     active FLOPs per token do not change: prefill 1x; decode at most the
+                     ratio of the weight bytes a step reads).
 
 Shapes: an 8B Llama (d 4096, 32 blocks, 32 / 8 heads, 14336, vocab 128256) and a Gemma 3
 4B (d 2560, 34 blocks, 8 / 4 heads of 256, 10240, vocab 262144). Gemma 3 because it is the
@@ -59,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_device import SHAPES, build, cuda, peak_gib, sync, timed  # noqa: E402
+from benchmarks.gpu_experts import measure_experts, render_experts  # noqa: E402
 from benchmarks.gpu_serving import measure_serving_8b, render_serving  # noqa: E402
 from benchmarks.gpu_streamed import measure_streamed, render_streamed  # noqa: E402
 from benchmarks.inputs import batches_of  # noqa: E402
@@ -281,13 +291,15 @@ def page(report: dict[str, Any]) -> str:
         f"{env['python']}), {env['tokens']} random token ids per shape"
         + (" (tiny shapes: the CPU check, not a result)" if env.get("tiny") else "")
         + f"; the whole call took {env['total_s']:.0f} s.",
-        "",
-        render(report["shapes"]),
     ]
+    if report["shapes"]:
+        lines += ["", render(report["shapes"])]
     if "streamed" in report:
         lines += ["", render_streamed(report["streamed"])]
     if "serving" in report:
         lines += ["", render_serving(report["serving"])]
+    if "experts" in report:
+        lines += ["", render_experts(report["experts"])]
     return "\n".join(lines)
 
 
@@ -299,7 +311,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: the test suite's CPU run")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument(
+        "--shapes",
+        nargs="*",
+        default=list(SHAPES),
+        choices=list(SHAPES),
+        help="sections 1 to 4 for these shapes (default all; none: skip them)",
+    )
     p.add_argument("--samples", type=int, help="calibration windows (default 64; tiny 8)")
     p.add_argument("--seq-len", type=int, help="tokens per window (default 2048; tiny 32)")
     p.add_argument("--batch", type=int, help="windows per forward (default 8; tiny 4)")
@@ -325,8 +343,26 @@ def parser() -> argparse.ArgumentParser:
         default=True,
         help="section 6, the 8B shape streamed under a memory cap below its size (default on)",
     )
+    add_experts(p)
     add_outputs(p)
     return p
+
+
+def add_experts(p: argparse.ArgumentParser) -> None:
+    """Section 7's switch and its variants."""
+    p.add_argument(
+        "--experts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="section 7, vLLM serving of an expert-pruned MoE (default: on for cuda, off for cpu)",
+    )
+    p.add_argument(
+        "--expert-fractions",
+        nargs="+",
+        type=float,
+        default=[0.25, 0.5],
+        help="section 7: fractions of every layer's experts removed (default 0.25 0.5)",
+    )
 
 
 def add_outputs(p: argparse.ArgumentParser) -> None:
@@ -368,6 +404,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit("gpu.py: --device cuda but torch sees no GPU (use --device cpu --tiny)")
     if args.serving is None:
         args.serving = cuda(args.device)
+    if args.experts is None:
+        args.experts = cuda(args.device)
+    bad = [f for f in args.expert_fractions if not 0 < f < 1]
+    if bad:
+        raise SystemExit(f"gpu.py: --expert-fractions must be in (0, 1), got {bad}")
     if args.json is None and os.environ.get("OUT"):
         args.json = Path(os.environ["OUT"]) / "gpu.json"
     return args
@@ -391,13 +432,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if cuda(args.device):  # the last shape's weights are garbage now
             torch.cuda.empty_cache()
     report: dict[str, Any] = {"env": env, "shapes": rows}
-    print(render(rows), flush=True)
+    if rows:
+        print(render(rows), flush=True)
     if args.streamed:
         report["streamed"] = measure_streamed(args)
         print(render_streamed(report["streamed"]), flush=True)
     if args.serving:
         report["serving"] = measure_serving_8b(args)
         print(render_serving(report["serving"]))
+    if args.experts:
+        report["experts"] = measure_experts(args)
+        print(render_experts(report["experts"]), flush=True)
     env["total_s"] = time.perf_counter() - started
     print(f"total {env['total_s']:.0f} s")
     return report

@@ -76,11 +76,11 @@ class VLLMBackend:
     ) -> None:
         """`trust_remote_code` as the model's spec allows (a custom-code checkpoint fails
         in vLLM without it)."""
-        from lm_eval.models.vllm_causallms import VLLM
-
         from pipeline.evaluation.vllm_engine import prepare_vllm
 
-        prepare_vllm()
+        prepare_vllm()  # before lm-eval's vllm module: it asks for vLLM's version on import
+        from lm_eval.models.vllm_causallms import VLLM
+
         # lm-eval's wrapper owns the engine (`.model`); perplexity reuses that engine.
         self._lm: Any = VLLM(
             pretrained=model_dir,
