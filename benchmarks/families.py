@@ -8,8 +8,8 @@ text-only or has a text sub-config. Each is read from a small config: the tiny o
 fleet tests build for the families they prune end to end (`tests/helpers/family_models`),
 else transformers' default at 4 layers (its default where 4 does not build). Nothing is
 downloaded and no weights are made (the model is built on the meta device). `--check`
-writes nothing and exits 1 where the committed table differs (`tests/lorp/models/
-test_coverage.py` runs it).
+writes nothing and exits 1 where the committed table differs (`tests/benchmarks/
+test_families.py` runs it).
 """
 
 from __future__ import annotations
