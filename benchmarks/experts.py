@@ -304,7 +304,7 @@ def fmt(x: float) -> str:
 
 
 HEAD = ("model", "calibration", "method", "experts kept", "ppl prose", "ppl code")
-HEAD += ("worst ratio to MoEfied", "active params", "total params")
+HEAD += ("worst ratio to MoEfied", "slots rerouted", "active params", "total params")
 
 
 def model_rows(r: dict[str, Any]) -> list[list[Any]]:
@@ -316,14 +316,14 @@ def model_rows(r: dict[str, Any]) -> list[list[Any]]:
         worst = "-" if key == "dense" else "1.00x"
         ppl = [fmt(p["ppl"][d]) for d in DOMAINS]
         params = [millions(p["params"]["active"]), millions(p["params"]["total"])]
-        out.append([r["model"], "-", name, kept, *ppl, worst, *params])
+        out.append([r["model"], "-", name, kept, *ppl, worst, "-", *params])
     for v in sorted(
         r["rows"], key=lambda v: (v["budget"], list(CALIBRATIONS).index(v["calibration"]))
     ):
         ppl = [fmt(v["ppl"][d]) for d in DOMAINS]
         params = [millions(v["params"]["active"]), millions(v["params"]["total"])]
         cells = [v["calibration"], v["method"], f"{v['kept']} of {e}", *ppl]
-        out.append([r["model"], *cells, f"{v['worst']:.2f}x", *params])
+        out.append([r["model"], *cells, f"{v['worst']:.2f}x", f"{v['rerouted']:.0%}", *params])
     return out
 
 
@@ -408,7 +408,10 @@ def page(results: list[dict[str, Any]], command: str) -> str:
         f"and code train; expert statistics on {s['calibration_windows']} x {s['seq_len']} "
         f"train tokens per calibration (mix: PTB and code half each; prose: PTB); perplexity "
         f"on {s['eval_windows']} x {s['seq_len']} test tokens per domain (prose: PTB test, "
-        "code: the code corpus's test files). Ratios are to the MoEfied model.",
+        "code: the code corpus's test files). Ratios are to the MoEfied model. Slots "
+        "rerouted: the share of the calibration's routing slots (tokens x top-k) that went "
+        "to an expert the variant removes, averaged over layers. `random` reads no "
+        "statistics: its rows are one variant, shown under both calibrations.",
         "",
         *moefied_table(results),
         "",
