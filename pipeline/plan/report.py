@@ -97,7 +97,7 @@ def plan_job(spec: JobSpec) -> JobOutline:
         outline.judged = spec.judged_domains() if spec.evaluation.enabled else {}
         out.models.append(outline)
         try:
-            plan = plan_model(spec, i, m)
+            plan = plan_model(spec, i, m, fingerprint=False)  # read, not hashed
             _describe(outline, plan)
             plan = plan_memory(spec, plan, backend)
         except (SpecError, ValueError) as exc:
