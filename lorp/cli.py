@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -440,13 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def quiet_libraries() -> None:
     """Keep stderr for lorp's own progress and one-line errors: libraries log at ERROR and
-    transformers' per-load progress bars are off (`--verbose` restores them)."""
+    transformers' per-load progress bars are off (`--verbose` restores them). transformers
+    reads the first two variables when it is imported, so a command that imports it later
+    (or never: a `lorp plan` whose reads are cached) is quiet without importing it here,
+    a second of a plan; one that has imported it already is quietened now."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if "transformers" in sys.modules or importlib.util.find_spec("transformers"):
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

@@ -51,6 +51,16 @@ def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
     return digest
 
 
+def check_readable(path: str | os.PathLike[str]) -> None:
+    """What `fingerprint_checkpoint` refuses before it hashes, without hashing: every
+    safetensors file of the directory opens (its header whole, its data within the file),
+    each failure one line naming the file. `lorp plan` checks this and leaves the hashing,
+    seconds a GiB, to the run that needs the fingerprint."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with _opened(f):
+            pass
+
+
 def _hash_checkpoint(path: Path, files: list[Path]) -> str:
     h = hashlib.sha256()
     h.update(canonical_config(json.loads((path / "config.json").read_text())))

@@ -31,7 +31,6 @@ swap the weights silently.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import shutil
@@ -132,14 +131,6 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 }
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def packaged_gguf(alias: str) -> Path:
     """The verified GGUF file of a packaged model (assembled into the cache if chunked)."""
     pm = PACKAGED_MODELS[alias]
@@ -156,18 +147,18 @@ def packaged_gguf(alias: str) -> Path:
     size = path.stat().st_size
     if pm.size and size != pm.size:
         raise ValueError(f"{str(path)!r}: {size} bytes, expected {pm.size}")
-    _verify_once(path, pm.sha256, target.with_name(target.name + ".verified"))
+    _verify_once(path, pm.sha256)
     return path
 
 
-def _verify_once(path: Path, sha256: str, stamp: Path) -> None:
-    """Hash `path` once per file version: the stamp records what was verified."""
-    st = path.stat()
-    seen = f"{path} {st.st_size} {st.st_mtime_ns} {sha256}"
-    if stamp.is_file() and stamp.read_text() == seen:
-        return
-    digest = _sha256_file(path)
+def _verify_once(path: Path, sha256: str) -> None:
+    """Hash `path` once per installed copy and file version: through the conversion's
+    memo of the file's digest (`lorp.models.gguf.content_digest`, keyed by the resolved
+    path, size and mtime), which the conversion then reads instead of hashing the file
+    again. (A stamp per GGUF name, as before, was rewritten by each venv that verified its
+    own copy of SmolLM2's file, and the next plan in another venv hashed it again.)"""
+    from lorp.models.gguf import content_digest
+
+    digest = content_digest(path)
     if digest != sha256:
         raise ValueError(f"{str(path)!r}: sha256 {digest}, expected {sha256}")
-    with atomic_file(stamp) as tmp:
-        tmp.write_text(seen)

@@ -6,6 +6,8 @@ GPUs on one node. The plan (`pipeline.plan.memory`) decides with these figures.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from lorp.models.memory import gib
 from pipeline.spec.checks import SpecError
@@ -25,9 +27,7 @@ def local_node(num_cpus: float | None = None) -> dict[str, float]:
     and what a plan made before Ray starts assumes: the machine's total memory (cgroup
     aware) less the object store, never a snapshot of free memory, so another job's
     processes or a full page cache change no decision. The store is capped by /dev/shm."""
-    from ray._common.utils import get_system_memory
-
-    total = int(get_system_memory())
+    total = system_memory()
     store = int(OBJECT_STORE_SHARE * total)
     if os.path.isdir("/dev/shm"):
         shm = os.statvfs("/dev/shm")
@@ -36,12 +36,33 @@ def local_node(num_cpus: float | None = None) -> dict[str, float]:
     return {"memory": total - store, "object_store_memory": store, "CPU": cpus, "total": total}
 
 
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory.max")
+"""A container's memory limit, cgroups v1's file and v2's, in the order Ray reads them."""
+
+
+def system_memory(limits: tuple[str, str] = CGROUP_LIMITS) -> int:
+    """The machine's total memory as Ray counts it (`ray._common.utils.get_system_memory`,
+    whose import brings in all of Ray: half a second of every plan): psutil's total, or
+    the container's cgroup limit where one is set and lower."""
+    import psutil
+
+    v1, v2 = limits
+    limit = None
+    if os.path.exists(v1):
+        limit = int(Path(v1).read_text().strip())
+    elif os.path.exists(v2):
+        text = Path(v2).read_text().strip()
+        limit = int(text) if text.isnumeric() else None  # "max": no limit
+    total = int(psutil.virtual_memory().total)
+    return total if limit is None else min(limit, total)
+
+
 def largest_node(num_cpus: float | None = None) -> tuple[dict[str, float], str]:
     """The resources of the live Ray node with the most memory for tasks, and what they
-    are; before Ray is up, the local node this machine would start."""
-    import ray
-
-    if not ray.is_initialized():
+    are; before Ray is up, the local node this machine would start. A process that has
+    not imported Ray has not started it: it is not imported for the question."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return local_node(num_cpus), "this machine (the local Ray lorp starts)"
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     node = max(nodes, key=lambda r: r.get("memory", 0), default={})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lorp.models.loading import parse_dtype, read_config
 from lorp.models.memory import WeightSize, gib, weight_size
@@ -21,6 +21,7 @@ from lorp.models.safetensors_index import tensor_index
 from lorp.models.shape import ModelShape
 from pipeline.cluster.capacity import node_memory_bytes
 from pipeline.plan.decisions import HEADROOM, Decision, TooLargeError, decide
+from pipeline.plan.reads import read_model
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
@@ -29,6 +30,8 @@ from pipeline.spec.repair import RepairSettings
 from pipeline.spec.resources import Resources
 
 if TYPE_CHECKING:
+    import torch
+
     from pipeline.plan.grid import ModelPlan
 
 GIB = 1024**3
@@ -171,7 +174,7 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     """`plan` with its capture and evaluation decisions; SpecError (one line, naming the
     model, the need and the worker) when even a module at a time does not fit."""
     dtype = parse_dtype(plan.spec.dtype)
-    size = weight_size(tensor_index(plan.path), dtype, plan.disk_layout(), _model_of(plan))
+    size = _weight_size(plan, dtype)
     shape = ModelShape.from_config(read_config(plan.path))
     cal, ev, res = plan.calibration, spec.evaluation, spec.resources
     tp = 1
@@ -198,14 +201,13 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     return replace(plan, memory=decisions, tensor_parallel=tp)
 
 
-def _model_of(plan: ModelPlan) -> Any:
-    """The model of `plan`'s checkpoint on the meta device: its modules are what a
-    streamed worker reads one at a time (a mixture's expert banks, which its files may
-    keep one tensor per expert)."""
-    from lorp.models.disk_names import model_of
-    from lorp.models.loading import load_config
-
-    return model_of(load_config(plan.path, plan.spec.trust_remote_code))
+def _weight_size(plan: ModelPlan, dtype: torch.dtype) -> WeightSize:
+    """`plan`'s weights at `dtype`, its streamed units those of its model on the meta device
+    (a mixture's expert banks, which its files may keep one tensor per expert): read from
+    the plan's cache of that model (`pipeline.plan.reads`), not built again."""
+    size = weight_size(tensor_index(plan.path), dtype, plan.disk_layout())
+    peak = read_model(plan.path, plan.spec.trust_remote_code).unit_peak(dtype.itemsize)
+    return replace(size, largest_unit=peak)
 
 
 @dataclass(frozen=True)

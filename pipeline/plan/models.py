@@ -7,14 +7,13 @@ created. Pure: no Ray, no MLflow.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lorp.methods import resolve_budget, validate_options
-from lorp.models.architectures import architecture_for
-from lorp.models.loading import materialize, parse_model_ref, read_config
-from pipeline.plan.grid import FamilyLimits, ModelPlan
+from lorp.models.loading import ModelRef, materialize, parse_model_ref, read_config
+from pipeline.plan.grid import ModelPlan
+from pipeline.plan.reads import ModelRead, read_model
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
 from pipeline.spec.evaluation import EvaluationSpec
@@ -49,16 +48,13 @@ def plan_models(spec: JobSpec) -> list[ModelPlan]:
     return [plan_model(spec, i, m) for i, m in enumerate(spec.models)]
 
 
-def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
-    """Resolve and check model `i` of the job; a SpecError names `models[i]`."""
-    from lorp.models.fingerprint import fingerprint_checkpoint
-
+def plan_model(spec: JobSpec, i: int, m: ModelSpec, *, fingerprint: bool = True) -> ModelPlan:
+    """Resolve and check model `i` of the job; a SpecError names `models[i]`.
+    `fingerprint=False` (`lorp plan`) leaves the plan's fingerprint empty and only checks
+    that the files it would hash open: it hashes every weight (seconds a GiB where its
+    memo is cold) and only the run's caches need it."""
     try:
-        mref = parse_model_ref(m.ref)
-        path = materialize(mref, allow_pickle=m.allow_pickle)
-        config = read_config(path)
-        read = read_model(path, m)
-        fingerprint = fingerprint_checkpoint(path)
+        mref, path, config, read, digest = _resolve(m, fingerprint)
     except ValueError as exc:
         raise SpecError(f"models[{i}].ref: {exc}") from None
     n = int(config["num_hidden_layers"])
@@ -82,7 +78,7 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
     return ModelPlan(
         m,
         path,
-        fingerprint,
+        digest,
         n,
         read.family,
         resolved,
@@ -98,6 +94,20 @@ def plan_model(spec: JobSpec, i: int, m: ModelSpec) -> ModelPlan:
         expert_groups=read.expert_groups,
         expert_budgets=_expert_budgets(spec.experts.budgets, m, read),
     )
+
+
+def _resolve(
+    m: ModelSpec, fingerprint: bool
+) -> tuple[ModelRef, Path, dict[str, Any], ModelRead, str]:
+    """Model `m`'s reference, directory, config, read and fingerprint ("" unless asked)."""
+    from lorp.models.fingerprint import check_readable, fingerprint_checkpoint
+
+    mref = parse_model_ref(m.ref)
+    path = materialize(mref, allow_pickle=m.allow_pickle)
+    config = read_config(path)
+    read = read_model(path, m.trust_remote_code)
+    check_readable(path)
+    return mref, path, config, read, fingerprint_checkpoint(path) if fingerprint else ""
 
 
 def _expert_budgets(
@@ -146,59 +156,6 @@ def _unit_budgets(
                 raise SpecError(f"budgets[{j}]: {why} ({m.label}, granularity {g})") from None
         out.append((g, tuple(sorted(counts))))
     return tuple(out)
-
-
-@dataclass(frozen=True)
-class ModelRead:
-    """What planning reads of a checkpoint's model, built on the meta device from its
-    config (`lorp.models.architectures.architecture_for`): no weight is read."""
-
-    family: str
-    tied: bool
-    """Its LM head is its input embeddings (a repair run from block 0 cannot fold)."""
-    block_prefix: str
-    """Where its files keep its text blocks (`lorp.models.disk_names`)."""
-    limits: FamilyLimits = FamilyLimits()
-    n_experts: int = 0
-    """Routed experts per MoE layer (0: none)."""
-    top_k: int = 0
-    expert_groups: int = 1
-
-
-def read_model(path: Path, m: ModelSpec) -> ModelRead:
-    """The model of checkpoint `path` read from its config; ValueError (one line) where
-    lorp cannot prune its family, naming what is missing."""
-    from lorp.experts.layers import expert_groups, moe_layers, top_k
-    from lorp.models.architectures import tied_embeddings
-    from lorp.models.disk_names import disk_layout, model_of
-    from lorp.models.loading import load_config
-
-    config = load_config(path, m.trust_remote_code)
-    family = architecture_for(config).family
-    model = model_of(config)
-    prefix = disk_layout(model).block_prefix
-    limits = family_limits(config, model)
-    layers = moe_layers(model)
-    return ModelRead(
-        family,
-        tied_embeddings(model),
-        prefix,
-        limits,
-        max((layer.n_experts for layer in layers), default=0),
-        top_k(config),
-        expert_groups(config),
-    )
-
-
-def family_limits(config: Any, model: Any) -> FamilyLimits:
-    """What the family of `config` (whose model on the meta device is `model`) cannot
-    take (`lorp.models.coverage`): one more model built on the meta device, for the cut."""
-    from lorp.models.architectures import decoder_blocks
-    from lorp.models.coverage import cut_refusals, repair_refusal, split_refusal
-
-    blocks = decoder_blocks(model)
-    cut = cut_refusals(config, blocks, [1]).get(1) if len(blocks) > 2 else None
-    return FamilyLimits(cut, repair_refusal(model), split_refusal(model))
 
 
 def _check_context(

@@ -1,11 +1,16 @@
 """`lorp plan JOB.yaml`: what a job would do, before it does anything.
 
-No weights are loaded and no stage runs; a packaged model not yet converted is converted
-once (a reference must resolve to be checked). Per model: its size, the memory decision of
-each stage (held whole or streamed) with the figures it came from, its grid points per
-method, how many of its rows the job's catalog already holds, and, where an earlier run of
-the job left its events, how long the stages took then. Every problem found is one line;
-a job with any is refused (exit 2). `lorp run` prints the same plan first.
+No weights are loaded or hashed and no stage runs; a packaged model not yet converted is
+converted once (a reference must resolve to be checked). What a plan builds from a
+model's config on the meta device is kept in lorp's cache by content
+(`pipeline.plan.reads`), so the second plan of a job imports no model code: 1.8 s where
+the first takes 6.3 (jobs/quality.yaml, `benchmarks/plan_speed.py`).
+
+Per model: its size, the memory decision of each stage (held whole or streamed) with the
+figures it came from, its grid points per method, how many of its rows the job's catalog
+already holds, and, where an earlier run of the job left its events, how long the stages
+took then. Every problem found is one line; a job with any is refused (exit 2). `lorp run`
+prints the same plan first.
 
 The memory decisions are the run's own (`pipeline.plan.memory.plan_memory`): before Ray
 is up they use the local node lorp would start, whose memory comes from the machine's total
@@ -97,7 +102,7 @@ def plan_job(spec: JobSpec) -> JobOutline:
         outline.judged = spec.judged_domains() if spec.evaluation.enabled else {}
         out.models.append(outline)
         try:
-            plan = plan_model(spec, i, m)
+            plan = plan_model(spec, i, m, fingerprint=False)  # read, not hashed
             _describe(outline, plan)
             plan = plan_memory(spec, plan, backend)
         except (SpecError, ValueError) as exc:

