@@ -30,6 +30,7 @@ def test_files_go_out_longest_first_and_keep_their_tests_order() -> None:
         item("integration/test_two.py", "job", "integration"),
         item("integration/test_new.py", "job", "integration"),
         item("lorp/test_new.py", "quick"),
+        item("integration/test_new.py", "unmarked"),  # its file is a job's all the same
     ]
     measured = {
         "lorp/test_a.py": 3.0,
@@ -40,6 +41,7 @@ def test_files_go_out_longest_first_and_keep_their_tests_order() -> None:
     assert [(i.path.name, i.nodeid.split("::")[1]) for i in items] == [
         ("test_two.py", "job"),
         ("test_new.py", "job"),  # unmeasured integration: as long as the longest measured
+        ("test_new.py", "unmarked"),
         ("test_job.py", "job"),
         ("test_a.py", "one"),
         ("test_a.py", "two"),

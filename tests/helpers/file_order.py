@@ -34,14 +34,11 @@ def order(items: list[pytest.Item], tests: Path, durations: Mapping[str, float])
     equal length, keep pytest's order)."""
     integration = [s for f, s in durations.items() if f.startswith("integration/")]
     unknown_job = max(integration, default=float("inf"))  # none measured: jobs first
-
-    def seconds(item: pytest.Item) -> float:
-        name = item.path.relative_to(tests).as_posix()
-        if name in durations:
-            return durations[name]
-        return unknown_job if item.get_closest_marker("integration") else 0.0
-
-    items.sort(key=lambda item: -seconds(item))
+    name = {id(item): item.path.relative_to(tests).as_posix() for item in items}
+    jobs = {name[id(i)] for i in items if i.get_closest_marker("integration")}
+    seconds = {f: durations.get(f, unknown_job if f in jobs else 0.0) for f in name.values()}
+    # one figure per file, so a file's tests stay together and in pytest's order
+    items.sort(key=lambda item: -seconds[name[id(item)]])
 
 
 class DurationRecorder:
