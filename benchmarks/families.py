@@ -115,21 +115,31 @@ def rows(types: dict[str, str]) -> Iterator[tuple[str, Support | str, str, str]]
     class transformers loads it as) for each of `types` (model_type -> class)."""
     from transformers import logging as hf_logging
 
+    # Quiet while reading (every default config warns), and as loud as before after: the
+    # table's test reads it in a test process whose later tests log at INFO.
+    disabled, verbosity = logging.root.manager.disable, hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     logging.disable(logging.WARNING)
-    for model_type, cls in types.items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                config, read = family_config(model_type)
-                _loads_as(config, cls)
-            except Exception as exc:  # noqa: BLE001 - any failure of transformers' own default is the row
-                yield model_type, _first_line(exc), "default", cls
-                continue
-            try:
-                yield model_type, support(config), read, cls
-            except Exception as exc:  # noqa: BLE001 - a config that does not build on meta is the row
-                yield model_type, f"its model does not build: {_first_line(exc)}", read, cls
+    try:
+        for model_type, cls in types.items():
+            yield _row(model_type, cls)
+    finally:
+        logging.disable(disabled)
+        hf_logging.set_verbosity(verbosity)
+
+
+def _row(model_type: str, cls: str) -> tuple[str, Support | str, str, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config, read = family_config(model_type)
+            _loads_as(config, cls)
+        except Exception as exc:  # noqa: BLE001 - any failure of transformers' own default is the row
+            return model_type, _first_line(exc), "default", cls
+        try:
+            return model_type, support(config), read, cls
+        except Exception as exc:  # noqa: BLE001 - a config that does not build on meta is the row
+            return model_type, f"its model does not build: {_first_line(exc)}", read, cls
 
 
 def _loads_as(config: Any, cls: str) -> None:

@@ -51,10 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lorp, pipeline and the tests' checkpoint checks
 
 from benchmarks.pages import markers, replace_section, rule  # noqa: E402
-from lorp.models.architectures import architecture_for  # noqa: E402
+from lorp.models.architectures import architecture_of, decoder_blocks  # noqa: E402
+from lorp.models.disk_names import model_of  # noqa: E402
 from lorp.models.file_surgery import write_pruned_files  # noqa: E402
 from lorp.models.fingerprint import fingerprint_checkpoint  # noqa: E402
-from lorp.models.loading import materialize, parse_model_ref, read_config  # noqa: E402
+from lorp.models.loading import load_config, materialize, parse_model_ref, read_config  # noqa: E402
 from lorp.models.safetensors_index import tensor_index  # noqa: E402
 from lorp.models.variant_manifest import (  # noqa: E402
     BaseRef,
@@ -136,7 +137,8 @@ def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
     base = materialize(mref)
     config = read_config(base)
     n, d = int(config["num_hidden_layers"]), int(config["hidden_size"])
-    arch = architecture_for(str(config["model_type"]))
+    model = model_of(load_config(base))  # on the meta device: its blocks as lorp reads them
+    last = architecture_of(model).layout(decoder_blocks(model)[0]).last_stage
     index = tensor_index(base)
     weights = sum(e.end - e.start for e in index.values())
     dtype = str(next(iter(index.values())).dtype)
@@ -153,7 +155,7 @@ def measure_model(ref: str, share: float, work: Path) -> dict[str, Any]:
     }
     torch_dtype = {"BF16": "bfloat16", "F16": "float16"}.get(dtype, "float32")
     stored = _store_base(mref, fingerprint, base, work, out)
-    post_norm = arch.post_mlp_norm is not None
+    post_norm = any(b.post_norm is not None for b in last)
     m = Model(out["model"], base, stored, n, d, post_norm, weights, torch_dtype)
     if not m.small:  # measured; the disk holds the model and one variant, not more
         shutil.rmtree(work.parent / "storage", ignore_errors=True)

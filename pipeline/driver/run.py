@@ -69,6 +69,11 @@ def run_job(
         recorder.memory_planned(p)
     kind = "GPU" if spec.resources.grid.num_gpus > 0 else "CPU"
     recorder.cluster(kind, timeline.cluster_slots(), len(plans))
+    # transformers' lazy module is not safe to import from two threads at once, and each
+    # model's preparation runs in a thread of its own: a plan whose reads came from the
+    # cache has not imported it yet ("cannot import name 'AutoTokenizer'" in one thread)
+    import transformers  # noqa: F401
+
     preparer = Preparer(spec, force, done, recorder.preparation, recorder.progress.note)
     tasks = TaskMaker.for_job(spec, recorder.storage.location, backend)
     fleet = Fleet(tasks, preparer, recorder, plans)

@@ -208,7 +208,7 @@ def test_continuation_head_loglikelihoods_equal_hflms(family: str) -> None:
     order), at another batch size, with Gemma's final logit soft-cap and tied embeddings."""
     from lm_eval.models.huggingface import HFLM
 
-    from pipeline.evaluation.zero_shot import continuation_head_hflm
+    from pipeline.evaluation.zero_shot import continuation_head_hflm, continuation_head_supported
 
     model = tiny_model(family)
     if family != "llama":  # a cap that bites: the tiny Gemma 3's logits stay below 0.7
@@ -217,6 +217,8 @@ def test_continuation_head_loglikelihoods_equal_hflms(family: str) -> None:
     requests = loglikelihood_requests(model)
     plain = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3)
     expected = plain._loglikelihood_tokens(requests, disable_tqdm=True)
+    # the once-per-model check (a two-token forward both ways) before the head is watched
+    assert continuation_head_supported(model)
     rows: list[torch.Size] = []
     hook = model.get_output_embeddings().register_forward_hook(
         lambda module, args, out: rows.append(args[0].shape)
