@@ -29,6 +29,7 @@ def test_the_cache_shares_the_conversions_and_no_plan_cache(tmp_path: Path) -> N
     assert not (root / "plan-reads").exists()
 
 
+@pytest.mark.slow  # 20 s: lorp plan in processes of its own
 def test_a_tiny_job_is_timed_first_and_second_and_says_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

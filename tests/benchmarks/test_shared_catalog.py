@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import shared_catalog  # noqa: E402
 
 
+@pytest.mark.slow  # 30 s: writers and readers of a real catalog at once
 def test_small_load_loses_nothing(tmp_path: Path) -> None:
     out, page = tmp_path / "shared.json", tmp_path / "page.md"
     argv = [

@@ -53,6 +53,7 @@ def job(shared: SharedCatalog, root: Path, name: str, run_id: str, notes: list[s
     return publisher, box[0]
 
 
+@pytest.mark.slow  # 13-27 s a store: concurrent publishers
 def test_jobs_publish_at_once_and_readers_never_fail(store: Storage, tmp_path: Path) -> None:
     """Three jobs publish at once, two of them named alike (two teams' `nightly`, other
     storages): each keeps its rows under its own run id. A reader reading throughout
