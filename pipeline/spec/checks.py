@@ -4,6 +4,7 @@ field, and the shared checks of integers, numbers, storage locations and BOS pol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lorp.data.windows import BOS_POLICIES
@@ -26,6 +27,19 @@ def check_storage(location: str, field: str = "storage") -> None:
         Storage(location)
     except ValueError as exc:
         raise SpecError(f"{field}: {exc}") from None
+
+
+def check_budgets(name: str, budgets: Sequence[object], unit: str, whole: str = "") -> None:
+    """Each budget a count of `unit` ("a block", "an expert": an int >= 1) or a fraction
+    (of `whole`) in (0, 1); one line naming `name[i]` otherwise."""
+    of = f" of {whole}" if whole else ""
+    for i, b in enumerate(budgets):
+        if isinstance(b, bool) or not isinstance(b, int | float):
+            raise SpecError(f"{name}[{i}]: {unit} count or a fraction{of}, got {b!r}")
+        if isinstance(b, int) and b < 1:
+            raise SpecError(f"{name}[{i}]: {unit} count must be >= 1, got {b}")
+        if isinstance(b, float) and not 0.0 < b < 1.0:
+            raise SpecError(f"{name}[{i}]: a fraction must be in (0, 1), got {b}")
 
 
 def check_bos(value: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.spec.checks import SpecError, positive, unique
+from pipeline.spec.checks import SpecError, check_budgets, positive, unique
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,7 @@ class ExpertsSpec:
     def __post_init__(self) -> None:
         from lorp.experts.selection import check_expert_method
 
-        for i, b in enumerate(self.budgets):
-            if isinstance(b, bool) or not isinstance(b, int | float):
-                raise SpecError(f"budgets[{i}]: an expert count or a fraction, got {b!r}")
-            if isinstance(b, int) and b < 1:
-                raise SpecError(f"budgets[{i}]: an expert count must be >= 1, got {b}")
-            if isinstance(b, float) and not 0.0 < b < 1.0:
-                raise SpecError(f"budgets[{i}]: a fraction must be in (0, 1), got {b}")
+        check_budgets("budgets", self.budgets, "an expert")
         unique("budgets", list(self.budgets))
         if self.budgets and not self.methods:
             raise SpecError("methods: at least one of reap, frequency, random is needed")

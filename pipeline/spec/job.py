@@ -12,7 +12,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.spec.calibration import CalibrationSpec
-from pipeline.spec.checks import SpecError, check_storage, is_number, positive, unique
+from pipeline.spec.checks import (
+    SpecError,
+    check_budgets,
+    check_storage,
+    is_number,
+    positive,
+    unique,
+)
 from pipeline.spec.domains import check_domains, domain_of, domains_of, uncovered
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.experts import ExpertsSpec
@@ -218,13 +225,7 @@ class JobSpec:
             raise SpecError("budgets: at least one budget is needed")
         if not self.methods:
             raise SpecError("methods: at least one method is needed")
-        for i, b in enumerate(self.budgets):
-            if isinstance(b, bool) or not isinstance(b, int | float):
-                raise SpecError(f"budgets[{i}]: a block count or a fraction of N, got {b!r}")
-            if isinstance(b, int) and b < 1:
-                raise SpecError(f"budgets[{i}]: a block count must be >= 1, got {b}")
-            if isinstance(b, float) and not 0.0 < b < 1.0:
-                raise SpecError(f"budgets[{i}]: a fraction must be in (0, 1), got {b}")
+        check_budgets("budgets", self.budgets, "a block", "N")
         if self.storage is not None:
             check_storage(self.storage)
         if self.catalog is not None:
