@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_device import cuda
+from benchmarks.gpu_serving import serving_spec
 from benchmarks.inputs import random_model
 from benchmarks.pages import row, rule
 
@@ -75,15 +76,8 @@ def measure_experts(args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vllm is not installed on this machine (no expert figures)"}
     from pipeline.evaluation.serving import serving_speedup
-    from pipeline.spec.evaluation import ServingSpec
 
-    spec = ServingSpec(
-        concurrency=args.serve_concurrency,
-        prompt_len=args.serve_prompt_len,
-        output_len=args.serve_output_len,
-        requests=args.serve_requests,
-        rounds=args.serve_rounds,
-    )
+    spec = serving_spec(args)
     scratch = Path(tempfile.mkdtemp(prefix="lorp-experts-", dir=args.scratch))
     try:
         dense, shape = _saved_dense(args, scratch / "dense")

@@ -24,6 +24,19 @@ SERVE_REMOVED = (8, 12)
 kept 22 of 36 layers of Qwen3-8B: 1.66x at concurrency 64 on one H200)."""
 
 
+def serving_spec(args: argparse.Namespace) -> Any:
+    """The `--serve-*` options as the pipeline's `ServingSpec` (sections 5 and 7)."""
+    from pipeline.spec.evaluation import ServingSpec
+
+    return ServingSpec(
+        concurrency=args.serve_concurrency,
+        prompt_len=args.serve_prompt_len,
+        output_len=args.serve_output_len,
+        requests=args.serve_requests,
+        rounds=args.serve_rounds,
+    )
+
+
 def measure_serving_8b(args: argparse.Namespace) -> dict[str, Any]:
     """Section 5: vLLM serving of the llama-8b shape, dense and 8 / 12 blocks removed."""
     import copy
@@ -34,15 +47,8 @@ def measure_serving_8b(args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vllm is not installed on this machine (no serving figures)"}
     from pipeline.evaluation.serving import serving_speedup
-    from pipeline.spec.evaluation import ServingSpec
 
-    spec = ServingSpec(
-        concurrency=args.serve_concurrency,
-        prompt_len=args.serve_prompt_len,
-        output_len=args.serve_output_len,
-        requests=args.serve_requests,
-        rounds=args.serve_rounds,
-    )
+    spec = serving_spec(args)
     dense = build("llama-8b", args.tiny, args.device).to(torch.bfloat16).cpu()
     n = int(dense.config.num_hidden_layers)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="lorp-serve-"))
