@@ -59,3 +59,5 @@ __all__ = [
     "unregister_method",
     "validate_options",
 ]
+
+import lorp.peers  # noqa: E402, F401  (registers the peers' selections: `lorp.peers`)

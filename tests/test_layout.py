@@ -35,12 +35,14 @@ LORP_LAYERS = [
     {"repair"},
     {"scoring"},
     {"methods"},
+    {"peers"},
     {"provenance", "serving_cost"},
     {"cli", ""},
 ]
 """`lorp/`, bottom to top: checkpoints, text and a mixture's experts (cut from the
 checkpoint as its blocks are) below the paper's core (`locality`), the core below the
-repair, the repair below the selection methods (`window` ranks by it), and the command
+repair, the repair below the selection methods (`window` ranks by it), the published peer recipes
+(a selection and its own repair each) above both, and the command
 line (and the package's public API, "") on top."""
 WRITERS = {
     "Tracker",

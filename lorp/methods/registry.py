@@ -37,6 +37,15 @@ One call is one batch: the caller may score its candidates in parallel (the pipe
 spreads them over several actors), so a method hands over every candidate it can decide
 on at once, e.g. all single removals of one greedy step.
 
+- ``peer``: the method is one half of a published recipe whose other half is its own
+  repair (`lorp.peers`): a job runs its selection with that repair, named by the flag
+  (``replaceme-cosine``, ...), and never with lorp's `linear` repair.
+- ``needs_model``: the method chooses blocks on the model itself, not from S (Prune&Comp
+  removes one block at a time from a model it has compensated so far). It then receives
+  ``model_steps=``, a `ModelSteps` callable: ``model_steps(budget, options) -> details``,
+  run by whoever holds the model (`lorp.peers.prune_and_comp.model_steps` in one process,
+  a Ray task in the pipeline); the details name the blocks in ``order``.
+
 Two keyword parameters are not options: ``losses`` (above) and ``profile``, a
 precomputed `lorp.Profile` of the same S that `select_layers` passes to any method whose
 signature names it, so RLS, K and the clusters are computed once per model, not once per
@@ -67,7 +76,9 @@ RepairScores = Callable[[list[tuple[int, int]], str], list[float]]
 # check(options, n_blocks): raise ValueError("option 'x': ...") for a bad value. `options`
 # holds every option (defaults filled in); n_blocks is None when not known yet.
 OptionCheck = Callable[[Mapping[str, Any], int | None], None]
-NOT_OPTIONS = ("losses", "profile", "repair_scores")
+# model_steps(budget, options) -> the selection's details, "order" the blocks removed in turn.
+ModelSteps = Callable[[int, Mapping[str, Any]], dict[str, Any]]
+NOT_OPTIONS = ("losses", "profile", "repair_scores", "model_steps")
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,9 @@ class RegisteredMethod:
     needs_repair: bool = False
     check: OptionCheck | None = None
     measure: str = "nll"
+    peer: str | None = None
+    """The published recipe's own repair this selection is paired with (`lorp.peers`)."""
+    needs_model: bool = False
 
     @property
     def summary(self) -> str:
@@ -134,6 +148,8 @@ def register_method(
     needs_repair: bool = False,
     check: OptionCheck | None = None,
     measure: str = "nll",
+    peer: str | None = None,
+    needs_model: bool = False,
 ) -> Callable[[Callable[..., Selection]], Callable[..., Selection]]:
     """Decorator: register `fn` as method `name`; a second registration of a name fails.
 
@@ -152,6 +168,8 @@ def register_method(
             raise ValueError(f"method {name!r}: measure must be one of {MEASURES}, got {measure!r}")
         if needs_repair and "repair_scores" not in names:
             raise TypeError(f"method {name!r} needs repair scores but takes no 'repair_scores'")
+        if needs_model and "model_steps" not in names:
+            raise TypeError(f"method {name!r} needs the model but takes no 'model_steps'")
         _REGISTRY[name] = RegisteredMethod(
             name,
             fn,
@@ -163,6 +181,8 @@ def register_method(
             needs_repair=needs_repair,
             check=check,
             measure=measure,
+            peer=peer,
+            needs_model=needs_model,
         )
         return fn
 
@@ -302,6 +322,7 @@ def select_layers(
     losses: Losses | None = None,
     profile: Profile | None = None,
     repair_scores: RepairScores | None = None,
+    model_steps: ModelSteps | None = None,
     **options: Any,
 ) -> Selection:
     """Choose `budget` blocks to prune with a registered method.
@@ -312,7 +333,8 @@ def select_layers(
     to, methods registered with ``needs_evaluator``. `profile` (`lorp.profile` of the same
     S) is handed to methods that take one and ignored by the others; the selection is the
     same with or without it. `repair_scores` (a `RepairScores`) is required by, and
-    only handed to, methods registered with ``needs_repair``.
+    only handed to, methods registered with ``needs_repair``; `model_steps` (a
+    `ModelSteps`) likewise for ``needs_model``.
     """
     spec = get_method(method)
     similarity = as_similarity(stats)
@@ -336,6 +358,13 @@ def select_layers(
                 "(lorp.scoring.window_scores.window_scores)"
             )
         kwargs["repair_scores"] = repair_scores
+    if spec.needs_model:
+        if model_steps is None:
+            raise ValueError(
+                f"method {method!r} chooses blocks on the model: pass model_steps= "
+                "(lorp.peers.prune_and_comp.model_steps(model, windows))"
+            )
+        kwargs["model_steps"] = model_steps
     if spec.takes_profile and profile is not None:
         kwargs["profile"] = profile
     chosen = spec.fn(similarity, n_budget, **kwargs)

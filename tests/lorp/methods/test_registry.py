@@ -26,16 +26,22 @@ def test_builtin_methods_registered() -> None:
     assert available_methods() == [
         "angular",
         "finercut",
+        "linear-patch",
         "lorp",
         "lorp-loss",
         "lorp-stage2",
         "ppl",
+        "prune-comp",
         "random",
+        "replaceme",
         "shortgpt",
         "sleb",
         "streamline",
+        "streamline-layer",
         "window",
     ]
+    assert get_method("replaceme").peer == "replaceme-cosine" and get_method("lorp").peer is None
+    assert get_method("prune-comp").needs_model and not get_method("replaceme").needs_model
     assert get_method("window").needs_repair and not get_method("streamline").needs_repair
     assert get_method("shortgpt").needs_output_state
     assert not get_method("lorp").needs_output_state
