@@ -103,6 +103,9 @@ class RepairTask:
     """Judge the repair on the held-out loss per domain (`lorp.repair.domain_gate`)."""
     units: bool = False
     """`runs` are of sub-layer units (`lorp.repair.sublayer_repair`)."""
+    peer: Any = None
+    """A peer recipe's repair (`lorp.peers.recipes.PeerRepair`), run on `windows`
+    instead of the linear maps: `runs` and `stats` are then empty."""
 
 
 @dataclass(frozen=True)

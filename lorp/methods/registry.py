@@ -39,7 +39,7 @@ on at once, e.g. all single removals of one greedy step.
 
 - ``peer``: the method is one half of a published recipe whose other half is its own
   repair (`lorp.peers`): a job runs its selection with that repair, named by the flag
-  (``replaceme-cosine``, ...), and never with lorp's `linear` repair.
+  (``cosine-map``, ...), and never with lorp's `linear` repair.
 - ``needs_model``: the method chooses blocks on the model itself, not from S (Prune&Comp
   removes one block at a time from a model it has compensated so far). It then receives
   ``model_steps=``, a `ModelSteps` callable: ``model_steps(budget, options) -> details``,

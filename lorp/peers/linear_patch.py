@@ -50,7 +50,7 @@ from lorp.repair.fold import fold_into
 from lorp.repair.maps import RepairRefused, RunFit
 from lorp.repair.stats import contiguous_runs
 
-REPAIR = "linear-patch"
+REPAIR = "hadamard-patch"
 
 
 @register_method("linear-patch", needs_output_state=True, peer=REPAIR)
@@ -108,7 +108,7 @@ def writers(model: nn.Module, i: int) -> Stage:
         refused = "it puts a norm after its attention and MLP outputs, where P cannot fold"
     if refused is not None:
         fam = text_config(model.config).model_type
-        raise RepairRefused(f"linear-patch: family {fam!r}, block {i}: {refused}")
+        raise RepairRefused(f"hadamard-patch: family {fam!r}, block {i}: {refused}")
     return stage
 
 
@@ -127,7 +127,7 @@ def repair_linear_patch(
     `o_proj` and `down_proj` in place (the caller drops the blocks). Returns the record."""
     runs = contiguous_runs(layers, len(decoder_blocks(model)))
     if len(runs) != 1 or runs[0][0] == 0:
-        raise RepairRefused(f"linear-patch: layers must be one run after block 0, got {runs}")
+        raise RepairRefused(f"hadamard-patch: layers must be one run after block 0, got {runs}")
     (s, e), opts = runs[0], {"distill": 0, "lr": 1e-4, **(options or {})}
     stage = writers(model, s - 1)
     kw = {"batch_size": batch_size, "skip_prefix": skip_prefix}

@@ -41,7 +41,7 @@ from lorp.repair.fold import fold
 from lorp.repair.maps import RepairRefused, RunFit
 from lorp.repair.stats import contiguous_runs, run_form
 
-REPAIR = "replaceme-cosine"
+REPAIR = "cosine-map"
 DEFAULT_EPOCHS = 5
 DEFAULT_LR = 1e-4
 BATCH_TOKENS = 1024
@@ -101,11 +101,11 @@ def check_run(model: nn.Module, layers: Sequence[int], n_blocks: int) -> tuple[i
     """The one run of `layers`, or one line saying why ReplaceMe's map cannot fold."""
     runs = contiguous_runs(layers, n_blocks)
     if len(runs) != 1 or runs[0][0] == 0:
-        raise RepairRefused(f"replaceme-cosine: layers must be one run after block 0, got {runs}")
+        raise RepairRefused(f"cosine-map: layers must be one run after block 0, got {runs}")
     if run_form(model, runs[0]) != "full":
         family = text_config(model.config).model_type
         raise RepairRefused(
-            f"replaceme-cosine: family {family!r} puts a norm after block {runs[0][0] - 1}'s "
+            f"cosine-map: family {family!r} puts a norm after block {runs[0][0] - 1}'s "
             "MLP, where a full map cannot fold"
         )
     return runs[0]

@@ -289,9 +289,26 @@ class _Preparation:
             method = get_method(m.name)
             if method.needs_repair:
                 return by_repair(m, budget)
+            if method.needs_model:
+                return self._on_model(ms, prof, m, budget)
             return (losses if method.needs_evaluator else plain)(m, budget)
 
         return select, losses.close
+
+    def _on_model(
+        self, ms: ModelStats, prof: Profile, m: MethodSpec, budget: int
+    ) -> tuple[Selection, float]:
+        """A selection made on the model itself (Prune&Comp), by one task on the grid's
+        resources over the calibration windows (`pipeline.stages.peer_selection`)."""
+        from pipeline.stages.peer_selection import select_on_model
+
+        assert ms.shards is not None
+        self._stage("selection on the model", self.spec.resources.grid)
+        windows = follower_windows(self.stages, self.plan, ms.shards)
+        start = time.perf_counter()
+        selection = select_on_model(self.stages, self.plan, ms.stats, prof, m, budget, windows)
+        self.emit("stage", self.selecting)
+        return selection, time.perf_counter() - start
 
     def _repair_scorer(
         self, shards: CalibrationShards | None, units: bool = False
@@ -348,8 +365,9 @@ class _Preparation:
         repaired = [p for p in todo if p.repair != "none"]
         if not repaired:
             return todo, {}
-        runs = sorted({r for p in repaired if not p.sublayer for r in p.runs})
-        unit_runs = sorted({r for p in repaired if p.sublayer for r in p.runs})
+        linear = [p for p in repaired if p.repair == "linear"]  # a peer fits on the windows
+        runs = sorted({r for p in linear if not p.sublayer for r in p.runs})
+        unit_runs = sorted({r for p in linear if p.sublayer for r in p.runs})
         try:
             refs = self._repair_refs(shards, runs, len(repaired)) if runs else {}
             if unit_runs:
@@ -404,4 +422,5 @@ def _runs_models(m: MethodSpec) -> bool:
     """Whether selecting with `m` runs the model (on the grid's resources): the
     loss-guided methods, and a repair-aware one scored by the repaired variants' loss."""
     method = get_method(m.name)
-    return method.needs_evaluator or (method.needs_repair and m.options.get("score") == "loss")
+    scored = method.needs_repair and m.options.get("score") == "loss"
+    return method.needs_evaluator or method.needs_model or scored

@@ -213,7 +213,7 @@ def repair_columns(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """A repaired point's figures: the worst run's share of its gap left on calibration
     (`repair_residual`; followers are counted in `repair_kept` only), and the held-out
     validation's (`repair_validation`)."""
-    runs = [f for f in fits if "follower" not in f]
+    runs = [f for f in fits if "follower" not in f and "residual" in f]  # a peer's: none
     if not runs:
         return {}
     return {"repair_residual": max(float(f["residual"]) for f in runs)} | repair_validation(fits)

@@ -106,6 +106,8 @@ class TaskMaker:
     def _repair(self, point: GridPoint, refs: RepairRefs) -> RepairTask | None:
         if point.repair == "none":
             return None
+        if point.method is not None and point.method.peer is not None:
+            return peer_task(point, refs)
         r, runs, label = self.repair, tuple(point.runs), point.model.label
         stats = tuple(refs[(label, (UNITS, run) if point.sublayer else run)] for run in runs)
         return RepairTask(
@@ -139,6 +141,18 @@ class TaskMaker:
         )
 
 
+def peer_task(point: GridPoint, refs: RepairRefs) -> RepairTask:
+    """A peer recipe's repair: its name, its options, Prune&Comp's steps, and the model's
+    calibration and held-out windows it fits on (`lorp.peers.recipes.repair_peer`)."""
+    from lorp.peers.recipes import PeerRepair
+
+    assert point.method is not None and point.selection is not None
+    steps = tuple(point.selection.details.get("steps", ()))
+    peer = PeerRepair(point.repair, dict(point.method.repair_options), steps)
+    windows = refs.get((point.model.label, FOLLOWERS))
+    return RepairTask((), (), None, windows=windows, gate=False, peer=peer)
+
+
 def point_evaluation(evaluation: EvaluationSpec, point: GridPoint) -> EvaluationSpec:
     """The evaluation a point runs: the spec's, with a streamed model's larger batch (a
     batch never changes a figure, only how often the files are read) and the model's
@@ -167,6 +181,12 @@ def repair_record(
     """How a repaired point's maps are fitted (the task adds each run's fit)."""
     if point.repair == "none":
         return None
+    if point.method is not None and point.method.peer is not None:
+        return {
+            "method": point.repair,
+            "options": dict(point.method.repair_options),
+            "recipe": "the peer's own repair, fitted on the calibration windows (lorp.peers)",
+        }
     from lorp.repair.maps import RIDGES
 
     out: dict[str, Any] = {

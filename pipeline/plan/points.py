@@ -13,7 +13,7 @@ from typing import Any
 from lorp import Selection, get_method
 from lorp.experts.selection import ExpertSelection
 from lorp.repair.stats import contiguous_runs
-from pipeline.plan.grid import EXPERTS, GridPoint, ModelPlan, grid_key, stored_at
+from pipeline.plan.grid import EXPERTS, GridPoint, ModelPlan, content_key, grid_key, stored_at
 from pipeline.spec.models import MethodSpec
 from pipeline.spec.repair import RepairSettings
 
@@ -78,6 +78,8 @@ class ModelGrid:
         """The points of one selection, one per repair, and the repaired ones whose runs
         cannot fold, each with the reason (left out of the grid)."""
         made, refused = [], []
+        if method.peer is not None:  # a peer recipe: its selection with its own repair only
+            return [self._peer_point(method, selection, seconds)], []
         for repair in self.repair.repairs:
             point = self._point(method, selection, seconds, granularity, repair)
             why = repair_refusal(self.plan, point.layers) if repair != "none" else None
@@ -106,6 +108,16 @@ class ModelGrid:
             g,
         )
         point = GridPoint(key, self.plan, m, sel, seconds, repair, g)
+        return replace(point, checkpoint=stored_at(point, self.saves_checkpoints))
+
+    def _peer_point(self, m: MethodSpec, sel: Selection, seconds: float) -> GridPoint:
+        """A peer recipe's point (`lorp.peers`): keyed by its selection and its repair's
+        options; the selection's details (Prune&Comp's alphas) are part of what it folds."""
+        assert m.peer is not None
+        options = sel.to_dict()["options"]
+        repair = {"peer": m.peer, "options": dict(m.repair_options)}
+        key = content_key(self.model_key, m.name, options, sel.budget, self.evaluation, repair)
+        point = GridPoint(key, self.plan, m, sel, seconds, m.peer, "block")
         return replace(point, checkpoint=stored_at(point, self.saves_checkpoints))
 
     def expert_points(

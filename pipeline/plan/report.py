@@ -157,7 +157,7 @@ def grid_points(
     for g in granularity:
         for m in methods:
             key = m.key if g == "block" else f"{m.key}-{g}"  # `GridPoint.label`
-            for repair in repairs:
+            for repair in [m.peer] if m.peer else repairs:  # a peer: its own repair only
                 label = key if repair == "none" else f"{key}+{repair}"
                 out[label] = len(plan.budgets_for(g))
     return out

@@ -53,17 +53,30 @@ class MethodSpec:
     """Epochs of distillation of this method's repaired twins (the job's `repair_distill`
     when not given): distillation costs minutes per point, so a job can spend it on the
     methods whose repaired variants it ranks first."""
+    repair_options: dict[str, Any] = field(default_factory=dict)
+    """A peer recipe's options for its own repair (`lorp.peers.recipes.REPAIR_OPTIONS`:
+    replaceme epochs and lr, linear-patch distill and lr, streamline-layer epochs and lr);
+    only for the peer methods (docs: The peer recipes)."""
 
     def __post_init__(self) -> None:
         from lorp.methods import get_method
+        from lorp.peers.recipes import check_repair_options
 
         if self.repair_distill is not None:
             positive("repair_distill", self.repair_distill, minimum=0)
 
         try:
-            get_method(self.name)
+            method = get_method(self.name)
         except ValueError as exc:
             raise SpecError(f"name: {exc}") from None
+        if self.repair_options and method.peer is None:
+            raise SpecError(
+                f"repair_options: only a peer recipe takes them, and {self.name!r} is none"
+            )
+        try:
+            check_repair_options(method.peer or "", self.repair_options) if method.peer else None
+        except ValueError as exc:
+            raise SpecError(f"repair_options: {exc}") from None
         try:  # names and values; values that depend on N are checked again at planning
             validate_options(self.name, self.options)
         except ValueError as exc:
@@ -72,3 +85,10 @@ class MethodSpec:
     @property
     def key(self) -> str:
         return self.label or self.name
+
+    @property
+    def peer(self) -> str | None:
+        """The peer recipe's own repair this method's points all take (None: lorp's)."""
+        from lorp.methods import get_method
+
+        return get_method(self.name).peer

@@ -102,13 +102,17 @@ def _execute_point(task: PointTask) -> PointResult:
     params_dense = count_params(lm.model)
     if task.experts:  # before the blocks: the cut names blocks in the dense numbering
         _drop_experts(task, lm.model)
-    fits = _repair(task, lm.model) if task.repair else []
-    kept = drop_layers(lm.model, task.layers) if task.layers else list(range(lm.n_blocks))
+    if task.repair is not None and task.repair.peer is not None:
+        layers, records, changes = _peer(task, lm.model)
+    else:
+        fits = _repair(task, lm.model) if task.repair else []
+        layers, records = task.layers, [f.record() for f in fits]
+        changes = _file_folds(fits)
+    kept = drop_layers(lm.model, layers) if layers else list(range(lm.n_blocks))
     params = count_params(lm.model)
-    records = [f.record() for f in fits]
     provenance = with_repair_runs(task.provenance, records) if task.repair else task.provenance
     with scratch_dir() as scratch:
-        saved = _save_checkpoint(task, lm, scratch, provenance, fits)
+        saved = _save_checkpoint(task, lm, scratch, provenance, layers, changes)
         metrics = evaluate_point(task, lm, saved or lm.path, scratch)
     seconds = time.perf_counter() - start
     serving = metrics.pop("serving", None) or {}
@@ -124,6 +128,58 @@ def _execute_point(task: PointTask) -> PointResult:
         records,
         serving,
     )
+
+
+def _file_folds(fits: list[Any]) -> Any:
+    """The linear maps' folds on a checkpoint's files (None: no map)."""
+    from lorp.repair.fold import file_folds
+
+    return file_folds(fits) if fits else None
+
+
+def _peer(task: PointTask, model: Any) -> tuple[tuple[int, ...], list[Any], Any]:
+    """A peer recipe's repair on the dense model, in place (`lorp.peers`): the blocks to
+    drop (the replacement layer keeps the run's last), its record, and the tensors it
+    changed as the variant's files hold them."""
+    import torch
+
+    from lorp.peers.recipes import repair_peer
+
+    rt = task.repair
+    assert rt is not None and rt.windows is not None
+    fw: FollowerWindows = ray.get(rt.windows)
+    held = {d: torch.from_numpy(w).long() for d, w in fw.held_by_domain().items()}
+    windows = torch.from_numpy(fw.windows).long()
+    result = repair_peer(
+        model,
+        task.layers,
+        windows,
+        held,
+        rt.peer,
+        batch_size=fw.batch_size,
+        skip_prefix=fw.skip_prefix,
+    )
+    log.info("%s %s: %s", task.model.label, task.name, result.record)
+    return result.dropped, [result.record], changed_tensors(model, result.changed)
+
+
+def changed_tensors(model: Any, names: tuple[str, ...]) -> Any:
+    """`FileChanges` (`lorp.models.file_surgery`) that write each changed parameter's
+    value as the model holds it now, in the file's dtype, under its names on disk."""
+    from lorp.models.disk_names import disk_names
+
+    values = dict(model.named_parameters())
+    now = {n: values[n].detach().cpu().clone() for n in names}
+
+    def changes(index: Any, skeleton: Any, tied: bool) -> dict[str, Any]:
+        on_disk = disk_names(skeleton, list(now))
+        return {k: _value(now[n]) for n in now for k in on_disk[n]}
+
+    return changes if names else None
+
+
+def _value(tensor: Any) -> Any:
+    return lambda stored: tensor.to(stored.dtype)
 
 
 def _drop_experts(task: PointTask, model: Any) -> None:
@@ -255,20 +311,24 @@ def _distill(task: PointTask, model: Any, fits: list[Any]) -> list[Any]:
 
 
 def _save_checkpoint(
-    task: PointTask, lm: Any, scratch: Path, provenance: dict[str, Any], fits: list[Any]
+    task: PointTask,
+    lm: Any,
+    scratch: Path,
+    provenance: dict[str, Any],
+    layers: tuple[int, ...],
+    changes: Any,
 ) -> Path | None:
     """The saved checkpoint's local directory: in a filesystem storage itself (written
     atomically), else in this node's scratch, uploaded (marker last) before evaluation.
     A streamed model's variant is written from the dense model's files, the fold applied
     there (`lorp.models.file_surgery`): the model in this process has no weights to save."""
-    if not (task.checkpoint and (task.layers or task.experts)):
+    if not (task.checkpoint and (task.layers or task.experts)):  # a peer's cut: its blocks
         return None
     maybe_fail("point", task.checkpoint)  # dies mid-checkpoint in tests
     storage = Storage(task.storage)
     local = storage.local_path(task.checkpoint) or scratch / "checkpoint"
     if task.checkpoint_format == "manifest":  # the base by reference, the changed tensors
         from lorp.models.variant_manifest import BaseRef, write_manifest
-        from lorp.repair.fold import file_folds
         from pipeline.storage.bases import stored_base_uri
 
         m = task.model
@@ -278,20 +338,17 @@ def _save_checkpoint(
             lm.path,
             local,
             base,
-            task.layers,
+            layers,
             provenance,
-            changes=file_folds(fits) if fits else None,
+            changes=changes,
             dtype=m.dtype,
             overwrite=True,
             experts=dict(task.experts) or None,
         )
     elif task.model.streamed:  # in the checkpoint's own dtype: a bf16 model's stay bf16
         from lorp.models.file_surgery import write_pruned_files
-        from lorp.repair.fold import file_folds
 
-        write_pruned_files(
-            lm.path, local, task.layers, provenance, changes=file_folds(fits), overwrite=True
-        )
+        write_pruned_files(lm.path, local, layers, provenance, changes=changes, overwrite=True)
     else:
         from lorp.models.surgery import save_pruned
 

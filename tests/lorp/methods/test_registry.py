@@ -40,7 +40,7 @@ def test_builtin_methods_registered() -> None:
         "streamline-layer",
         "window",
     ]
-    assert get_method("replaceme").peer == "replaceme-cosine" and get_method("lorp").peer is None
+    assert get_method("replaceme").peer == "cosine-map" and get_method("lorp").peer is None
     assert get_method("prune-comp").needs_model and not get_method("replaceme").needs_model
     assert get_method("window").needs_repair and not get_method("streamline").needs_repair
     assert get_method("shortgpt").needs_output_state

@@ -70,5 +70,5 @@ def test_distillation_keeps_p_where_no_epoch_beats_it_or_trains_it() -> None:
 
 
 def test_a_norm_after_the_branches_is_refused_in_one_line() -> None:
-    with pytest.raises(RepairRefused, match="linear-patch: family 'gemma3_text', block 1"):
+    with pytest.raises(RepairRefused, match="hadamard-patch: family 'gemma3_text', block 1"):
         repair_linear_patch(tiny_model("gemma3_text"), [2, 3], token_windows(2, 24))

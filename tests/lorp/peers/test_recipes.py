@@ -16,12 +16,12 @@ from tests.helpers.windows import token_windows
     ("peer", "dropped", "changed"),
     [
         (
-            PeerRepair("replaceme-cosine", {"epochs": 1}),
+            PeerRepair("cosine-map", {"epochs": 1}),
             (2, 3),
             {"model.layers.1.mlp.down_proj.weight"},
         ),
         (
-            PeerRepair("linear-patch"),
+            PeerRepair("hadamard-patch"),
             (2, 3),
             {"model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"},
         ),
@@ -57,9 +57,9 @@ def test_each_peer_names_what_it_drops_and_changes(
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("replaceme-cosine", {"rounds": 2}, "option 'rounds': replaceme-cosine takes epochs, lr"),
+        ("cosine-map", {"rounds": 2}, "option 'rounds': cosine-map takes epochs, lr"),
         ("replacement-ffn", {"lr": 3}, "option 'lr': out of range for replacement-ffn, got 3"),
-        ("linear", {}, "repair 'linear': not a peer repair"),
+        ("linear", {}, "repair .linear.: not a peer repair"),
     ],
 )
 def test_bad_options_are_refused_in_one_line(name: str, options: dict, message: str) -> None:

@@ -83,6 +83,6 @@ def test_lorp_linear_is_the_l2_variant_with_a_ridge() -> None:
 
 
 def test_a_norm_after_the_mlp_is_refused_in_one_line() -> None:
-    with pytest.raises(RepairRefused, match="replaceme-cosine: family 'gemma3_text'") as exc:
+    with pytest.raises(RepairRefused, match="cosine-map: family 'gemma3_text'") as exc:
         repair_replaceme(tiny_model("gemma3_text"), [S, E], token_windows(2, 24))
     assert "\n" not in str(exc.value)

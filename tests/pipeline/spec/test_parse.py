@@ -43,6 +43,14 @@ def test_good_spec_defaults() -> None:
             "methods[0].options: method 'shortgpt' has no option 'k'",
         ),
         ({"methods": [{"name": "lorp"}, {"name": "lorp"}]}, "methods: 'lorp' appears twice"),
+        (
+            {"methods": [{"name": "shortgpt", "repair_options": {"epochs": 2}}]},
+            "methods[0].repair_options: only a peer recipe takes them, and 'shortgpt' is none",
+        ),
+        (
+            {"methods": [{"name": "replaceme", "repair_options": {"rounds": 2}}]},
+            "methods[0].repair_options: option 'rounds': cosine-map takes epochs, lr",
+        ),
         ({"models": [{"ref": "x", "dtype": "fp8"}]}, "models[0].dtype: must be one of float32"),
         (
             {"models": [{"ref": "x", "trust_remote_code": "yes"}]},
