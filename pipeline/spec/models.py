@@ -44,7 +44,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    """A registered method: lorp, lorp-stage2, shortgpt, streamline, angular, random."""
+    """A registered method (`lorp.available_methods()`): lorp, shortgpt, streamline, ...,
+    and the peer recipes replaceme, linear-patch, prune-comp, streamline-layer."""
     options: dict[str, Any] = field(default_factory=dict)
     """The method's options (e.g. lorp: variant, k, thresholds, ks, seed)."""
     label: str | None = None
