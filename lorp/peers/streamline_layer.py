@@ -54,6 +54,14 @@ def streamline_layer(
     return streamline(similarity, budget, last_block=last_block)
 
 
+def skipped_blocks(layers: Sequence[int]) -> tuple[int, ...]:
+    """The blocks the variant's forward no longer runs: each run's blocks but its last,
+    the carrier, which keeps a block's cost (its zeroed attention still runs). What the
+    speed pass times, so a figure and its bound N/(N-k) count what the checkpoint runs."""
+    runs = contiguous_runs(layers, max(layers, default=-1) + 1)
+    return tuple(i for first, last in runs for i in range(first, last))
+
+
 class FFN(nn.Module):
     """f(h) = h + post(MLP(pre(h))): a block's MLP with the norms around it, float32."""
 

@@ -130,7 +130,7 @@ class TaskMaker:
         return SpeedTask(
             model=plan.source(),
             storage=self.storage,
-            variants=tuple((p.key, p.layers, p.checkpoint) for p in points),
+            variants=tuple((p.key, timed_layers(p), p.checkpoint) for p in points),
             seq_len=ev.seq_len,
             min_rounds=ev.speed_repeats,
             budget_s=float(ev.speed_budget_s),
@@ -139,6 +139,16 @@ class TaskMaker:
             n_blocks=plan.n_blocks,
             units={p.key: p.units for p in points if p.sublayer},
         )
+
+
+def timed_layers(point: GridPoint) -> tuple[int, ...]:
+    """The blocks `point`'s variant no longer runs: its removed blocks, less the block
+    that carries LLM-Streamline's replacement FFN (`lorp.peers.streamline_layer`)."""
+    from lorp.peers import streamline_layer
+
+    if point.method is not None and point.method.peer == streamline_layer.REPAIR:
+        return streamline_layer.skipped_blocks(point.layers)
+    return tuple(point.layers)
 
 
 def peer_task(point: GridPoint, refs: RepairRefs) -> RepairTask:

@@ -67,3 +67,11 @@ def test_a_run_from_block_0_is_refused_in_one_line() -> None:
         repair_streamline_layer(
             tiny_model("llama"), [0, 1], token_windows(2, 24), token_windows(1, 24)
         )
+
+
+def test_the_speed_pass_skips_each_run_but_its_carrier() -> None:
+    from lorp.peers.streamline_layer import skipped_blocks
+
+    assert skipped_blocks([4, 5, 6]) == (4, 5)  # block 6 carries the FFN and still runs
+    assert skipped_blocks([2, 3, 7, 8]) == (2, 7)
+    assert skipped_blocks([5]) == ()
