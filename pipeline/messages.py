@@ -184,3 +184,5 @@ class PointResult:
     backend: str | None = None
     """The backend that evaluated the point where it is not the job's: a sub-layer
     variant vLLM cannot serve (`lorp.models.nemotron_nas`) is evaluated in transformers."""
+    window_nll: dict[str, list[float]] = field(default_factory=dict)
+    """Per corpus (`ppl_<corpus>`'s name): each evaluation window's mean NLL, in order."""

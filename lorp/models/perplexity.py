@@ -29,10 +29,15 @@ vocabulary, 2 x 256 tokens: 0.6 GiB more than the model's logits)."""
 def window_nll(model: nn.Module, windows: torch.Tensor) -> tuple[float, int]:
     """Summed NLL (float64) and number of predicted tokens, B * (T - 1), for a batch [B, T]:
     every position but the first is a target."""
+    nll = sum(row_nlls(model, windows))
+    return float(nll), windows[:, 1:].numel()
+
+
+def row_nlls(model: nn.Module, windows: torch.Tensor) -> list[float]:
+    """Summed NLL (float64) of each window of a batch [B, T], in order."""
     logits = model(input_ids=windows, use_cache=False).logits
     targets = windows[:, 1:]
-    nll = sum(nll_rows(row[:-1], t) for row, t in zip(logits, targets, strict=True))
-    return float(nll), targets.numel()
+    return [nll_rows(row[:-1], t) for row, t in zip(logits, targets, strict=True)]
 
 
 def nll_rows(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -62,6 +67,18 @@ def perplexity(
             total += nll
             count += n
     return math.exp(total / count)
+
+
+def window_losses(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 1) -> list[float]:
+    """Mean NLL per predicted token of each window [n, T], in order: what a paired
+    comparison of two variants on the same windows resamples. Every window predicts T - 1
+    tokens, so `perplexity` is exp of their mean."""
+    device = device_of(model)
+    out: list[float] = []
+    with torch.inference_mode():
+        for start in range(0, len(windows), batch_size):
+            out += row_nlls(model, windows[start : start + batch_size].to(device))
+    return [nll / (windows.shape[1] - 1) for nll in out]
 
 
 def calibration_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> float:

@@ -133,7 +133,13 @@ class CatalogRow:
     reference_claim: bool | None = None
     """The job set `tracking.reference: true` (its protocol is its models' reference)."""
     zero_shot: str | None = None
-    """Per task: the split and the items scored (JSON)."""
+    """Per task: the split, the items scored and, from rows written since, `correct`: a
+    digit per item in item order, 1 right and 0 wrong (JSON; what McNemar's test pairs
+    between two variants)."""
+    window_nll: str | None = None
+    """Per perplexity corpus (`ppl_<corpus>`'s name): each evaluation window's mean NLL
+    per predicted token, in window order (JSON; what a paired bootstrap between two
+    variants resamples). Null on rows from before it."""
     serving: str | None = None
     """vLLM serving: the settings and every timed round's figures (`output_tps`,
     `ttft_ms`, `tpot_ms`, `output_tokens`; JSON)."""

@@ -112,6 +112,7 @@ def catalog_row(
         repair_held_loss_ratio=repair.pop("repair_held_loss_ratio", None),
         k=_k(details.get("k", facts.k)),  # LoRP's own K (fixed or from RLS), else the model's
         zero_shot=json.dumps(result.zero_shot, sort_keys=True) if result.zero_shot else None,
+        window_nll=json.dumps(result.window_nll, sort_keys=True) if result.window_nll else None,
         serving=json.dumps(result.serving, sort_keys=True) if result.serving else None,
         params=result.params,
         params_dense=result.params_dense,

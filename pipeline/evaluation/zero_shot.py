@@ -139,9 +139,10 @@ def rendered_tasks() -> Path:
 
 
 def evaluate_zero_shot(
-    lm: Any, names: list[str], *, limit: int | None = None, seed: int = 0
-) -> dict[str, float]:
-    """Score `names` with an lm-eval model object (HFLM or VLLM)."""
+    lm: Any, names: list[str], *, limit: int | None = None, seed: int = 0, items: bool = False
+) -> dict[str, Any]:
+    """Score `names` with an lm-eval model object (HFLM or VLLM); with `items`, also each
+    task's items right or wrong under `zero_shot_items` (`item_results`)."""
     from lm_eval import simple_evaluate
 
     check_tasks(names)
@@ -151,13 +152,28 @@ def evaluate_zero_shot(
         num_fewshot=0,
         limit=limit,
         task_manager=task_manager(needs_default_tasks(names)),
-        log_samples=False,
+        log_samples=items,
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
         fewshot_random_seed=seed,
     )
-    return scores(results, names)
+    out: dict[str, Any] = scores(results, names)
+    if items:
+        out["zero_shot_items"] = item_results(results, names)
+    return out
+
+
+def item_results(results: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """Per task, a string of one digit per item in item order: 1 where the task's metric
+    (`TASKS`: acc_norm or acc) scored it right, 0 where wrong. Two variants scored on the
+    same items pair up item by item (McNemar's test)."""
+    out = {}
+    for name in names:
+        task, metric = TASKS[name]
+        logged = sorted(results.get("samples", {}).get(task, []), key=lambda s: s["doc_id"])
+        out[name] = "".join("1" if s.get(metric, s.get("acc")) else "0" for s in logged)
+    return out
 
 
 # Requests per forward in the transformers backend's zero-shot: the continuation-head path
@@ -167,14 +183,21 @@ ZERO_SHOT_BATCH = 16
 
 
 def hf_zero_shot(
-    model: Any, tokenizer: Any, names: list[str], *, limit: int | None = None, batch_size: int = 8
-) -> dict[str, float]:
+    model: Any,
+    tokenizer: Any,
+    names: list[str],
+    *,
+    limit: int | None = None,
+    batch_size: int = 8,
+    items: bool = False,
+) -> dict[str, Any]:
     """The transformers backend: lm-eval's HFLM around an already loaded model, scoring
     through `continuation_head_hflm` (the LM head only where a log-likelihood reads it) at
     a batch of at least `ZERO_SHOT_BATCH` wherever the model is a supported family."""
     if continuation_head_supported(model):
         batch_size = max(batch_size, ZERO_SHOT_BATCH)
-    return evaluate_zero_shot(hf_lm(model, tokenizer, batch_size), names, limit=limit)
+    lm = hf_lm(model, tokenizer, batch_size)
+    return evaluate_zero_shot(lm, names, limit=limit, items=items)
 
 
 def hf_lm(model: Any, tokenizer: Any, batch_size: int) -> Any:

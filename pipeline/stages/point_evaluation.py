@@ -51,11 +51,26 @@ def evaluate_point(
         return evaluate(be, tokenizer, ev)
 
 
-def zero_shot_info(ev: EvaluationSpec, metrics: dict[str, float]) -> dict[str, dict[str, Any]]:
+def split_records(
+    metrics: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, str]]:
+    """`evaluate`'s result as (its figures, each corpus's per-window mean NLL, each
+    task's items right or wrong): the two records go to catalog columns, not figures."""
+    rest = dict(metrics)
+    return rest, rest.pop("window_nll", None) or {}, rest.pop("zero_shot_items", None) or {}
+
+
+def zero_shot_info(
+    ev: EvaluationSpec, metrics: dict[str, Any], items: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per task: its split, the items scored and (`correct`) each item right (1) or wrong
+    (0), in item order, where the backend gave them."""
     from pipeline.evaluation.zero_shot import task_split
 
+    items = items or {}
     return {
         t: {"split": task_split(t), "n": int(metrics[f"n_{t}"])}
+        | ({"correct": items[t]} if t in items else {})
         for t in ev.zero_shot
         if f"n_{t}" in metrics
     }

@@ -22,7 +22,7 @@ from pipeline.cluster.faults import maybe_fail
 from pipeline.cluster.model_source import load_checked
 from pipeline.events.timeline import span
 from pipeline.messages import FollowerWindows, PointResult, PointTask
-from pipeline.stages.point_evaluation import evaluate_point, zero_shot_info
+from pipeline.stages.point_evaluation import evaluate_point, split_records, zero_shot_info
 from pipeline.stages.sublayer_points import held_windows
 from pipeline.stages.worker_setup import device_for, pin_threads
 from pipeline.storage.store import Storage, scratch_dir
@@ -116,7 +116,8 @@ def _execute_point(task: PointTask) -> PointResult:
         metrics = evaluate_point(task, lm, saved or lm.path, scratch)
     seconds = time.perf_counter() - start
     serving = metrics.pop("serving", None) or {}
-    info = zero_shot_info(task.evaluation, metrics)
+    metrics, windows, items = split_records(metrics)
+    info = zero_shot_info(task.evaluation, metrics, items)
     return PointResult(
         task.grid_key,
         kept,
@@ -127,6 +128,7 @@ def _execute_point(task: PointTask) -> PointResult:
         info,
         records,
         serving,
+        window_nll=windows,
     )
 
 

@@ -36,7 +36,7 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
     checkpoint saved where its family serves, its figures measured."""
     from lorp.models.sublayers import remove_sublayers
     from pipeline.evaluation.speed import count_params
-    from pipeline.stages.point_evaluation import evaluate_point, zero_shot_info
+    from pipeline.stages.point_evaluation import evaluate_point, split_records, zero_shot_info
 
     params_dense = count_params(lm.model)
     fits = _unit_repair(task, lm.model) if task.repair else []
@@ -49,6 +49,7 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
         saved = _save(task, lm, scratch, provenance, fits)
         metrics = evaluate_point(task, lm, saved or lm.path, scratch, backend)
     serving = metrics.pop("serving", None) or {}
+    metrics, windows, items = split_records(metrics)
     return PointResult(
         task.grid_key,
         list(range(lm.n_blocks)),
@@ -56,9 +57,10 @@ def execute_sublayer_point(task: PointTask, lm: Any, start: float) -> PointResul
         int(params_dense),
         metrics,
         time.perf_counter() - start,
-        zero_shot_info(task.evaluation, metrics),
+        zero_shot_info(task.evaluation, metrics, items),
         records,
         serving,
+        window_nll=windows,
         backend=backend if backend != task.backend else None,
     )
 

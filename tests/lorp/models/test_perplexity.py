@@ -12,7 +12,7 @@ from lorp.data.windows import (
     eval_windows,
     prepend_bos,
 )
-from lorp.models.perplexity import perplexity, window_nll
+from lorp.models.perplexity import perplexity, window_losses, window_nll
 from tests.helpers.tiny_models import VOCAB, tiny_model
 
 
@@ -31,6 +31,20 @@ def test_perplexity_equals_hand_computation() -> None:
     assert perplexity(model, windows, batch_size=2) == pytest.approx(
         math.exp(nll / count), rel=1e-6
     )
+
+
+def test_window_losses_are_each_windows_mean_nll_in_order() -> None:
+    """A window's loss is its own tokens' mean NLL (batches of 2 over 3 windows: the last
+    short), and exp of their mean is the perplexity (every window predicts T - 1)."""
+    model = tiny_model("llama")
+    windows = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(windows).logits[:, :-1].double(), dim=-1)
+    hand = (-logp.gather(-1, windows[:, 1:, None]).squeeze(-1)).mean(dim=1).tolist()
+    losses = window_losses(model, windows, batch_size=2)
+    assert losses == pytest.approx(hand, rel=1e-6)
+    ppl = perplexity(model, windows, batch_size=2)
+    assert math.exp(sum(losses) / 3) == pytest.approx(ppl, rel=1e-9)
 
 
 def test_bos_windows_score_exactly_their_text_tokens() -> None:

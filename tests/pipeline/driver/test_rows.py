@@ -156,6 +156,29 @@ def test_a_methods_own_k_and_stages_come_from_its_selection(spec: JobSpec, plan:
     assert row.stages is not None and json.loads(row.stages) == stages
 
 
+def test_per_window_losses_and_per_item_answers_are_json_columns_not_figures(
+    spec: JobSpec, plan: ModelPlan
+) -> None:
+    """What the paired tests between two variants need (benchmarks/peers.py)."""
+    from pipeline.stages.point_evaluation import split_records, zero_shot_info
+
+    point, _ = selected(spec, plan, (2, 3))
+    measured = {"ppl_ptb": 30.0, "n_copa": 3.0, "window_nll": {"ptb": [3.1, 3.4]}}
+    metrics, windows, items = split_records(measured | {"zero_shot_items": {"copa": "101"}})
+    ev = dataclasses.replace(spec.evaluation, zero_shot=("copa",))
+    res = result(
+        point, metrics=metrics, window_nll=windows, zero_shot=zero_shot_info(ev, metrics, items)
+    )
+    row = row_of(spec, plan, point, res)
+    assert json.loads(row.window_nll or "") == {"ptb": [3.1, 3.4]}
+    assert json.loads(row.zero_shot or "")["copa"] == {
+        "split": "validation",
+        "n": 3,
+        "correct": "101",
+    }
+    assert "window_nll" not in row.figures and "zero_shot_items" not in row.figures
+
+
 def test_figures_hold_the_selections_cost_the_metrics_and_the_serving_costs(
     spec: JobSpec, plan: ModelPlan
 ) -> None:

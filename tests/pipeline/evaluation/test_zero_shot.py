@@ -71,11 +71,12 @@ def test_local_tasks_score_known_answers(invert: bool) -> None:
 
     names = list(GOLD)
     assert set(names) == set(TASKS) - {"race"}  # every shipped task YAML
-    scores = evaluate_zero_shot(OracleLM({}, invert=invert), names, limit=25)
+    scores = evaluate_zero_shot(OracleLM({}, invert=invert), names, limit=25, items=True)
     expected = 0.0 if invert else 100.0
     for name in names:
         assert scores[f"acc_{name}"] == pytest.approx(expected), name
         assert scores[f"n_{name}"] == 25 and task_split(name) == "validation"
+        assert scores["zero_shot_items"][name] == ("0" if invert else "1") * 25, name
     assert scores["acc_avg"] == pytest.approx(expected)
 
 
@@ -244,7 +245,7 @@ def test_hf_zero_shot_scores_through_the_continuation_head(
 
     seen = {}
     monkeypatch.setattr(
-        zs, "evaluate_zero_shot", lambda lm, names, limit: seen.setdefault("lm", lm)
+        zs, "evaluate_zero_shot", lambda lm, names, limit, **_: seen.setdefault("lm", lm)
     )
     zs.hf_zero_shot(
         tiny_model("llama"), word_tokenizer(["a"], add_bos=False), ["copa"], batch_size=2
