@@ -64,8 +64,8 @@ def as_picked(spec, picks: dict[int, dict[str, Any]]):  # type: ignore[no-untype
     """`spec`'s methods, each distilled as its picked rows were (so the retention job
     evaluates the catalog's variant, whatever `jobs/quality.yaml` says today)."""
     by_method: dict[str, set[tuple[int, float | None]]] = {}
-    for r in picks.values():
-        if (r.get("repair") or "none") != "none":
+    for r in picks.values():  # a peer recipe's own repair (`lorp.peers`): not lorp's to distil
+        if r.get("repair") == "linear":
             by_method.setdefault(r["method_label"].split("+")[0], set()).add(distillation(r))
     lrs = {lr for d in by_method.values() for _, lr in d if lr is not None}
     if any(len(d) > 1 for d in by_method.values()) or len(lrs) > 1:
@@ -89,11 +89,14 @@ def one_job_each(picks: dict[int, dict[str, Any]]) -> list[dict[int, dict[str, A
     return list(groups.values())
 
 
-def retention_spec(model: str, picks: dict[int, dict[str, Any]], limit: int, out: str):  # type: ignore[no-untyped-def]
-    """The quality job cut down to dense and `picks`, scored on the zero-shot tasks."""
+def retention_spec(  # type: ignore[no-untyped-def]
+    model: str, picks: dict[int, dict[str, Any]], limit: int | None, out: str, base=None
+):
+    """The quality job (or `base`, a job spec of the same calibration) cut down to dense
+    and `picks`, scored on the zero-shot tasks (`limit` items each; None: all)."""
     from pipeline.spec.parse import load_spec
 
-    spec = as_picked(load_spec(ROOT / "jobs" / "quality.yaml"), picks)
+    spec = as_picked(base or load_spec(ROOT / "jobs" / "quality.yaml"), picks)
     labels = {r["method_label"].split("+")[0] for r in picks.values()}
     repairs = {r.get("repair") or "none" for r in picks.values()}
     ev = dataclasses.replace(
@@ -107,7 +110,8 @@ def retention_spec(model: str, picks: dict[int, dict[str, Any]], limit: int, out
         models=tuple(m for m in spec.models if m.label == model),
         methods=tuple(m for m in spec.methods if m.key in labels),
         budgets=tuple(sorted(picks)),
-        repair=tuple(r for r in ("none", "linear") if r in repairs),
+        # a peer recipe's points take their own repair whatever the job's says
+        repair=tuple(r for r in ("none", "linear") if r in repairs) or ("none",),
         evaluation=ev,
     )
 

@@ -63,3 +63,15 @@ def test_retention_table_reads_the_row_distilled_as_picked() -> None:
         line = table("m", {4: new}, rows)[-1]
         assert line.startswith("| window+linear @ 4/30 | 40.0 (80.0 ± ")
     assert table("m", {4: old}, [dense, new, old])[-1].startswith("| window+linear @ 4/30 | 30.0")
+
+
+def test_a_peer_pick_keeps_its_own_repair_and_is_not_distilled() -> None:
+    """A peer recipe's row (`repair` its own, e.g. cosine-map) makes a job whose points
+    take that repair whatever the job's `repair` says: the job's is `none`, and its entry
+    is left as `jobs/quality.yaml` has it."""
+    from benchmarks.retention import retention_spec
+
+    picks = {4: {"method_label": "replaceme+cosine-map", "repair": "cosine-map"}}
+    spec = retention_spec("smollm2-135m", picks, None, "/tmp/unused")
+    assert [m.key for m in spec.methods] == ["replaceme"] and spec.repair == ("none",)
+    assert spec.evaluation.zero_shot == TASKS and spec.evaluation.zero_shot_limit is None
