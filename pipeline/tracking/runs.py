@@ -79,7 +79,10 @@ class Tracker:
     def __init__(self, uri: str, experiment: str, artifact_location: str) -> None:
         """`artifact_location` (a file:// URI or the job's remote storage) is where a new
         experiment keeps its artifacts; an existing experiment keeps its own."""
+        from pipeline.tracking.sqlite_store import seed_sqlite_store
+
         self.uri = uri
+        seed_sqlite_store(uri)  # a new sqlite store: a copy, not MLflow's 70 migrations
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
