@@ -115,6 +115,13 @@ def ray_benchmark(model_path: str, windows: torch.Tensor, repeats: int) -> dict[
 # -- 5: selection is free -----------------------------------------------------------------------
 
 
+def selects_from_s_alone(method: str) -> bool:
+    """Whether `method` chooses from S alone: scoring models (loss-guided), repairs
+    (`window`) or running the model (Prune&Comp) is not a selection cost."""
+    m = get_method(method)
+    return not (m.needs_evaluator or m.needs_repair or m.needs_model)
+
+
 def selection_benchmarks(repeats: int) -> dict[str, float]:
     out = {}
     rng = np.random.default_rng(0)
@@ -123,11 +130,7 @@ def selection_benchmarks(repeats: int) -> dict[str, float]:
         x = np.cumsum(rng.normal(size=(n + 1, 64, 96)) * 0.3, axis=0) + 1.0
         s.update(x)
         budget = n // 4
-        for method in available_methods():
-            registered = get_method(method)
-            # Scoring models (loss-guided) or repairs (`window`) is not a selection cost.
-            if registered.needs_evaluator or registered.needs_repair:
-                continue
+        for method in filter(selects_from_s_alone, available_methods()):
             t = median_time(lambda m=method, s=s, b=budget: select_layers(s, b, m), repeats)
             out[f"select_ms.{method}.n{n}"] = t * 1000
         S = s.matrix()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorp import available_methods, get_method
+from lorp import available_methods
 from tests.helpers.benchmark_scripts import load_benchmark
 
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
@@ -60,11 +60,9 @@ def test_tiny_run_measures_every_in_process_section(
     assert f["capture_overhead"] == max(f["tiny.capture_overhead"], f["wide_d128.capture_overhead"])
     assert f["vs_usual_speedup"] == min(f["tiny.vs_usual_speedup"], f["wide_d128.vs_usual_speedup"])
     # 5: every method that selects from S alone, at every N.
-    timed = [
-        m
-        for m in available_methods()
-        if not (get_method(m).needs_evaluator or get_method(m).needs_repair)
-    ]
+    from benchmarks.overheads import selects_from_s_alone
+
+    timed = list(filter(selects_from_s_alone, available_methods()))
     assert {"lorp", "shortgpt", "streamline"} <= set(timed)
     for n in (32, 64, 128):
         for m in [*timed, "spectral_clustering_k4"]:
