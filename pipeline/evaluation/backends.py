@@ -127,11 +127,14 @@ def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str
     """Perplexity on every configured corpus, then the zero-shot tasks, then (vLLM only)
     serving: its medians as metrics, its rounds under `serving`."""
     from pipeline.evaluation.corpora import corpus_windows, metric_name
+    from pipeline.evaluation.peak_memory import mark_phase
 
     metrics = {}
     for corpus in spec.perplexity:
+        mark_phase(f"perplexity {corpus}")
         metrics[metric_name(corpus)] = backend.perplexity(corpus_windows(tokenizer, corpus, spec))
     if spec.zero_shot:
+        mark_phase("zero-shot")
         metrics |= backend.zero_shot(list(spec.zero_shot), spec.zero_shot_limit)
     if spec.serving is not None and isinstance(backend, VLLMBackend):
         metrics |= backend.serving(spec.serving)
