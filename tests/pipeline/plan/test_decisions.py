@@ -48,7 +48,7 @@ def test_decide_memory_streamed_refused(tmp_path: Path) -> None:
 
 
 def test_loading_a_converted_model_is_planned_for(tmp_path: Path) -> None:
-    """A float32 file loaded as bfloat16 holds the file's copy beside the converted weights
+    """A float32 file loaded as bfloat16 maps the file's pages beside the converted weights
     at the end of the load: a worker with room for two bfloat16 copies and the batch, but
     not for that moment, streams the model (its loader converts one module at a time); a
     GPU worker, whose load is in host memory, holds it whole."""
@@ -59,7 +59,9 @@ def test_loading_a_converted_model_is_planned_for(tmp_path: Path) -> None:
     acts = stage_activations("evaluate", shape, 1, 8, 2)
     assert 2 * size.total + acts < size.load_peak == 3 * size.total  # float32 file
     roomy = decide("evaluate", size, shape, worker_bytes=GIB, **kw)
-    assert (roomy.mode, roomy.copies, roomy.need_bytes) == ("memory", 2, size.load_peak)
+    assert (roomy.mode, roomy.copies, roomy.memory_bytes) == ("memory", 2, size.load_peak)
+    # What the worker holds of its own: the file's pages are the page cache's.
+    assert roomy.need_bytes == 2 * size.total + acts
     between = int((2 * size.total + acts + size.load_peak) / 2 / 0.8)
     d = decide("evaluate", size, shape, worker_bytes=between, **kw)
     assert (d.mode, d.memory_bytes) == ("streamed", size.load_peak)
