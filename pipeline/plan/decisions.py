@@ -63,14 +63,15 @@ def decide(
         if whole <= budget:
             return Decision(stage, "memory", held, whole, worker_bytes, batch, most, n)
     # The largest module's matrices twice: the ones in use and, while they are read, the
-    # file's copy before its conversion to the load dtype (or a fold's override).
+    # file's pages they are read (and converted) from. Those pages are the page cache's:
+    # the worker's own memory holds the matrices once (a fold's override is kept).
     weights = size.resident + 2 * size.largest_unit
     if weights + acts + least <= budget:
         room = budget - weights
         bounds = (batch, max_batch or batch)
         args = (stage, shape, bounds, seq_len, itemsize, room, kept_bytes, states)
         batch, acts, kept = _streamed(*args)
-        need = weights + acts + kept
+        need = size.resident + size.largest_unit + acts + kept
         return Decision(stage, "streamed", need, whole, worker_bytes, batch, kept)
     raise _too_large(label, stage, size, acts, least, worker_bytes)
 

@@ -72,8 +72,8 @@ def dense_point(root: Path, model: Path, memory_gib: float | None, dtype: str = 
     ("memory_gib", "mode", "dtype"),
     [
         (None, "memory", "float32"),
-        # The float32 file loaded as bfloat16: the load's end (the file's copy beside the
-        # converted weights, 0.68 GiB) is the point's peak, not its two copies (0.45 GiB).
+        # The float32 file loaded as bfloat16: the file's pages mapped at the load's end
+        # are the page cache's; the point's own peak is its two copies and the logits.
         (None, "memory", "bfloat16"),
         (0.6, "streamed", "float32"),  # 0.6 GiB: not even one 0.65 GiB copy fits
     ],
