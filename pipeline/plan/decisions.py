@@ -55,9 +55,8 @@ def decide(
     acts = stage_activations(stage, shape, batch, seq_len, itemsize, states)
     budget = int(worker_bytes * HEADROOM)
     for n in range(copies, 0, -1):  # the copies asked for, else fewer; loading comes first
-        # What the worker holds of its own (anonymous memory): the copies, the batch's
-        # activations, what is kept. Loading holds one copy there, and the file's pages
-        # beside it (the page cache's): they must fit too, but are not the worker's.
+        # The worker's own memory holds the copies, the batch and what is kept; loading
+        # maps the file's pages beside one copy (the page cache's): they must fit too.
         held = n * size.total + acts + most
         whole = max(held, load)
         if whole <= budget:
