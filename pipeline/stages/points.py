@@ -120,13 +120,19 @@ def _point_marks(task: PointTask, device: Any) -> Any:
     evaluation's windows (the plan's headroom covers them,
     `pipeline.plan.decisions.HEADROOM`), loaded before the model's first point in this
     process, and what earlier points left (lm-eval's tasks: `PhaseMarks.left`)."""
-    from pipeline.evaluation.peak_memory import PhaseMarks, reset_peak_memory, resident_gib
+    from pipeline.evaluation.peak_memory import (
+        PhaseMarks,
+        fixed_malloc_thresholds,
+        reset_peak_memory,
+        resident_gib,
+    )
 
     m = task.model
     key = (device.type, m.ref, m.fingerprint, m.dtype)
     if key not in _FLOOR:
         _FLOOR.clear()
         _PRISTINE.clear()  # another model's, gone before this one's floor is taken
+        fixed_malloc_thresholds()  # freed activations go back, not kept for the next
         _import_point_code()
         _warm_evaluation(task)
         gc.collect()
