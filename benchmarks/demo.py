@@ -160,17 +160,18 @@ def _judged(row: Mapping[str, Any], dense: Mapping[str, Any]) -> float:
 
 def memory_lines(events: Sequence[Mapping[str, Any]]) -> list[str]:
     """Per model, the points' worker peaks against the plan's `evaluate` need (their
-    `point` events' `peak_gib` and `planned_gib`): the plan is an upper bound or it is
-    wrong, so the page says which."""
+    `point` events' `peak_gib` and `planned_gib`; an unrepaired point's plan is the
+    smaller): the plan is an upper bound or it is wrong, so the page says which."""
     lines = []
     points = [e for e in events if e.get("event") == "point" and e.get("planned_gib")]
     for model in sorted({e["model"] for e in points}):
         mine = [e for e in points if e["model"] == model]
         ratios = [e["peak_gib"] / e["planned_gib"] for e in mine]
         over = sum(r > 1 for r in ratios)
+        plans = sorted({f"{e['planned_gib']:.2f}" for e in mine}, key=float)
         lines.append(
             f"- {model}: points' peak memory {min(e['peak_gib'] for e in mine):.2f}-"
-            f"{max(e['peak_gib'] for e in mine):.2f} GiB against {mine[0]['planned_gib']:.2f} "
+            f"{max(e['peak_gib'] for e in mine):.2f} GiB against {' and '.join(plans)} "
             f"planned ({min(ratios):.0%}-{max(ratios):.0%} of the plan; "
             + (f"{over} of {len(mine)} over it)" if over else f"none of {len(mine)} over it)")
         )

@@ -213,9 +213,21 @@ def load_model(
             use_safetensors=not allow_pickle or None,
         )
         model.to(device).eval()
+        own_memory(model)
     tokenizer = (
         AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         if with_tokenizer
         else None
     )
     return LoadedModel(model, tokenizer, path, fingerprint_checkpoint(path), ref)
+
+
+def own_memory(model: torch.nn.Module) -> None:
+    """Every parameter and buffer of `model` in memory of its own, copied one at a time:
+    where a file's dtype is the load's, transformers keeps its tensors as views of the
+    file's mapping, and a model held whole would hold the file's pages as resident
+    memory (what a container's limit counts) besides the copies a point makes of it,
+    where the memory plan counts each copy as the worker's own."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "cpu" and not t.untyped_storage().resizable():
+            t.data = t.data.clone()

@@ -202,11 +202,13 @@ class Decision:
     stage: Stage
     mode: Mode
     need_bytes: int
-    """Peak the chosen mode plans for (weights held plus activations and what is kept, or
-    the load's peak where that is more)."""
+    """Peak the chosen mode plans for, in the worker's own (anonymous) memory: the weights
+    held plus activations and what is kept. A point that keeps nothing (no repair) needs
+    `kept_bytes` less."""
     memory_bytes: int
-    """What the in-memory path would need: its copies, activations and what is kept, or
-    the load's peak where that is more."""
+    """What the in-memory path would need of the worker: its copies, activations and
+    what is kept, or the load's peak (the file's pages mapped beside the weights) where
+    that is more."""
     worker_bytes: int
     batch: int = 1
     """Windows per forward: the job's batch held whole; streamed, as many as fit (every

@@ -52,6 +52,7 @@ def nll_rows(logits: torch.Tensor, targets: torch.Tensor) -> float:
         want = targets[start : start + rows, None]
         nll = torch.logsumexp(chunk, dim=-1) - chunk.gather(-1, want).squeeze(-1)
         total += nll.double().sum()
+        del chunk  # before the next chunk's copy: one float32 chunk held, not two
     return float(total)  # one device sync per window
 
 

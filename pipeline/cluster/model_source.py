@@ -14,6 +14,7 @@ one the driver planned with.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,10 @@ def model_dir(source: ModelSource) -> Path:
     return materialize(ref, allow_pickle=source.allow_pickle, revision=source.revision)
 
 
-def load_checked(source: ModelSource, device: str, head: bool = True) -> Any:
+def load_checked(source: ModelSource, device: str, head: bool = True, tokenizer: Any = True) -> Any:
     """`load_model` on this node, refusing weights other than the ones the driver planned
-    with. `head=False`: a streamed model without its LM head (capture workers)."""
+    with. `head=False`: a streamed model without its LM head (capture workers);
+    `tokenizer`: load the model's (True), or this one, loaded already."""
     from lorp.models.loading import load_model
 
     path = model_dir(source)
@@ -81,7 +83,10 @@ def load_checked(source: ModelSource, device: str, head: bool = True) -> Any:
         allow_pickle=source.allow_pickle,
         streamed=source.streamed,
         head=head,
+        with_tokenizer=tokenizer is True,
     )
+    if tokenizer is not True:
+        lm = dataclasses.replace(lm, tokenizer=tokenizer)
     if source.fingerprint and lm.fingerprint != source.fingerprint:
         raise ValueError(
             f"model {source.ref!r} on node {node_name()} has fingerprint {lm.fingerprint}, "

@@ -46,11 +46,13 @@ def point_metrics(point: GridPoint, result: PointResult) -> dict[str, Any]:
 def point_memory(point: GridPoint, result: PointResult) -> dict[str, Any]:
     """The point's memory against its plan, for its `point` event: `peak_gib`, what its
     worker held at most above its process's own, beside `planned_gib`, what the plan's
-    `evaluate` decision said the mode it chose needs (a job checks its plan with them)."""
+    `evaluate` decision said the mode it chose needs (a job checks its plan with them):
+    without what a repair keeps (`kept_bytes`) for a point that does not repair."""
     decision = point.model.decision("evaluate")
     if result.peak_gib is None or decision is None:
         return {}
-    planned = decision.need_bytes / 2**30
+    kept = decision.kept_bytes if point.repair == "none" else 0
+    planned = (decision.need_bytes - kept) / 2**30
     return {"peak_gib": result.peak_gib, "planned_gib": round(planned, 4), "mode": decision.mode}
 
 

@@ -144,10 +144,12 @@ def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str
     per corpus: a paired comparison of two variants resamples them), then the zero-shot
     tasks, then (vLLM only) serving: its medians as metrics, its rounds under `serving`."""
     from pipeline.evaluation.corpora import corpus_windows, metric_name
+    from pipeline.evaluation.peak_memory import mark_phase
 
     metrics: dict[str, Any] = {}
     per_window = {}
     for corpus in spec.perplexity:
+        mark_phase(f"perplexity {corpus}")
         losses = backend.window_losses(corpus_windows(tokenizer, corpus, spec))
         name = metric_name(corpus)
         metrics[name] = math.exp(math.fsum(losses) / len(losses))  # windows of one length
@@ -155,6 +157,7 @@ def evaluate(backend: Backend, tokenizer: Any, spec: EvaluationSpec) -> dict[str
     if per_window:
         metrics["window_nll"] = per_window
     if spec.zero_shot:
+        mark_phase("zero-shot")
         metrics |= backend.zero_shot(list(spec.zero_shot), spec.zero_shot_limit)
     if spec.serving is not None and isinstance(backend, VLLMBackend):
         metrics |= backend.serving(spec.serving)

@@ -19,6 +19,7 @@ predicted exactly once. A corpus's figure is the catalog column `ppl_<corpus>`
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,8 +113,24 @@ def metric_name(corpus: str) -> str:
     return f"ppl_{stem.strip('_')}"
 
 
+_WINDOWS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Tokenizer -> (corpus, seq_len, max_windows, bos) -> its windows, cut once per process."""
+
+
 def corpus_windows(tokenizer: Any, corpus: str, spec: EvaluationSpec) -> torch.Tensor:
-    """The corpus's evaluation windows [n, seq_len (+1 with BOS)]."""
+    """The corpus's evaluation windows [n, seq_len (+1 with BOS)], cut once per tokenizer
+    in a process: every point of a worker scores the same few windows, and cutting them
+    tokenises the whole corpus (seconds, and tens of MB held meanwhile)."""
+    key = (corpus, spec.seq_len, spec.max_windows, spec.bos)
+    cached = _WINDOWS.setdefault(tokenizer, {})
+    if key not in cached:
+        cached[key] = _cut_windows(tokenizer, corpus, spec)
+    return cached[key]
+
+
+def _cut_windows(tokenizer: Any, corpus: str, spec: EvaluationSpec) -> torch.Tensor:
     docs = load_any_corpus(corpus, EVAL_SPLITS.get(corpus, "test"))
     ids = tokenize_documents(tokenizer, docs)
     joined = [t for d in ids for t in d.tolist()]

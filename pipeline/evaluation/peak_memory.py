@@ -1,5 +1,6 @@
 """Peak memory of a variant, measured in a fresh process (`peak_memory_fresh`), the speed
-pass's second figure (`pipeline.stages.speed_pass`).
+pass's second figure (`pipeline.stages.speed_pass`); and a grid point's, phase by phase, on
+its worker (`PhaseMarks`, `mark_phase`), the figure its memory plan bounds.
 
 The process is forked from a server that has imported torch and transformers once. It
 loads the variant's saved checkpoint (or the dense model, then drops and frees the
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import resource
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.context import BaseContext
 from pathlib import Path
 
@@ -30,11 +34,11 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif Path("/proc/self/clear_refs").exists():
-        _release_free_heap()
+        release_free_heap()
         Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
 
 
-def _release_free_heap() -> None:
+def release_free_heap() -> None:
     """Hand the heap's free pages back to the system (glibc's `malloc_trim`), so the
     resident set the mark starts from is what is alive: loading converts every tensor
     (float32 files to bfloat16, say), and the freed buffers would otherwise stay resident
@@ -49,6 +53,27 @@ def _release_free_heap() -> None:
             trim(0)
 
 
+MMAP_THRESHOLD = 4 << 20
+"""Blocks of this many bytes or more get pages of their own, handed back when freed.
+glibc's default raises its threshold to the largest block freed (up to 32 MiB) and keeps
+up to twice that free at the heap's top: a forward's freed activations stayed resident
+(20-60 MB more than the batch's own on Qwen2.5-Coder's evaluation), so a point held more
+than its plan, by as much as the points before it had left."""
+
+
+def fixed_malloc_thresholds() -> None:
+    """glibc's mmap and trim thresholds fixed at `MMAP_THRESHOLD` (and twice it), its
+    dynamic ones off (`mallopt`); nothing off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is not None:
+        mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+        mallopt(-1, 2 * MMAP_THRESHOLD)  # M_TRIM_THRESHOLD
+
+
 def resident_gib(device: torch.device) -> float:
     """What this process holds now: CUDA memory allocated, or the resident set (VmRSS on
     Linux, after the heap's free pages go back; elsewhere the high-water mark, the best
@@ -57,7 +82,7 @@ def resident_gib(device: torch.device) -> float:
         return torch.cuda.memory_allocated(device) / 2**30
     status = Path("/proc/self/status")
     if status.exists():
-        _release_free_heap()
+        release_free_heap()
         for line in status.read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 2**20  # kB
@@ -76,6 +101,109 @@ def peak_memory_gib(device: torch.device) -> float:
                 return int(line.split()[1]) / 2**20  # kB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+SAMPLE_S = 0.002
+"""How often a point's anonymous memory is read: what the plan counts lives longer (a
+batch's logits for its whole scoring, tens of milliseconds at least)."""
+
+
+def anonymous_gib() -> float | None:
+    """This process's resident anonymous memory (`/proc/self/statm`: resident pages less
+    the file-backed and shared ones), None off Linux. Not counted: a safetensors file's
+    pages mapped while it loads (the page cache's, dropped under pressure, not this
+    process's) and Ray's object store's shared pages."""
+    try:
+        fields = Path("/proc/self/statm").read_bytes().split()
+    except OSError:
+        return None
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+class PhaseMarks:
+    """The high-water mark of each phase of a grid point above `floor` (GiB): on a CPU
+    the resident anonymous memory (`anonymous_gib`), read every `SAMPLE_S` by a thread
+    while the point runs (the kernel keeps no anonymous high-water mark; off Linux, the
+    process's high-water mark); on CUDA the allocator's peak, reset where a phase starts.
+    The point's peak is its largest phase's."""
+
+    def __init__(
+        self, device: torch.device, floor: float, left: float = 0.0, resident: float = 0.0
+    ) -> None:
+        self.device, self.floor, self.resident_floor = device, floor, resident
+        self.left = round(left, 4)
+        """What earlier points left resident in the process above its floor (caches the
+        first point filled), not counted in this point's marks."""
+        self.marks: dict[str, float] = {}
+        self._phase: str | None = None
+        self._high = 0.0
+        self._stop = threading.Event()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        anon = anonymous_gib()
+        return peak_memory_gib(self.device) if anon is None else anon
+
+    def enter(self, phase: str) -> None:
+        """End the current phase, its mark kept (the larger where it ran before), and
+        start `phase`."""
+        self.close()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._phase, self._high = phase, self.now()
+
+    def close(self) -> None:
+        if self._phase is not None:
+            mark = round(max(0.0, max(self._high, self.now()) - self.floor), 4)
+            self.marks[self._phase] = max(self.marks.get(self._phase, 0.0), mark)
+        self._phase = None
+
+    def sample(self) -> None:
+        """The sampling thread's loop, until `measuring` ends."""
+        while not self._stop.wait(SAMPLE_S):
+            self._high = max(self._high, self.now())
+
+    @property
+    def peak(self) -> float:
+        return max(self.marks.values(), default=0.0)
+
+    def resident_peak(self) -> float | None:
+        """The point's high-water mark of all its resident memory above `resident_floor`
+        (the file pages a load maps too: what a container's limit counts before it
+        reclaims them), since `reset_peak_memory`; None on CUDA."""
+        if self.device.type == "cuda":
+            return None
+        return round(max(0.0, peak_memory_gib(self.device) - self.resident_floor), 4)
+
+
+_MARKS: list[PhaseMarks] = []
+"""The marks of the point this process is measuring, if any (`measuring`)."""
+
+
+@contextmanager
+def measuring(marks: PhaseMarks) -> Iterator[PhaseMarks]:
+    """Collect the block's `mark_phase` calls into `marks` (the first phase: `start`)."""
+    marks.enter("start")
+    _MARKS.append(marks)
+    sampler = threading.Thread(target=marks.sample, daemon=True, name="point-memory")
+    if marks.device.type != "cuda":
+        sampler.start()
+    try:
+        yield marks
+    finally:
+        marks._stop.set()
+        if sampler.is_alive():
+            sampler.join()
+        _MARKS.remove(marks)
+        marks.close()
+
+
+def mark_phase(phase: str) -> None:
+    """Where a point's phase starts (load, fit, gate, fold, save, perplexity ...): its own
+    high-water mark from here on; nothing when no point is being measured."""
+    if _MARKS:
+        _MARKS[-1].enter(phase)
 
 
 def peak_memory_fresh(

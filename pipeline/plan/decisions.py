@@ -40,7 +40,8 @@ def decide(
     loads_here: bool = True,
 ) -> Decision:
     """In memory when loading the model (`WeightSize.load_peak`) and then holding it with
-    the stage's activations fit `HEADROOM` of the worker; else streamed, when the resident
+    the stage's activations fit `HEADROOM` of the worker (the decision's `need_bytes`:
+    what it holds then, its copies, activations and what is kept); else streamed, when the resident
     vectors, the largest module twice and the activations fit, with as many windows per
     forward as fit (up to `max_batch`); else `TooLargeError` naming the model, the need and
     the worker. `kept_bytes` (most, least): what the stage holds besides, as much as it may
@@ -54,18 +55,22 @@ def decide(
     acts = stage_activations(stage, shape, batch, seq_len, itemsize, states)
     budget = int(worker_bytes * HEADROOM)
     for n in range(copies, 0, -1):  # the copies asked for, else fewer; loading comes first
-        whole = max(n * size.total + acts + most, load)
+        # The worker's own memory holds the copies, the batch and what is kept; loading
+        # maps the file's pages beside one copy (the page cache's): they must fit too.
+        held = n * size.total + acts + most
+        whole = max(held, load)
         if whole <= budget:
-            return Decision(stage, "memory", whole, whole, worker_bytes, batch, most, n)
+            return Decision(stage, "memory", held, whole, worker_bytes, batch, most, n)
     # The largest module's matrices twice: the ones in use and, while they are read, the
-    # file's copy before its conversion to the load dtype (or a fold's override).
+    # file's pages they are read (and converted) from. Those pages are the page cache's:
+    # the worker's own memory holds the matrices once (a fold's override is kept).
     weights = size.resident + 2 * size.largest_unit
     if weights + acts + least <= budget:
         room = budget - weights
         bounds = (batch, max_batch or batch)
         args = (stage, shape, bounds, seq_len, itemsize, room, kept_bytes, states)
         batch, acts, kept = _streamed(*args)
-        need = weights + acts + kept
+        need = size.resident + size.largest_unit + acts + kept
         return Decision(stage, "streamed", need, whole, worker_bytes, batch, kept)
     raise _too_large(label, stage, size, acts, least, worker_bytes)
 

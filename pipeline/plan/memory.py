@@ -24,6 +24,7 @@ from pipeline.plan.decisions import HEADROOM, Decision, TooLargeError, decide
 from pipeline.plan.reads import read_model
 from pipeline.spec.calibration import CalibrationSpec
 from pipeline.spec.checks import SpecError
+from pipeline.spec.domains import domains_of
 from pipeline.spec.evaluation import EvaluationSpec
 from pipeline.spec.job import JobSpec
 from pipeline.spec.repair import RepairSettings
@@ -73,6 +74,14 @@ chosen map, and a normed fit's rotation, its update and their products
 (`lorp.repair.fit.fit_runs`)."""
 
 
+def run_sums_bytes(d: int, held_domains: int) -> int:
+    """One run's sums as a repaired point fetches them (`lorp.repair.stats.RepairStats`,
+    one run at a time: `pipeline.stages.sublayer_points.run_statistics`): its start's
+    Gram matrix and its cross matrix, and the same two for each held-out domain's
+    windows, d x d float64 each."""
+    return (2 + 2 * held_domains) * 8 * d * d
+
+
 def repair_fit_bytes(
     repair: RepairSettings,
     plan: ModelPlan,
@@ -81,15 +90,18 @@ def repair_fit_bytes(
     *,
     distills: bool = False,
     on_gpu: bool = False,
+    held_domains: int = 1,
 ) -> int:
-    """What a repaired point holds besides its model: one run's (or follower's) fit at a
-    time (on the CPU: not counted against a GPU), and a streamed model's fold overrides
+    """What a repaired point holds besides its model: one run's (or follower's) sums and
+    fit at a time (on the CPU: not counted against a GPU), and a streamed model's fold overrides
     (one `down_proj` per run and per follower, kept while it evaluates, or the
     embeddings for a run from block 0 of an untied model; held whole, the fold's one
     result before it is copied in). 0 without repair. A follower's forwards take the
     evaluation's tokens per batch at most (`pipeline.stages.statistics.follower_windows`),
-    so the evaluation's activations cover them. `distills`: a repaired point of the
-    job is distilled (`JobSpec.distills`); `on_gpu`: the grid's points run on GPUs."""
+    so the evaluation's activations cover them, as they do the gate's forwards (no more
+    tokens per batch either). `distills`: a repaired point of the job is distilled
+    (`JobSpec.distills`); `on_gpu`: the grid's points run on GPUs; `held_domains`: the
+    domains of the held-out calibration windows (`run_sums_bytes`)."""
     if "linear" not in repair.repairs:
         return 0
     # A point removing b blocks folds at most min(b, (n + 1) / 2) runs (runs are apart).
@@ -99,7 +111,8 @@ def repair_fit_bytes(
     maps = min(runs * (1 + repair.followers), plan.n_blocks)
     down = shape.hidden * shape.intermediate * itemsize
     first = down if plan.tied_embeddings else max(down, shape.vocab * shape.hidden * itemsize)
-    fit = 0 if on_gpu else FIT_MATRICES * 8 * shape.hidden**2
+    d = shape.hidden
+    fit = 0 if on_gpu else FIT_MATRICES * 8 * d * d + run_sums_bytes(d, held_domains)
     return fit + first + max(maps - 1, 0) * down + distill_bytes(distills, shape, maps)
 
 
@@ -181,8 +194,15 @@ def plan_memory(spec: JobSpec, plan: ModelPlan, backend: str = "transformers") -
     if backend == "vllm" and res.grid.num_gpus > 0:
         tp = tensor_parallel(res.grid, ev.tensor_parallel_size, plan, size, shape)
     on_gpu, distills = res.grid.num_gpus > 0, spec.distills
+    domains = len(domains_of(cal.corpora, spec.domains))
     fit = repair_fit_bytes(
-        spec.repair_settings, plan, shape, dtype.itemsize, distills=distills, on_gpu=on_gpu
+        spec.repair_settings,
+        plan,
+        shape,
+        dtype.itemsize,
+        distills=distills,
+        on_gpu=on_gpu,
+        held_domains=domains,
     )
     sums = _repair_sums("linear" in spec.repair, res.repair_memory_gib, plan, shape.hidden)
     held = _Held(size, shape, dtype.itemsize, sums, (fit, fit), spec.sublayers, spec.ray.num_cpus)

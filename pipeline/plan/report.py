@@ -224,9 +224,14 @@ def _model_lines(m: ModelOutline, workers: int) -> list[str]:
         judged = "; ".join(f"{d} ({', '.join(c)})" for d, c in m.judged.items())
         lines.append(f"  domains: calibrated on {cal}; judged on {judged or 'nothing'}")
     for stage, d in m.stages.items():
+        held = d["mode"] == "memory"
+        # A load that converts maps the file beside the weights: that moment must fit too.
+        loading = d.get("memory_gib", 0) > d["need_gib"] and held
         lines.append(
-            f"  {stage}: {'held whole' if d['mode'] == 'memory' else 'streamed'}, needs "
-            f"{d['need_gib']:g} GiB of a worker's {d['worker_gib']:g} GiB"
+            f"  {stage}: {'held whole' if held else 'streamed'}, needs "
+            f"{d['need_gib']:g} GiB"
+            + (f" ({d['memory_gib']:g} while it loads, the file's pages mapped)" if loading else "")
+            + f" of a worker's {d['worker_gib']:g} GiB"
             f" ({d.get('source', 'the spec')}), {d['batch']} windows per pass"
         )
     points = ", ".join(f"{k} {v}" for k, v in m.points.items())

@@ -36,19 +36,45 @@ log = logging.getLogger(__name__)
 # -- grid points -------------------------------------------------------------------------
 
 
-_FLOOR: dict[str, float] = {}
-"""Device type -> what this worker process held before its first point (GiB): the
-process itself (Python, torch, Ray), which no model's plan counts."""
+_FLOOR: dict[tuple[str, str, str, str], float] = {}
+"""(device type, model, fingerprint, dtype) -> what this worker process held before that
+model's first point (GiB): the process itself (Python, torch, Ray, the points' code),
+the model's tokenizer and its evaluation windows, which no model's plan counts."""
 
 
 def _import_point_code() -> None:
-    """What every point imports (transformers' model classes, the evaluation), so the
-    process's floor holds the code (a quarter of a GiB) and the peak only the model."""
+    """What every point imports (transformers' model classes, the repair, the evaluation
+    and lm-eval's), so the process's floor holds the code (a quarter of a GiB) and the
+    peak only the model."""
     import transformers  # noqa: F401
+    from lm_eval.models.huggingface import HFLM  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
+    import lorp.repair.domain_gate  # noqa: F401
+    import lorp.repair.fit  # noqa: F401
     import pipeline.evaluation.backends  # noqa: F401
+    import pipeline.evaluation.zero_shot  # noqa: F401
     from lorp.models.surgery import drop_layers  # noqa: F401
+
+
+_TOKENIZER: dict[str, Any] = {}
+"""The tokenizer of the model this worker process ran last."""
+
+
+def _point_tokenizer(task: PointTask) -> Any:
+    """The model's tokenizer, loaded once per process and model: part of the process's
+    floor, as the plan's headroom has it (a Rust tokenizer of a 150k vocabulary holds
+    about 0.08 GiB)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.cluster.model_source import model_dir
+
+    if task.model.ref not in _TOKENIZER:
+        _TOKENIZER.clear()
+        trust = task.model.trust_remote_code
+        path = str(model_dir(task.model))
+        _TOKENIZER[task.model.ref] = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    return _TOKENIZER[task.model.ref]
 
 
 def execute_point(task: PointTask) -> PointResult:
@@ -58,7 +84,7 @@ def execute_point(task: PointTask) -> PointResult:
     plan's `memory` decision for `evaluate` estimates, so a job can check its plan."""
     import torch
 
-    from pipeline.evaluation.peak_memory import peak_memory_gib, reset_peak_memory, resident_gib
+    from pipeline.evaluation.peak_memory import measuring
 
     pin_threads(task.resources.num_cpus)
     mode = "streamed" if task.model.streamed else "memory"
@@ -68,19 +94,17 @@ def execute_point(task: PointTask) -> PointResult:
     with span("point", **labels, mode=mode) as more:
         try:
             device = torch.device(device_for(task.resources))
-            measured = task.backend != "vllm"  # an engine's memory is its own processes'
-            if measured:
-                if device.type not in _FLOOR:
-                    _import_point_code()
-                    _FLOOR[device.type] = resident_gib(device)
-                floor = _FLOOR[device.type]
-                reset_peak_memory(device)
-            result = _execute_point(task)
-            if measured:
-                peak = round(max(0.0, peak_memory_gib(device) - floor), 4)
-                result = dataclasses.replace(result, peak_gib=peak)
-                more["peak_gib"] = peak
-            return result
+            if task.backend == "vllm":  # an engine's memory is its own processes'
+                return _execute_point(task)
+            with measuring(_point_marks(task, device)) as marks:
+                result = _execute_point(task)
+            more |= {
+                "peak_gib": marks.peak,
+                "phase_gib": marks.marks,
+                "left_gib": marks.left,
+                "resident_gib": marks.resident_peak(),
+            }
+            return dataclasses.replace(result, peak_gib=marks.peak)
         finally:
             # The worker process outlives the point: a model kept alive by a reference
             # cycle (transformers' modules, a streamer's hooks) would hold its weights
@@ -89,11 +113,66 @@ def execute_point(task: PointTask) -> PointResult:
             gc.collect()
 
 
+def _point_marks(task: PointTask, device: Any) -> Any:
+    """The point's phase marks (`PhaseMarks`) above what its process holds of its own
+    when it starts, less the dense model kept for later points (`_PRISTINE`: the plan
+    counts it). Its own: the code every point runs, the model's tokenizer and the
+    evaluation's windows (the plan's headroom covers them,
+    `pipeline.plan.decisions.HEADROOM`), loaded before the model's first point in this
+    process, and what earlier points left (lm-eval's tasks: `PhaseMarks.left`)."""
+    from pipeline.evaluation.peak_memory import (
+        PhaseMarks,
+        fixed_malloc_thresholds,
+        reset_peak_memory,
+        resident_gib,
+    )
+
+    m = task.model
+    key = (device.type, m.ref, m.fingerprint, m.dtype)
+    if key not in _FLOOR:
+        _FLOOR.clear()
+        _PRISTINE.clear()  # another model's, gone before this one's floor is taken
+        fixed_malloc_thresholds()  # freed activations go back, not kept for the next
+        _import_point_code()
+        _warm_evaluation(task)
+        gc.collect()
+        reset_peak_memory(device)
+        _FLOOR[key] = PhaseMarks(device, 0.0).now()
+    reset_peak_memory(device)  # the heap's free pages back (CUDA: the allocator's peak)
+    held = sum(_model_bytes(lm.model) for lm in _PRISTINE.values()) / 2**30
+    floor = PhaseMarks(device, 0.0).now() - held
+    resident = resident_gib(device) - held
+    return PhaseMarks(device, floor, left=floor - _FLOOR[key], resident=resident)
+
+
+def _warm_evaluation(task: PointTask) -> None:
+    """The model's tokenizer and the evaluation's windows, cut once in this process
+    (`corpus_windows` keeps them; the corpora's texts stay cached, a few hundredths of
+    a GiB)."""
+    from pipeline.evaluation.corpora import corpus_windows
+
+    tokenizer = _point_tokenizer(task)
+    if task.backend == "transformers":
+        for corpus in task.evaluation.perplexity:
+            corpus_windows(tokenizer, corpus, task.evaluation)
+
+
+def _model_bytes(model: Any) -> int:
+    """The bytes of `model`'s parameters and buffers, each storage once (tied ones)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in [*model.parameters(), *model.buffers()]
+    }
+    return sum(storages.values())
+
+
 def _execute_point(task: PointTask) -> PointResult:
     from lorp.models.surgery import drop_layers
+    from pipeline.evaluation.peak_memory import mark_phase
     from pipeline.evaluation.speed import count_params
 
     start = time.perf_counter()
+    mark_phase("load")
     lm = _point_model(task)
     if task.units:
         from pipeline.stages.sublayer_points import execute_sublayer_point
@@ -108,10 +187,12 @@ def _execute_point(task: PointTask) -> PointResult:
         fits = _repair(task, lm.model) if task.repair else []
         layers, records = task.layers, [f.record() for f in fits]
         changes = _file_folds(fits)
+    mark_phase("drop")
     kept = drop_layers(lm.model, layers) if layers else list(range(lm.n_blocks))
     params = count_params(lm.model)
     provenance = with_repair_runs(task.provenance, records) if task.repair else task.provenance
     with scratch_dir() as scratch:
+        mark_phase("save")
         saved = _save_checkpoint(task, lm, scratch, provenance, layers, changes)
         metrics = evaluate_point(task, lm, saved or lm.path, scratch)
     seconds = time.perf_counter() - start
@@ -210,12 +291,16 @@ def _point_model(task: PointTask) -> Any:
     import dataclasses
 
     device = device_for(task.resources)
+    tokenizer = _point_tokenizer(task)
     if device != "cpu" or task.backend == "vllm" or task.model.streamed or not task.model.pristine:
-        return load_checked(task.model, device)
+        return load_checked(task.model, device, tokenizer=tokenizer)
     key = (task.model.ref, task.model.fingerprint, task.model.dtype)
     if key not in _PRISTINE:
+        from pipeline.evaluation.peak_memory import release_free_heap
+
         _PRISTINE.clear()  # one model per process: a worker serves one model at a time
-        _PRISTINE[key] = load_checked(task.model, device)
+        _PRISTINE[key] = load_checked(task.model, device, tokenizer=tokenizer)
+        release_free_heap()  # what the load freed (the files' headers, its own buffers)
     pristine = _PRISTINE[key]
     return dataclasses.replace(pristine, model=copy.deepcopy(pristine.model))
 
@@ -225,22 +310,29 @@ def _repair(task: PointTask, model: Any) -> list[Any]:
     where the checkpoint is made (the fits need the model's own norm weights)."""
     from lorp.repair.fit import check_repairable, fit_runs
     from lorp.repair.fold import fold
+    from pipeline.evaluation.peak_memory import mark_phase, release_free_heap
     from pipeline.stages.sublayer_points import run_statistics
 
     rt = task.repair
     assert rt is not None
     check_repairable(model, task.layers)  # RepairRefused: the point fails with its reason
+    mark_phase("fit")
     fits = []
-    for stats in run_statistics(task):
-        fits += fit_runs(model, stats, ridge=rt.ridge, rounds=rt.rounds)
+    for i in range(len(rt.runs)):  # one run's sums held at a time, gone after its fit
+        fits += fit_runs(model, run_statistics(task, i), ridge=rt.ridge, rounds=rt.rounds)
+    release_free_heap()  # the fits' buffers, before the gate's and evaluation's forwards
     candidates = [("runs only", list(fits))]
     if rt.followers:
+        mark_phase("followers")
         fits += _followers(task, model, fits)
         candidates.insert(0, ("least squares", list(fits)))
     if rt.distill:
+        mark_phase("distill")
         fits = _distill(task, model, fits)
         candidates.insert(0, ("distilled", list(fits)))
+    mark_phase("gate")
     fits = _gate(task, model, candidates)
+    mark_phase("fold")
     fold(model, fits)  # a streamed model's too: its files get the fold when written
     return fits
 

@@ -119,7 +119,9 @@ def _unit_repair(task: PointTask, model: Any) -> list[Any]:
 
     rt = task.repair
     assert rt is not None
-    fits = [f for s in run_statistics(task) for f in fit_unit_runs(model, s, ridge=rt.ridge)]
+    fits = []
+    for i in range(len(rt.runs)):  # one run's sums held at a time, as a block point's
+        fits += fit_unit_runs(model, run_statistics(task, i), ridge=rt.ridge)
     cut = sublayer_cut(model, task.units)
     candidates = [("least squares", list(fits))]
     fw: FollowerWindows | None = ray.get(rt.windows) if rt.windows is not None else None
@@ -155,24 +157,21 @@ def _unit_repair(task: PointTask, model: Any) -> list[Any]:
     return fits
 
 
-def run_statistics(task: PointTask) -> list[Any]:
-    """Each of a repaired point's runs' sums (block runs, or unit runs), fetched and
+def run_statistics(task: PointTask, i: int) -> Any:
+    """The sums of a repaired point's run `i` (a block run, or a unit run), fetched and
     checked to be its model's and that run's."""
     import ray
 
     rt = task.repair
     assert rt is not None
-    out = []
-    for run, ref in zip(rt.runs, rt.stats, strict=True):
-        stats = ray.get(ref)
-        if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
-            what = "units" if rt.units else "run"
-            raise ValueError(
-                f"repair statistics of {what} {run[0]}-{run[1]} belong to another model or "
-                f"run ({stats.model_fingerprint}, {stats.runs})"
-            )
-        out.append(stats)
-    return out
+    run, stats = rt.runs[i], ray.get(rt.stats[i])
+    if stats.model_fingerprint != task.model.fingerprint or stats.runs != [run]:
+        what = "units" if rt.units else "run"
+        raise ValueError(
+            f"repair statistics of {what} {run[0]}-{run[1]} belong to another model or "
+            f"run ({stats.model_fingerprint}, {stats.runs})"
+        )
+    return stats
 
 
 def _tokens(windows: Any) -> Any:

@@ -75,6 +75,10 @@ def test_a_points_memory_is_its_peak_beside_what_its_plan_needs() -> None:
     assert point_memory(planned, result) == expected
     unmeasured = dataclasses.replace(result, peak_gib=None)  # a vLLM engine's processes
     assert point_memory(planned, unmeasured) == {}
+    # What a repair keeps (its fit, sums and maps) is planned for repaired points only.
+    keeps = Decision("evaluate", "memory", GIB, GIB, 2 * GIB, 2, GIB // 4)
+    assert point_memory(with_decision(PLAIN, keeps), result)["planned_gib"] == 0.75
+    assert point_memory(with_decision(REPAIRED, keeps), result)["planned_gib"] == 1.0
 
 
 def test_a_points_tags_are_its_checkpoint_backend_memory_plan_and_sub_layers() -> None:
