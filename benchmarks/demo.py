@@ -22,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pages import by_model, markers, replace_section  # noqa: E402
+from benchmarks.pages import by_model, cpu_line, markers, replace_section  # noqa: E402
 from lorp.models.variant_manifest import variant_bytes  # noqa: E402  (a directory's bytes)
 
 BEGIN, END = markers("demo")
@@ -167,15 +167,27 @@ def memory_lines(events: Sequence[Mapping[str, Any]]) -> list[str]:
     for model in sorted({e["model"] for e in points}):
         mine = [e for e in points if e["model"] == model]
         ratios = [e["peak_gib"] / e["planned_gib"] for e in mine]
-        over = sum(r > 1 for r in ratios)
+        over = [
+            f"{_point_label(e)} by {r - 1:.1%}" for e, r in zip(mine, ratios, strict=True) if r > 1
+        ]
         plans = sorted({f"{e['planned_gib']:.2f}" for e in mine}, key=float)
         lines.append(
             f"- {model}: points' peak memory {min(e['peak_gib'] for e in mine):.2f}-"
             f"{max(e['peak_gib'] for e in mine):.2f} GiB against {' and '.join(plans)} "
-            f"planned ({min(ratios):.0%}-{max(ratios):.0%} of the plan; "
-            + (f"{over} of {len(mine)} over it)" if over else f"none of {len(mine)} over it)")
+            f"planned ({min(ratios):.1%}-{max(ratios):.1%} of the plan; "
+            + (
+                f"{len(over)} of {len(mine)} over it: {', '.join(over)})"
+                if over
+                else f"none of {len(mine)} over it)"
+            )
         )
     return lines
+
+
+def _point_label(event: Mapping[str, Any]) -> str:
+    """A point event's variant as the run's log names it: `dense`, `lorp-b3`."""
+    method = event.get("method", "?")
+    return method if method == "dense" else f"{method}-b{event.get('budget', '?')}"
 
 
 def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None) -> str:
@@ -205,6 +217,7 @@ def render(rows: Sequence[Mapping[str, Any]], run: Path | None, wall: str | None
                 f"{util.slots:g} {util.kind} slots busy over {util.makespan:.0f} s"
             )
         parts += [line + f"; `runs/demo` takes {gib(variant_bytes(run))} on disk.", ""]
+        parts += [f"Machine: {cpu_line()} (read where this page was written).", ""]
         parts += memory_lines(read_events(run / "events.jsonl"))
     parts += summary(rows) + [""]
     for model, mine in by_model(rows).items():

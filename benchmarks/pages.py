@@ -9,6 +9,7 @@ that has torch, transformers and `lorp/` only.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,31 @@ def by_model(rows: Iterable[Mapping[str, Any]]) -> dict[str, list[Any]]:
     for r in rows:
         out.setdefault(r["model"], []).append(r)
     return dict(sorted(out.items()))
+
+
+def cpu_line(cpuinfo: str | None = None, cores: int | None = None) -> str:
+    """The CPU a page's figures were measured on, in one line: its model name, the cores
+    this process may use and its bfloat16 matrix units (AMX, AVX-512 BF16, or none),
+    from `/proc/cpuinfo` (`cpuinfo`: that file's text). Timings from different CPUs are
+    not comparable: one idle core's bfloat16 matmul was about four times float32's on a
+    CPU with AMX and 2.3 times on one with AVX-512 BF16 alone."""
+    if cpuinfo is None:
+        info = Path("/proc/cpuinfo")
+        cpuinfo = info.read_text() if info.exists() else ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    if "amx_bf16" in flags:
+        units = "AMX bfloat16 tiles"
+    elif "avx512_bf16" in flags:
+        units = "AVX-512 BF16, no AMX"
+    else:
+        units = "no bfloat16 matrix units"
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return (
+        f"{fields.get('model name', 'an unnamed CPU')}, {cores} core{'s' * (cores != 1)}, {units}"
+    )

@@ -120,13 +120,21 @@ def test_memory_lines_hold_every_point_against_its_plan() -> None:
         {"event": "point", "model": "b", "peak_gib": 0.5, "planned_gib": 0.8},
         {"event": "point", "model": "b", "peak_gib": 0.6, "planned_gib": 0.75},  # unrepaired
         {"event": "point", "model": "a", "peak_gib": 0.9, "planned_gib": 1.0},
-        {"event": "point", "model": "a", "peak_gib": 1.1, "planned_gib": 1.0},
+        {"event": "point", "model": "a", "method": "dense", "peak_gib": 1.005, "planned_gib": 1.0},
+        {
+            "event": "point",
+            "model": "a",
+            "method": "lorp",
+            "budget": 3,
+            "peak_gib": 1.1,
+            "planned_gib": 1.0,
+        },
         {"event": "point", "model": "a", "seconds": 3.0},
         {"event": "memory", "model": "a", "peak_gib": 9.0, "planned_gib": 1.0},
     ]
     assert memory_lines(events) == [
-        "- a: points' peak memory 0.90-1.10 GiB against 1.00 planned (90%-110% of the plan;"
-        " 1 of 2 over it)",
-        "- b: points' peak memory 0.50-0.60 GiB against 0.75 and 0.80 planned (62%-80% of the"
-        " plan; none of 2 over it)",
+        "- a: points' peak memory 0.90-1.10 GiB against 1.00 planned (90.0%-110.0% of the"
+        " plan; 2 of 3 over it: dense by 0.5%, lorp-b3 by 10.0%)",
+        "- b: points' peak memory 0.50-0.60 GiB against 0.75 and 0.80 planned (62.5%-80.0% of"
+        " the plan; none of 2 over it)",
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.pages import by_model, markers, replace_section, row, rule, table
+from benchmarks.pages import by_model, cpu_line, markers, replace_section, row, rule, table
 
 
 def test_the_marked_section_is_rewritten_and_the_rest_kept(tmp_path: Path) -> None:
@@ -40,3 +40,15 @@ def test_tables_and_rows() -> None:
     rows = [{"model": "b", "i": 0}, {"model": "a", "i": 1}, {"model": "b", "i": 2}]
     assert {m: [r["i"] for r in rs] for m, rs in by_model(rows).items()} == {"a": [1], "b": [0, 2]}
     assert list(by_model(rows)) == ["a", "b"]
+
+
+AMD = (
+    "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16\n\nprocessor\t: 1\n"
+)
+
+
+def test_cpu_line_names_the_bfloat16_units_the_timings_ran_on() -> None:
+    assert cpu_line(AMD, cores=2) == "AMD EPYC, 2 cores, AVX-512 BF16, no AMX"
+    intel = "model name\t: Intel(R) Xeon(R)\nflags\t: avx512_bf16 amx_bf16 amx_tile\n"
+    assert cpu_line(intel, cores=2) == "Intel(R) Xeon(R), 2 cores, AMX bfloat16 tiles"
+    assert cpu_line("", cores=1) == "an unnamed CPU, 1 core, no bfloat16 matrix units"
