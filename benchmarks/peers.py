@@ -52,6 +52,8 @@ from pipeline.catalog.table import read_catalog  # noqa: E402
 
 Row = dict[str, Any]
 BEGIN, END = markers("peers")
+QUICK_BEGIN, QUICK_END = markers("peers-quick")
+"""The smoke run's own section: it never stands in for the full run's."""
 PAGE = ROOT / "docs" / "results" / "peers.md"
 ZERO_SHOT_DIR = "zero-shot"
 QUICK_MODEL = "smollm2-135m"
@@ -274,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(grid, args.quick, args.limit)
     print(text)
     if args.page:
-        replace_section(Path(args.page), BEGIN, END, text, "Side by side")
+        begin, end = (QUICK_BEGIN, QUICK_END) if args.quick else (BEGIN, END)
+        heading = "The smoke run" if args.quick else "Side by side"
+        replace_section(Path(args.page), begin, end, text, heading)
     return 0
 
 

@@ -11,7 +11,7 @@ from tests.helpers.peer_rows import catalog, zero_shot
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks.peers import BEGIN, END, job_spec, main  # noqa: E402
+from benchmarks.peers import BEGIN, END, QUICK_BEGIN, job_spec, main  # noqa: E402
 
 
 def test_the_page_is_written_from_a_finished_run(tmp_path: Path) -> None:
@@ -38,6 +38,10 @@ def test_the_page_is_written_from_a_finished_run(tmp_path: Path) -> None:
     assert "selection window, repair linear, 1 follower map(s), distilled 0 epochs" in cell
     assert "| 7 / 0 of 10 (arc_easy 10) | 7 / 0 | 0.0156 | 70.0 points | tie |" in cell
     assert cell.endswith("| peer: replaceme+cosine-map |")
+    assert main(["--quick", "--run", str(run), "--page", str(page)]) == 0
+    again = page.read_text()  # the smoke run in a section of its own, the full run's kept
+    assert again.startswith(text) and f"## The smoke run\n\n{QUICK_BEGIN}\n" in again
+    assert "`python benchmarks/peers.py --quick`" in again.split(QUICK_BEGIN)[1]
 
 
 def test_quick_runs_one_model_at_one_budget_with_every_peer(tmp_path: Path) -> None:
