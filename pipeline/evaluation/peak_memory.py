@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,19 +39,25 @@ def reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
 
 
+@functools.cache
+def _libc_function(name: str) -> Any:
+    """glibc's function `name` (`malloc_trim`, `mallopt`), None off glibc; the library
+    looked up once per process."""
+    import ctypes
+    import ctypes.util
+
+    path = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(path), name, None) if path else None
+
+
 def release_free_heap() -> None:
     """Hand the heap's free pages back to the system (glibc's `malloc_trim`), so the
     resident set the mark starts from is what is alive: loading converts every tensor
     (float32 files to bfloat16, say), and the freed buffers would otherwise stay resident
     and count in every variant's figure alike, hiding what dropping blocks saves."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    trim = _libc_function("malloc_trim")
+    if trim is not None:
+        trim(0)
 
 
 MMAP_THRESHOLD = 4 << 20
@@ -64,11 +71,7 @@ than its plan, by as much as the points before it had left."""
 def fixed_malloc_thresholds() -> None:
     """glibc's mmap and trim thresholds fixed at `MMAP_THRESHOLD` (and twice it), its
     dynamic ones off (`mallopt`); nothing off glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    mallopt = _libc_function("mallopt")
     if mallopt is not None:
         mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
         mallopt(-1, 2 * MMAP_THRESHOLD)  # M_TRIM_THRESHOLD
